@@ -1,0 +1,1 @@
+"""lowrl: low-precision policy-gradient RL for language models in JAX."""

@@ -1,0 +1,118 @@
+"""Quantization configs: which format, along which axis, with which options.
+
+Both configs are frozen dataclasses so they are hashable: they travel as static arguments
+of `jax.jit` and as non-differentiable arguments of `jax.custom_vjp`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+# Format name -> (default block size, kind). Block size None = one scale per tensor.
+FORMATS: dict[str, tuple[int | None, str]] = {
+    "fp8_e4m3": (None, "tensor"),
+    "fp8_e5m2": (None, "tensor"),
+    "mxfp8_e4m3": (32, "mx"),
+    "mxfp8_e5m2": (32, "mx"),
+    "mxfp4": (32, "mx"),
+    "nvfp4": (16, "nvfp4"),
+}
+SCALE_ROUNDINGS = ("floor", "rceil")
+FOUR_OVER_SIX_METRICS = ("mse", "mae")
+BACKWARD_MODES = ("high_precision", "dequantized", "quantized")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+  """How to quantize one tensor.
+
+  Attributes:
+    fmt: one of FORMATS.
+    axis: the axis blocks run along (the reduction axis of the matmul that consumes the tensor).
+    block_size: elements per block; None means the format's default (32 for MX, 16 for NVFP4).
+    scale_rounding: MX only. "floor" is the OCP v1.0 rule, "rceil" rounds the scale up
+      (cuBLAS / TransformerEngine / JAX `scaled_dot_general`).
+    per_token: NVFP4 only. One FP32 outer scale per row (every index of the non-block axes)
+      instead of one per tensor.
+    block_2d: NVFP4 only. 16x16 blocks over the last two axes, so W and W^T quantize identically.
+    four_over_six: NVFP4 only. Per block, map the block max to 6 or to 4, whichever gives lower error;
+      the outer-scale denominator uses 256 instead of 448.
+    four_over_six_metric: "mse" or "mae", the error that selects between 6 and 4.
+    stochastic_rounding: round elements stochastically (needs a PRNG key).
+  """
+
+  fmt: str
+  axis: int = -1
+  block_size: int | None = None
+  scale_rounding: str = "rceil"
+  per_token: bool = False
+  block_2d: bool = False
+  four_over_six: bool = False
+  four_over_six_metric: str = "mse"
+  stochastic_rounding: bool = False
+
+  def __post_init__(self):
+    if self.fmt not in FORMATS:
+      raise ValueError(f"Unknown quantization format {self.fmt!r}; use one of {sorted(FORMATS)}.")
+    kind = FORMATS[self.fmt][1]
+    if self.scale_rounding not in SCALE_ROUNDINGS:
+      raise ValueError(
+          f"scale_rounding={self.scale_rounding!r}; use one of {SCALE_ROUNDINGS}.")
+    if self.four_over_six_metric not in FOUR_OVER_SIX_METRICS:
+      raise ValueError(f"four_over_six_metric={self.four_over_six_metric!r}; "
+                       f"use one of {FOUR_OVER_SIX_METRICS}.")
+    if self.block_size is not None:
+      if kind == "tensor":
+        raise ValueError(f"{self.fmt} uses one per-tensor scale: leave block_size=None.")
+      if self.block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {self.block_size}.")
+    if kind != "nvfp4" and (self.per_token or self.block_2d or self.four_over_six):
+      raise ValueError(f"per_token, block_2d and four_over_six are NVFP4 options; got fmt={self.fmt!r}.")
+
+  @property
+  def kind(self) -> str:
+    """"tensor" (per-tensor FP8), "mx" or "nvfp4"."""
+    return FORMATS[self.fmt][1]
+
+  @property
+  def block(self) -> int | None:
+    """Effective block size (None for per-tensor formats)."""
+    return self.block_size if self.block_size is not None else FORMATS[self.fmt][0]
+
+
+@dataclasses.dataclass(frozen=True)
+class QDotConfig:
+  """How one matmul is quantized, forward and backward.
+
+  Attributes:
+    lhs: quantizer of the left operand (activations), None = not quantized.
+    rhs: quantizer of the right operand (weights), None = not quantized.
+    backward: "high_precision" (straight-through: gradients from the original operands),
+      "dequantized" (backward GEMMs on the dequantized forward operands, in compute_dtype),
+      "quantized" (the incoming gradient is quantized too, with `grad`).
+    grad: quantizer of the incoming gradient when backward == "quantized".
+    rht_wgrad: apply the random Hadamard transform to both weight-gradient operands
+      (backward == "quantized" only).
+    compute_dtype: dtype the GEMM operands are cast to after (de)quantization.
+  """
+
+  lhs: QuantConfig | None = None
+  rhs: QuantConfig | None = None
+  backward: str = "high_precision"
+  grad: QuantConfig | None = None
+  rht_wgrad: bool = False
+  compute_dtype: str = "float32"
+
+  def __post_init__(self):
+    if self.backward not in BACKWARD_MODES:
+      raise ValueError(f"backward={self.backward!r}; use one of {BACKWARD_MODES}.")
+    if self.compute_dtype not in COMPUTE_DTYPES:
+      raise ValueError(f"compute_dtype={self.compute_dtype!r}; use one of {COMPUTE_DTYPES}.")
+    if self.backward == "quantized" and self.grad is None:
+      raise ValueError("backward='quantized' needs a gradient quantizer: set grad=QuantConfig(...).")
+    if self.rht_wgrad and self.backward != "quantized":
+      raise ValueError("rht_wgrad only applies to backward='quantized'.")
+
+  @property
+  def quantized(self) -> bool:
+    return self.lhs is not None or self.rhs is not None
