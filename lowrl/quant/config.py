@@ -68,6 +68,9 @@ class QuantConfig:
         raise ValueError(f"block_size must be positive, got {self.block_size}.")
     if kind != "nvfp4" and (self.per_token or self.block_2d or self.four_over_six):
       raise ValueError(f"per_token, block_2d and four_over_six are NVFP4 options; got fmt={self.fmt!r}.")
+    if self.per_token and self.block_2d:
+      raise ValueError("per_token and block_2d don't combine: 16x16 tiles span 16 rows, so one outer "
+                       "scale per row is not defined; choose one.")
 
   @property
   def kind(self) -> str:

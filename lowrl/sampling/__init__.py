@@ -1,0 +1,6 @@
+"""Rollout generation (see ARCHITECTURE.md, "Sampler contract")."""
+from lowrl.sampling.sampler import (SampleOutput, Sampler, SamplingConfig, generate, rescore,
+                                    sample_token, sampling_logits, sampling_logprobs)
+
+__all__ = ["SampleOutput", "Sampler", "SamplingConfig", "generate", "rescore", "sample_token",
+           "sampling_logits", "sampling_logprobs"]

@@ -1,0 +1,1 @@
+"""Asynchronous-RL simulation: staleness schedule, parameter versions, drift decomposition."""

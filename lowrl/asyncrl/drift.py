@@ -1,0 +1,31 @@
+"""Decomposition of the sampler -> trainer drift over the sampled tokens.
+
+Three logprobs of the same sampled tokens:
+  logp_sampler: the sampler's version of the weights in the sampler's precision (what it sampled with),
+  logp_stale:   the same weights in the trainer's precision,
+  logp_now:     the current trainer weights in the trainer's precision.
+Then, per token, (sampler - now) = (sampler - stale) + (stale - now): the quantization part plus the
+staleness part. The k1 estimates (masked means of the differences) add up exactly (up to FP32
+rounding); k3, max |dlogp| and ESS are reported per part but are not additive.
+"""
+from __future__ import annotations
+
+import jax
+
+from lowrl.rl.mismatch import mismatch_metrics
+
+DRIFT_PARTS = ("quantization", "staleness", "total")
+_REPORTED = ("mismatch_kl", "mismatch_kl_k3", "abs_dlogp_max", "ess")
+
+
+def drift_metrics(logp_sampler_BT: jax.Array, logp_stale_BT: jax.Array, logp_now_BT: jax.Array,
+                  mask_BT: jax.Array) -> dict[str, jax.Array]:
+  """`drift/<part>/<metric>` for part in DRIFT_PARTS; metric k1 (`mismatch_kl`), k3, max |dlogp|, ESS."""
+  pairs = {"quantization": (logp_sampler_BT, logp_stale_BT),
+           "staleness": (logp_stale_BT, logp_now_BT),
+           "total": (logp_sampler_BT, logp_now_BT)}
+  out = {}
+  for part, (a, b) in pairs.items():
+    m = mismatch_metrics(a, b, mask_BT)
+    out.update({f"drift/{part}/{k}": m[k] for k in _REPORTED})
+  return out

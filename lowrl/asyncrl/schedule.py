@@ -1,0 +1,95 @@
+"""Which policy version samples the batch that trainer step t consumes.
+
+Version v is the parameter tree after v optimizer updates (v = 0 is the initial policy). In an
+asynchronous system the samplers refresh their weights only every `sync_every` trainer steps, and the
+batch the trainer consumes at step t was generated `lag` steps earlier. The version that sampled it is
+
+    sampler_version(t) = sync_every * floor(max(t - lag_t, 0) / sync_every)
+
+With lag 0 and sync every step this is t: the synchronous, on-policy trainer.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+LAG_DISTRIBUTIONS = ("fixed", "uniform", "geometric")
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncSchedule:
+  """Staleness knobs.
+
+  Attributes:
+    lag: off-policy lag in trainer steps (the maximum lag for random distributions).
+    sync_every: samplers refresh their weights every `sync_every` trainer steps (>= 1).
+    lag_distribution: "fixed" (always `lag`), "uniform" (uniform on 0..lag) or "geometric"
+      (P(l) ∝ 0.5^l on 0..lag).
+    seed: seeds the lag draws, so a run can be replayed.
+  """
+
+  lag: int = 0
+  sync_every: int = 1
+  lag_distribution: str = "fixed"
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.lag < 0:
+      raise ValueError(f"async lag must be >= 0 trainer steps, got {self.lag}.")
+    if self.sync_every < 1:
+      raise ValueError(f"async sync_every must be >= 1 trainer step, got {self.sync_every}.")
+    if self.lag_distribution not in LAG_DISTRIBUTIONS:
+      raise ValueError(
+          f"lag_distribution={self.lag_distribution!r}; use one of {LAG_DISTRIBUTIONS}.")
+
+  def lag_at(self, step: int) -> int:
+    """The lag of the batch consumed at trainer step `step` (deterministic in seed and step)."""
+    if self.lag_distribution == "fixed" or self.lag == 0:
+      return self.lag
+    rng = np.random.default_rng([self.seed, step])
+    support = np.arange(self.lag + 1)
+    if self.lag_distribution == "uniform":
+      return int(rng.integers(0, self.lag + 1))
+    probs = 0.5 ** support
+    return int(rng.choice(support, p=probs / probs.sum()))
+
+  def sampler_version(self, step: int) -> int:
+    """Parameter version the samplers held when they generated step `step`'s batch."""
+    produced_at = max(step - self.lag_at(step), 0)
+    return self.sync_every * (produced_at // self.sync_every)
+
+  def oldest_needed(self, step: int) -> int:
+    """No batch consumed at `step` or later is sampled by a version older than this."""
+    return self.sync_every * (max(step - self.lag, 0) // self.sync_every)
+
+
+class VersionBuffer:
+  """Keeps exactly the parameter versions the schedule may still ask for."""
+
+  def __init__(self, schedule: AsyncSchedule):
+    self.schedule = schedule
+    self._versions: dict[int, Any] = {}
+
+  def __len__(self) -> int:
+    return len(self._versions)
+
+  def versions(self) -> list[int]:
+    return sorted(self._versions)
+
+  def put(self, version: int, params: Any) -> None:
+    """Records the params after `version` updates if a future batch may be sampled by them."""
+    if version % self.schedule.sync_every == 0:
+      self._versions[version] = params
+
+  def get(self, version: int) -> Any:
+    if version not in self._versions:
+      raise KeyError(f"parameter version {version} was not kept; kept: {self.versions()}.")
+    return self._versions[version]
+
+  def evict_before(self, step: int) -> None:
+    """Drops versions no batch at `step` or later can need."""
+    oldest = self.schedule.oldest_needed(step)
+    for v in [v for v in self._versions if v < oldest]:
+      del self._versions[v]

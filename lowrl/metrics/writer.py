@@ -1,0 +1,136 @@
+"""TensorBoard event writer on tensorboardX (no TensorFlow import; see REFERENCE.md §6).
+
+Values may be Python, NumPy or JAX scalars/arrays; they are pulled to host here. `NullWriter` has the
+same interface and does nothing: use it in tests and on non-zero processes (`create_writer`).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class Writer(Protocol):
+  """What the training loop may call on a writer."""
+
+  def scalars(self, step: int, values: Mapping[str, Any]) -> None: ...
+  def histograms(self, step: int, arrays: Mapping[str, Any]) -> None: ...
+  def texts(self, step: int, texts: Mapping[str, str]) -> None: ...
+  def image(self, step: int, name: str, image_HWC: Any) -> None: ...
+  def flush(self) -> None: ...
+  def close(self) -> None: ...
+
+
+def _to_float(name: str, value: Any) -> float:
+  arr = np.asarray(value)
+  if arr.size != 1:
+    raise ValueError(f"Scalar {name!r} has shape {arr.shape}; log arrays with histograms().")
+  return float(arr.reshape(()))
+
+
+def _check_image(name: str, image_HWC: Any) -> np.ndarray:
+  img = np.asarray(image_HWC)
+  if img.dtype != np.uint8 or img.ndim != 3 or img.shape[-1] not in (1, 3, 4):
+    raise ValueError(f"Image {name!r} must be a uint8 [H, W, C] array with C in (1, 3, 4); "
+                     f"got dtype {img.dtype}, shape {img.shape}.")
+  return img
+
+
+class MetricWriter:
+  """Writes scalars, histograms, texts and images to TensorBoard event files under `logdir`."""
+
+  def __init__(self, logdir: str, flush_secs: int = 30):
+    # Imported here so NullWriter users never pay for (or need) tensorboardX.
+    from tensorboardX import SummaryWriter
+    self._writer = SummaryWriter(logdir=str(logdir), flush_secs=flush_secs)
+
+  @property
+  def logdir(self) -> str:
+    """Directory the event files go to."""
+    return self._writer.logdir
+
+  def scalars(self, step: int, values: Mapping[str, Any]) -> None:
+    """One scalar per tag; each value must hold exactly one number."""
+    step = int(step)
+    for name, value in values.items():
+      self._writer.add_scalar(name, _to_float(name, value), global_step=step)
+
+  def histograms(self, step: int, arrays: Mapping[str, Any]) -> None:
+    """One histogram per tag over all elements of the array.
+
+    Non-finite entries are dropped (tensorboardX can't bin them; log a NaN count as a scalar if it
+    matters); an array with no finite entry is skipped.
+    """
+    step = int(step)
+    for name, arr in arrays.items():
+      values = np.asarray(arr, dtype=np.float64).reshape(-1)
+      values = values[np.isfinite(values)]
+      if values.size:
+        self._writer.add_histogram(name, values, global_step=step)
+
+  def texts(self, step: int, texts: Mapping[str, str]) -> None:
+    """One (markdown) text per tag."""
+    step = int(step)
+    for name, text in texts.items():
+      if not isinstance(text, str):
+        raise ValueError(f"Text {name!r} must be a str, got {type(text).__name__}.")
+      self._writer.add_text(name, text, global_step=step)
+
+  def image(self, step: int, name: str, image_HWC: Any) -> None:
+    """A uint8 [H, W, C] image (C = 1, 3 or 4)."""
+    self._writer.add_image(name, _check_image(name, image_HWC), global_step=int(step),
+                           dataformats="HWC")
+
+  def flush(self) -> None:
+    """Write everything pending to disk."""
+    self._writer.flush()
+
+  def close(self) -> None:
+    """Flush and close the event file."""
+    self._writer.close()
+
+  def __enter__(self) -> MetricWriter:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+class NullWriter:
+  """A writer that accepts everything and writes nothing."""
+
+  def scalars(self, step: int, values: Mapping[str, Any]) -> None:
+    """No-op."""
+    del step, values
+
+  def histograms(self, step: int, arrays: Mapping[str, Any]) -> None:
+    """No-op."""
+    del step, arrays
+
+  def texts(self, step: int, texts: Mapping[str, str]) -> None:
+    """No-op."""
+    del step, texts
+
+  def image(self, step: int, name: str, image_HWC: Any) -> None:
+    """No-op."""
+    del step, name, image_HWC
+
+  def flush(self) -> None:
+    """No-op."""
+
+  def close(self) -> None:
+    """No-op."""
+
+  def __enter__(self) -> NullWriter:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def create_writer(logdir: str | None, enabled: bool = True) -> MetricWriter | NullWriter:
+  """A MetricWriter, or a NullWriter when disabled (e.g. `jax.process_index() != 0`) or no logdir."""
+  if not enabled or logdir is None:
+    return NullWriter()
+  return MetricWriter(logdir)

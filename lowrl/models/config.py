@@ -1,0 +1,134 @@
+"""ModelConfig: the shape of a Llama/Qwen-family decoder, and a few presets.
+
+Frozen (hashable) so it can be a static argument of `jax.jit`. Field names and defaults are the
+contract in ARCHITECTURE.md; the Hugging Face loader (lowrl/checkpoints/hf.py) builds these.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Decoder hyper-parameters.
+
+  Attributes:
+    vocab_size: number of token ids.
+    d_model: residual stream width D.
+    n_layers: number of decoder blocks L.
+    n_heads: query heads H.
+    n_kv_heads: key/value heads K (grouped-query attention; H % K == 0).
+    head_dim: per-head width hd (even: RoPE rotates pairs of halves).
+    d_ff: SwiGLU hidden width F.
+    rope_theta: RoPE base.
+    rms_eps: RMSNorm epsilon.
+    qk_norm: Qwen3 RMSNorm over head_dim of q and k, before RoPE.
+    qkv_bias: Qwen2 biases on q/k/v projections.
+    tie_embeddings: logits = h @ embedding.T (no lm_head kernel).
+    max_seq_len: longest sequence the model is meant for (RoPE needs no table, so this is only
+      checked, never allocated).
+    rope_llama3_scaling: (factor, low_freq_factor, high_freq_factor,
+      original_max_position_embeddings) as in Llama 3.x `rope_scaling`, or None.
+  """
+
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  d_ff: int
+  rope_theta: float = 10000.0
+  rms_eps: float = 1e-6
+  qk_norm: bool = False
+  qkv_bias: bool = False
+  tie_embeddings: bool = False
+  max_seq_len: int = 2048
+  rope_llama3_scaling: tuple[float, float, float, int] | None = None
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+                 "max_seq_len"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}.")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}; "
+                       "grouped-query attention shares each kv head among n_heads // n_kv_heads "
+                       "query heads. Pick n_kv_heads dividing n_heads.")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates two halves).")
+    if not self.rope_theta > 0:
+      raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}.")
+    if not self.rms_eps > 0:
+      raise ValueError(f"rms_eps must be > 0, got {self.rms_eps}.")
+    if self.rope_llama3_scaling is not None:
+      if isinstance(self.rope_llama3_scaling, list):
+        # Lists are unhashable; accept them from JSON/configs but store a tuple.
+        object.__setattr__(self, "rope_llama3_scaling", tuple(self.rope_llama3_scaling))
+      if len(self.rope_llama3_scaling) != 4:
+        raise ValueError("rope_llama3_scaling must be (factor, low_freq_factor, high_freq_factor, "
+                         f"original_max_position_embeddings), got {self.rope_llama3_scaling!r}.")
+      factor, low, high, orig = self.rope_llama3_scaling
+      if not (factor > 0 and low > 0 and high > low and orig > 0):
+        raise ValueError("rope_llama3_scaling needs factor > 0, 0 < low_freq_factor < "
+                         f"high_freq_factor and original_max_position_embeddings > 0; got "
+                         f"{self.rope_llama3_scaling!r}.")
+
+  @property
+  def q_dim(self) -> int:
+    """H * hd: width of the q projection output and o projection input."""
+    return self.n_heads * self.head_dim
+
+  @property
+  def kv_dim(self) -> int:
+    """K * hd: width of each of the k and v projection outputs."""
+    return self.n_kv_heads * self.head_dim
+
+  def num_params(self, include_embedding: bool = True) -> int:
+    """Number of parameters in the tree `init_params` builds."""
+    d, f, v = self.d_model, self.d_ff, self.vocab_size
+    attn = d * self.q_dim + 2 * d * self.kv_dim + self.q_dim * d
+    if self.qkv_bias:
+      attn += self.q_dim + 2 * self.kv_dim
+    if self.qk_norm:
+      attn += 2 * self.head_dim
+    per_layer = attn + 3 * d * f + 2 * d
+    total = self.n_layers * per_layer + d  # + final norm
+    if include_embedding:
+      total += v * d
+    if not self.tie_embeddings:
+      total += d * v
+    return total
+
+
+# Presets. `tiny` is for CPU tests, `small` the default of benchmarks and CPU experiments
+# (~0.8M parameters with a 256-token vocabulary); the rest mirror public checkpoints' config.json.
+_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                        head_dim=8, d_ff=64, max_seq_len=256),
+    "small": ModelConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                         head_dim=32, d_ff=384, tie_embeddings=True, max_seq_len=1024),
+    "qwen3_0_6b": ModelConfig(vocab_size=151936, d_model=1024, n_layers=28, n_heads=16,
+                              n_kv_heads=8, head_dim=128, d_ff=3072, rope_theta=1e6, rms_eps=1e-6,
+                              qk_norm=True, tie_embeddings=True, max_seq_len=40960),
+    "qwen2_5_0_5b": ModelConfig(vocab_size=151936, d_model=896, n_layers=24, n_heads=14,
+                                n_kv_heads=2, head_dim=64, d_ff=4864, rope_theta=1e6,
+                                rms_eps=1e-6, qkv_bias=True, tie_embeddings=True,
+                                max_seq_len=32768),
+    "llama3_2_1b": ModelConfig(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32,
+                               n_kv_heads=8, head_dim=64, d_ff=8192, rope_theta=500000.0,
+                               rms_eps=1e-5, tie_embeddings=True, max_seq_len=131072,
+                               rope_llama3_scaling=(32.0, 1.0, 4.0, 8192)),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+  """A named ModelConfig (`tiny`, `small`, `qwen3_0_6b`, ...), with optional field overrides."""
+  if name not in _PRESETS:
+    raise ValueError(f"Unknown model preset {name!r}; use one of {sorted(_PRESETS)}.")
+  return dataclasses.replace(_PRESETS[name], **overrides)
+
+
+def preset_names() -> tuple[str, ...]:
+  return tuple(sorted(_PRESETS))

@@ -1,0 +1,383 @@
+"""Precision policy: which quantizer (QDotConfig) each matmul of the decoder uses.
+
+A policy is built from an `ml_collections.ConfigDict` (one flag per knob, so an ablation is one
+command-line override, e.g. `--config.precision.bf16_last_fraction=0`) and a model config, into a
+frozen, hashable `PrecisionPolicy`: an ordered list of `(regex, QDotConfig)` rules over matmul
+paths, first match wins (big_vision / haliax style). Paths are `layers_{i}/attn/q_proj`, ...,
+`layers_{i}/mlp/down_proj` and `lm_head`; regexes are matched with `re.fullmatch`.
+
+Everything that is not a linear layer (embedding lookup, norms, RoPE, attention math, softmax,
+KV cache) runs in `compute_dtype` (softmax, norms, logits and log-softmax in FP32) and is not
+governed by the rules.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import TYPE_CHECKING, NamedTuple
+
+import jax.numpy as jnp
+import ml_collections
+
+from lowrl.quant.config import BACKWARD_MODES, COMPUTE_DTYPES, FORMATS, QDotConfig, QuantConfig
+
+if TYPE_CHECKING:  # models/__init__ imports the transformer, which imports this module.
+  from lowrl.models.config import ModelConfig
+
+# Linear layers of one decoder block, in execution order.
+BLOCK_MATMULS = ("attn/q_proj", "attn/k_proj", "attn/v_proj", "attn/o_proj",
+                 "mlp/gate_proj", "mlp/up_proj", "mlp/down_proj")
+LM_HEAD = "lm_head"
+FORMAT_NONE = "none"
+STOCHASTIC_ROUNDING_MODES = ("none", "grad", "all")
+RECIPES = ("fp32", "bf16", "fp16", "mxfp8", "nvfp4_naive", "nvfp4_recipe")
+
+
+def matmul_path(layer: int | None, path: str) -> str:
+  """The full path the rules match: `layers_3/mlp/up_proj`, or `lm_head` (layer None)."""
+  return path if layer is None else f"layers_{layer}/{path}"
+
+
+def bf16_tail_layers(n_layers: int, fraction: float) -> tuple[int, ...]:
+  """The last round(fraction * n_layers) layers, at least one when fraction > 0."""
+  if fraction <= 0:
+    return ()
+  n = min(n_layers, max(1, round(fraction * n_layers)))
+  return tuple(range(n_layers - n, n_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionPolicy:
+  """Frozen matmul-path -> QDotConfig map (a static argument of jitted model functions).
+
+  Attributes:
+    rules: ((regex, QDotConfig), ...); the first regex that fullmatches a path wins.
+    compute_dtype: dtype of activations, attention math and the KV cache ("float32",
+      "bfloat16" or "float16").
+    name: the recipe name, for logs.
+  """
+
+  rules: tuple[tuple[str, QDotConfig], ...]
+  compute_dtype: str = "float32"
+  name: str = ""
+
+  def __post_init__(self):
+    if self.compute_dtype not in COMPUTE_DTYPES:
+      raise ValueError(f"compute_dtype={self.compute_dtype!r}; use one of {COMPUTE_DTYPES}.")
+    for pattern, cfg in self.rules:
+      try:
+        re.compile(pattern)
+      except re.error as e:
+        raise ValueError(f"Invalid rule regex {pattern!r}: {e}.") from e
+      if not isinstance(cfg, QDotConfig):
+        raise ValueError(f"Rule {pattern!r} maps to {cfg!r}; rules map to QDotConfig objects "
+                         "(QDotConfig(compute_dtype=...) for an unquantized matmul).")
+
+  @classmethod
+  def unquantized(cls, compute_dtype: str = "float32", name: str = "") -> PrecisionPolicy:
+    """Every matmul plain, in `compute_dtype`; the LM head in FP32."""
+    return cls(rules=((LM_HEAD, QDotConfig(compute_dtype="float32")),
+                      (".*", QDotConfig(compute_dtype=compute_dtype))),
+               compute_dtype=compute_dtype, name=name or compute_dtype)
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.compute_dtype)
+
+  def qdot_config(self, layer: int | None, path: str) -> QDotConfig:
+    """The QDotConfig of matmul `path` ("attn/q_proj", ..., "lm_head") in `layer`."""
+    full = matmul_path(layer, path)
+    for pattern, cfg in self.rules:
+      if re.fullmatch(pattern, full):
+        return cfg
+    raise ValueError(f"No precision rule matches matmul {full!r}; end the rules with a "
+                     "catch-all ('.*', QDotConfig(...)).")
+
+  @property
+  def needs_key(self) -> bool:
+    """True when some quantizer rounds stochastically (the forward then needs a quant_key)."""
+    return any(q is not None and q.stochastic_rounding
+               for _, c in self.rules for q in (c.lhs, c.rhs, c.grad))
+
+
+# ----------------------------------------------------------------------------------------------
+# Config -> policy.
+
+
+def recipe(name: str) -> ml_collections.ConfigDict:
+  """The precision ConfigDict of a named recipe (see module docstring and RECIPES).
+
+  Knobs (each overridable alone):
+    format: "none" or a lowrl.quant format ("nvfp4", "mxfp8_e4m3", ...) for the linear layers.
+    compute_dtype: activations / attention / KV cache / unquantized GEMM dtype.
+    backward: "high_precision" | "dequantized" | "quantized" (QDotConfig.backward).
+    grad_format: gradient quantizer format when backward="quantized" ("" = same as format).
+    act_per_token: NVFP4 activations get one FP32 outer scale per token.
+    four_over_six: NVFP4 4/6 block scaling (activations and weights).
+    weight_block_2d: NVFP4 16x16 weight blocks.
+    scale_rounding: MX scale rounding ("rceil" | "floor").
+    stochastic_rounding: "none" | "grad" (gradient quantizer) | "all" (every quantizer).
+    rht_wgrad: random Hadamard transform on the weight-gradient GEMM (backward="quantized").
+    bf16_last_fraction: the last round(f * n_layers) layers (>= 1 if f > 0) run unquantized in
+      compute_dtype; 0 disables.
+    quantize_lm_head: quantize the LM head with `format` too (default: unquantized).
+    lm_head_dtype: GEMM dtype of an unquantized LM head (logits are FP32 regardless).
+    high_precision_paths: regex (fullmatch) of further matmul paths kept unquantized, "" = none.
+  """
+  if name not in RECIPES:
+    raise ValueError(f"Unknown precision recipe {name!r}; use one of {RECIPES}.")
+  c = ml_collections.ConfigDict()
+  c.name = name
+  c.format = FORMAT_NONE
+  c.compute_dtype = "bfloat16"
+  c.backward = "high_precision"
+  c.grad_format = ""
+  c.act_per_token = False
+  c.four_over_six = False
+  c.weight_block_2d = False
+  c.scale_rounding = "rceil"
+  c.stochastic_rounding = "none"
+  c.rht_wgrad = False
+  c.bf16_last_fraction = 0.0
+  c.quantize_lm_head = False
+  c.lm_head_dtype = "float32"
+  c.high_precision_paths = ""
+  if name == "fp32":
+    c.compute_dtype = "float32"
+  elif name == "fp16":
+    c.compute_dtype = "float16"
+  elif name == "mxfp8":
+    # arXiv 2506.08027: E4M3 everywhere, scales rounded up. Its E4M3 gradients are one flag
+    # away: --config.precision.backward=quantized.
+    c.format = "mxfp8_e4m3"
+  elif name == "nvfp4_naive":
+    c.format = "nvfp4"
+  elif name == "nvfp4_recipe":
+    # The 4-bitter lesson (REFERENCE.md §1).
+    c.format = "nvfp4"
+    c.backward = "dequantized"
+    c.act_per_token = True
+    c.four_over_six = True
+    c.bf16_last_fraction = 0.15
+  return c
+
+
+def _check_config(c: ml_collections.ConfigDict) -> None:
+  """Raises ValueError, naming the flag to change, for unknown names and out-of-range values."""
+  formats = (FORMAT_NONE, *sorted(FORMATS))
+  if c.format not in formats:
+    raise ValueError(f"precision.format={c.format!r}; use one of {formats}.")
+  if c.compute_dtype not in COMPUTE_DTYPES:
+    raise ValueError(f"precision.compute_dtype={c.compute_dtype!r}; use one of {COMPUTE_DTYPES}.")
+  if c.lm_head_dtype not in COMPUTE_DTYPES:
+    raise ValueError(f"precision.lm_head_dtype={c.lm_head_dtype!r}; use one of {COMPUTE_DTYPES}.")
+  if c.backward not in BACKWARD_MODES:
+    raise ValueError(f"precision.backward={c.backward!r}; use one of {BACKWARD_MODES}.")
+  if c.stochastic_rounding not in STOCHASTIC_ROUNDING_MODES:
+    raise ValueError(f"precision.stochastic_rounding={c.stochastic_rounding!r}; use one of "
+                     f"{STOCHASTIC_ROUNDING_MODES}.")
+  if not 0.0 <= c.bf16_last_fraction <= 1.0:
+    raise ValueError(f"precision.bf16_last_fraction={c.bf16_last_fraction} must be in [0, 1] "
+                     "(0 disables the high-precision tail).")
+  if c.grad_format and c.grad_format not in FORMATS:
+    raise ValueError(f"precision.grad_format={c.grad_format!r}; use '' (same as format) or one of "
+                     f"{sorted(FORMATS)}.")
+  try:
+    re.compile(c.high_precision_paths)
+  except re.error as e:
+    raise ValueError(f"precision.high_precision_paths={c.high_precision_paths!r} is not a valid "
+                     f"regex: {e}.") from e
+  quantized = c.format != FORMAT_NONE
+  if not quantized:
+    for knob in ("act_per_token", "four_over_six", "weight_block_2d", "quantize_lm_head",
+                 "rht_wgrad"):
+      if c[knob]:
+        raise ValueError(f"precision.{knob}=True needs a quantized format; set "
+                         f"precision.format (e.g. nvfp4) or precision.{knob}=False.")
+    if c.stochastic_rounding != "none":
+      raise ValueError("precision.stochastic_rounding needs a quantized format; set "
+                       "precision.format or precision.stochastic_rounding=none.")
+    if c.backward != "high_precision":
+      raise ValueError(f"precision.backward={c.backward!r} needs a quantized format; set "
+                       "precision.format or precision.backward=high_precision.")
+    return
+  if FORMATS[c.format][1] != "nvfp4":
+    for knob in ("act_per_token", "four_over_six", "weight_block_2d"):
+      if c[knob]:
+        raise ValueError(f"precision.{knob} is an NVFP4 option but precision.format="
+                         f"{c.format!r}; set precision.format=nvfp4 or precision.{knob}=False.")
+  if c.backward != "quantized":
+    if c.stochastic_rounding == "grad":
+      raise ValueError("precision.stochastic_rounding=grad rounds the gradient quantizer, which "
+                       "only backward=quantized has; set precision.backward=quantized or "
+                       "precision.stochastic_rounding=none.")
+    if c.rht_wgrad:
+      raise ValueError("precision.rht_wgrad needs precision.backward=quantized.")
+    if c.grad_format:
+      raise ValueError("precision.grad_format needs precision.backward=quantized; set it to ''.")
+
+
+def _quantized_qdot(c: ml_collections.ConfigDict) -> QDotConfig:
+  nvfp4 = FORMATS[c.format][1] == "nvfp4"
+  sr_fwd = c.stochastic_rounding == "all"
+  lhs = QuantConfig(c.format, scale_rounding=c.scale_rounding, stochastic_rounding=sr_fwd,
+                    per_token=nvfp4 and c.act_per_token, four_over_six=nvfp4 and c.four_over_six)
+  rhs = QuantConfig(c.format, scale_rounding=c.scale_rounding, stochastic_rounding=sr_fwd,
+                    block_2d=nvfp4 and c.weight_block_2d, four_over_six=nvfp4 and c.four_over_six)
+  grad = None
+  if c.backward == "quantized":
+    grad = QuantConfig(c.grad_format or c.format, scale_rounding=c.scale_rounding,
+                       stochastic_rounding=c.stochastic_rounding != "none")
+  return QDotConfig(lhs=lhs, rhs=rhs, backward=c.backward, grad=grad, rht_wgrad=c.rht_wgrad,
+                    compute_dtype=c.compute_dtype)
+
+
+def _contracting_dims(model_cfg: ModelConfig, path: str) -> tuple[int, int]:
+  """(contracting width, output width) of a matmul."""
+  d, f = model_cfg.d_model, model_cfg.d_ff
+  return {"attn/q_proj": (d, model_cfg.q_dim), "attn/k_proj": (d, model_cfg.kv_dim),
+          "attn/v_proj": (d, model_cfg.kv_dim), "attn/o_proj": (model_cfg.q_dim, d),
+          "mlp/gate_proj": (d, f), "mlp/up_proj": (d, f), "mlp/down_proj": (f, d),
+          LM_HEAD: (d, model_cfg.vocab_size)}[path]
+
+
+def _check_blocks(policy: PrecisionPolicy, model_cfg: ModelConfig) -> None:
+  """Block formats need the contracting width (and 2-D weight blocks the output width) to be a
+  multiple of the block: fail here, naming the fix, rather than inside a compile."""
+  for layer, path in matmul_paths(model_cfg.n_layers):
+    cfg = policy.qdot_config(layer, path)
+    width, out = _contracting_dims(model_cfg, path)
+    for q in (cfg.lhs, cfg.rhs):
+      if q is None or q.block is None:
+        continue
+      dims = [("contracting", width)] + ([("output", out)] if q.block_2d else [])
+      for what, n in dims:
+        if n % q.block:
+          raise ValueError(
+              f"{matmul_path(layer, path)}: {what} width {n} is not a multiple of the {q.fmt} "
+              f"block size {q.block}. Resize the model (d_model, d_ff, n_heads*head_dim, "
+              f"vocab_size for the LM head) or keep this matmul unquantized with "
+              f"--config.precision.high_precision_paths='{_escape_path(layer, path)}'"
+              + (" or precision.weight_block_2d=False" if q.block_2d else "") + ".")
+
+
+def _escape_path(layer: int | None, path: str) -> str:
+  return ".*/" + path.split("/")[-1] if layer is not None else LM_HEAD
+
+
+def make_policy(config: ml_collections.ConfigDict, model_cfg: ModelConfig) -> PrecisionPolicy:
+  """Builds the frozen policy of a precision ConfigDict for a given model.
+
+  Rule order (first match wins): high-precision tail layers, `high_precision_paths`, LM head,
+  every other linear layer.
+
+  Raises:
+    ValueError: unknown names, out-of-range values, knobs that need another knob, or model
+      widths the block formats cannot tile; the message names the flag to change.
+  """
+  c = config
+  missing = [k for k in recipe("fp32").keys() if k not in c]
+  if missing:
+    raise ValueError(f"precision config lacks {missing}; start from lowrl.precision.recipe(name).")
+  _check_config(c)
+  plain = QDotConfig(compute_dtype=c.compute_dtype)
+  quant = _quantized_qdot(c) if c.format != FORMAT_NONE else plain
+  rules: list[tuple[str, QDotConfig]] = []
+  if quant.quantized:
+    tail = bf16_tail_layers(model_cfg.n_layers, c.bf16_last_fraction)
+    if tail:
+      rules.append((rf"layers_({'|'.join(map(str, tail))})/.*", plain))
+  if c.high_precision_paths:
+    rules.append((c.high_precision_paths, plain))
+  head = quant if c.quantize_lm_head else QDotConfig(compute_dtype=c.lm_head_dtype)
+  rules.append((LM_HEAD, head))
+  rules.append((".*", quant))
+  policy = PrecisionPolicy(rules=tuple(rules), compute_dtype=c.compute_dtype, name=c.name)
+  _check_blocks(policy, model_cfg)
+  return policy
+
+
+def policy_for(name: str, model_cfg: ModelConfig, **overrides) -> PrecisionPolicy:
+  """`make_policy(recipe(name) with overrides, model_cfg)`: the one-liner for tests and scripts."""
+  c = recipe(name)
+  for k, v in overrides.items():
+    if k not in c:
+      raise ValueError(f"Unknown precision knob {k!r}; knobs are {sorted(c.keys())}.")
+    c[k] = v
+  return make_policy(c, model_cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# The assignment table.
+
+
+class Assignment(NamedTuple):
+  layer: int | None  # None for the LM head
+  path: str  # "attn/q_proj", ..., "lm_head"
+  fmt: str  # quantizer format ("nvfp4", "lhs/rhs" when they differ) or the GEMM dtype
+  backward: str  # QDotConfig.backward, "-" for unquantized matmuls (plain autodiff)
+  options: str  # quantizer options, comma-separated ("" when none)
+
+
+def matmul_paths(n_layers: int) -> list[tuple[int | None, str]]:
+  """Every (layer, path) of the decoder, in execution order; the LM head last (layer None)."""
+  return [(i, p) for i in range(n_layers) for p in BLOCK_MATMULS] + [(None, LM_HEAD)]
+
+
+def _options(cfg: QDotConfig) -> str:
+  opts = []
+  if cfg.lhs is not None and cfg.lhs.per_token:
+    opts.append("act_per_token")
+  if any(q is not None and q.four_over_six for q in (cfg.lhs, cfg.rhs)):
+    opts.append("four_over_six")
+  if cfg.rhs is not None and cfg.rhs.block_2d:
+    opts.append("weight_block_2d")
+  if any(q is not None and q.kind == "mx" and q.scale_rounding != "rceil"
+         for q in (cfg.lhs, cfg.rhs)):
+    opts.append("scale_floor")
+  if any(q is not None and q.stochastic_rounding for q in (cfg.lhs, cfg.rhs)):
+    opts.append("sr")
+  if cfg.grad is not None:
+    opts.append(f"grad={cfg.grad.fmt}" + ("+sr" if cfg.grad.stochastic_rounding else ""))
+  if cfg.rht_wgrad:
+    opts.append("rht_wgrad")
+  if cfg.quantized:
+    opts.append(f"gemm={cfg.compute_dtype}")
+  return ",".join(opts)
+
+
+def assignment_table(policy: PrecisionPolicy, model_cfg: ModelConfig) -> list[Assignment]:
+  """What every matmul of `model_cfg` runs in under `policy`, in execution order."""
+  rows = []
+  for layer, path in matmul_paths(model_cfg.n_layers):
+    cfg = policy.qdot_config(layer, path)
+    if not cfg.quantized:
+      fmt, backward = cfg.compute_dtype, "-"
+    else:
+      names = [q.fmt if q is not None else cfg.compute_dtype for q in (cfg.lhs, cfg.rhs)]
+      fmt = names[0] if names[0] == names[1] else "/".join(names)
+      backward = cfg.backward
+    rows.append(Assignment(layer, path, fmt, backward, _options(cfg)))
+  return rows
+
+
+def format_table(rows: list[Assignment]) -> str:
+  """The table as text, consecutive layers with identical assignments merged (for logs)."""
+  lines = [f"{'layers':<10} {'matmul':<14} {'format':<12} {'backward':<15} options"]
+  by_layer: dict[int | None, list[Assignment]] = {}
+  for r in rows:
+    by_layer.setdefault(r.layer, []).append(r)
+  groups: list[tuple[list[int | None], list[Assignment]]] = []
+  for layer, rs in by_layer.items():
+    key = [r[1:] for r in rs]
+    if groups and layer is not None and groups[-1][0][-1] is not None and \
+        [r[1:] for r in groups[-1][1]] == key:
+      groups[-1][0].append(layer)
+    else:
+      groups.append(([layer], rs))
+  for layers, rs in groups:
+    name = "-" if layers[0] is None else (
+        str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}")
+    for r in rs:
+      lines.append(f"{name:<10} {r.path:<14} {r.fmt:<12} {r.backward:<15} {r.options}")
+  return "\n".join(lines)

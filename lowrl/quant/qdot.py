@@ -1,0 +1,259 @@
+"""Quantized dot_general with a selectable backward pass (jax.custom_vjp).
+
+Forward: each operand is fake-quantized along its contracting axis and cast to cfg.compute_dtype,
+then multiplied by `lax.dot_general`, so the forward equals
+`lax.dot_general(fake_quant(lhs).astype(c), fake_quant(rhs).astype(c), ...)` exactly.
+
+Backward (all GEMMs take cfg.compute_dtype operands and accumulate in FP32; the results are cast
+to the primal dtypes):
+  high_precision  straight-through: dlhs = g·rhsᵀ, drhs = lhsᵀ·g with the original operands.
+  dequantized     dlhs = g·dq(rhs)ᵀ, drhs = dq(lhs)ᵀ·g with the dequantized forward operands
+                  (the values the forward used) — the 4-bitter recipe.
+  quantized       g is quantized with cfg.grad along the contracting axes of each backward GEMM
+                  (separately for dgrad and wgrad, with stochastic rounding keys split from `key`).
+                  The other operand is its *dequantized forward value* requantized with its own
+                  forward config (round-to-nearest, no SR) along the new contracting axes, so the
+                  backward sees the forward's values, re-blocked for the transposed GEMM (as a
+                  kernel would after quantizing the transpose). An operand that is not quantized in
+                  the forward stays unquantized. Optional RHT (cfg.rht_wgrad) transforms both wgrad
+                  operands along their contracting axes before quantizing; it cancels in the product.
+
+In the backward GEMMs a contraction can run over several axes (e.g. the batch and time axes of
+activations in the weight gradient); block formats then block along those axes flattened in order
+(row-major), like the 2-D GEMM a kernel runs. In the forward, block formats need a single
+contracting axis per quantized operand.
+
+Key use: `key` is split as (k_lhs, k_rhs, k_dgrad, k_wgrad) = jax.random.split(key, 4): forward SR
+of lhs / rhs, and SR of the gradient for the dgrad / wgrad GEMMs. The key gets no gradient.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from lowrl.quant.config import QDotConfig, QuantConfig
+from lowrl.quant.hadamard import rht
+from lowrl.quant.quantize import fake_quant
+
+DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+def _normalize_dn(dn, lhs_ndim: int, rhs_ndim: int) -> DimensionNumbers:
+  """Dimension numbers as hashable tuples of non-negative ints."""
+  (lc, rc), (lb, rb) = dn
+  norm = lambda axes, nd: tuple(int(a) % nd for a in axes)  # noqa: E731
+  return ((norm(lc, lhs_ndim), norm(rc, rhs_ndim)), (norm(lb, lhs_ndim), norm(rb, rhs_ndim)))
+
+
+def _free(ndim: int, contract, batch) -> tuple[int, ...]:
+  return tuple(d for d in range(ndim) if d not in contract and d not in batch)
+
+
+def _along(x: jax.Array, axes: tuple[int, ...], fn: Callable[[jax.Array, int], jax.Array]):
+  """fn(x', -1) where x' is x with `axes` moved last and flattened (row-major); then undone."""
+  if len(axes) == 1:
+    return fn(x, axes[0])
+  rest = tuple(d for d in range(x.ndim) if d not in axes)
+  perm = rest + tuple(axes)
+  xt = jnp.transpose(x, perm)
+  merged = xt.reshape(xt.shape[:len(rest)] + (math.prod(xt.shape[len(rest):]),))
+  out = fn(merged, -1).reshape(xt.shape)
+  return jnp.transpose(out, np.argsort(perm))
+
+
+def _fq_axes(x, axes, cfg: QuantConfig | None, key, what: str) -> jax.Array:
+  """Fake-quantizes x for a GEMM contracting `axes` (cfg.axis overridden); cfg None = identity."""
+  if cfg is None:
+    return x
+  if cfg.kind == "tensor" or cfg.block_2d:
+    return fake_quant(x, cfg, key)  # blocking does not depend on the contracting axis
+  if not axes:
+    raise ValueError(f"{what}: {cfg.fmt} blocks along the contracting axis, but this GEMM "
+                     "contracts no axis; use a per-tensor format (fp8_e4m3 / fp8_e5m2).")
+  try:
+    return _along(x, axes, lambda xm, a: fake_quant(xm, dataclasses.replace(cfg, axis=a), key))
+  except ValueError as e:
+    raise ValueError(f"{what} (contracting axes {tuple(axes)} of shape {tuple(x.shape)}): {e}") from None
+
+
+def _no_sr(cfg: QuantConfig | None) -> QuantConfig | None:
+  if cfg is None or not cfg.stochastic_rounding:
+    return cfg
+  return dataclasses.replace(cfg, stochastic_rounding=False)
+
+
+def _split_key(key):
+  if key is None:
+    return (None,) * 4
+  return tuple(jax.random.split(key, 4))
+
+
+class _Dims:
+  """Axis bookkeeping of one dot_general and its two transposed (backward) GEMMs."""
+
+  def __init__(self, dn: DimensionNumbers, lhs_ndim: int, rhs_ndim: int):
+    (self.lc, self.rc), (self.lb, self.rb) = dn
+    self.lf = _free(lhs_ndim, self.lc, self.lb)
+    self.rf = _free(rhs_ndim, self.rc, self.rb)
+    nb, nlf = len(self.lb), len(self.lf)
+    # Output layout of dot_general: (batch..., lhs free..., rhs free...).
+    self.g_b = tuple(range(nb))
+    self.g_lf = tuple(range(nb, nb + nlf))
+    self.g_rf = tuple(range(nb + nlf, nb + nlf + len(self.rf)))
+
+  def dgrad(self, g, rhs_op, precision):
+    """d lhs = g contracted with rhs over rhs's free axes, laid out like lhs (FP32)."""
+    out = lax.dot_general(g, rhs_op, ((self.g_rf, self.rf), (self.g_b, self.rb)),
+                          precision=precision, preferred_element_type=jnp.float32)
+    src = self.lb + self.lf + tuple(self.lc[self.rc.index(r)] for r in sorted(self.rc))
+    return jnp.transpose(out, np.argsort(src))
+
+  def wgrad(self, lhs_op, g, precision):
+    """d rhs = lhs contracted with g over lhs's free axes, laid out like rhs (FP32)."""
+    out = lax.dot_general(lhs_op, g, ((self.lf, self.g_lf), (self.lb, self.g_b)),
+                          precision=precision, preferred_element_type=jnp.float32)
+    src = self.rb + tuple(self.rc[self.lc.index(l)] for l in sorted(self.lc)) + self.rf
+    return jnp.transpose(out, np.argsort(src))
+
+
+def _forward_operands(lhs, rhs, key, dn, cfg: QDotConfig):
+  compute = jnp.dtype(cfg.compute_dtype)
+  (lc, rc), _ = dn
+  k_lhs, k_rhs, _, _ = _split_key(key)
+  lhs_q = _fq_axes(lhs, lc, cfg.lhs, k_lhs, "lhs").astype(compute)
+  rhs_q = _fq_axes(rhs, rc, cfg.rhs, k_rhs, "rhs").astype(compute)
+  # Without the barrier XLA's simplifier hoists a per-tensor scale out of the dot
+  # (dot(c * s, w) -> s * dot(c, w)), which rounds differently from the fake-quant operands.
+  return lax.optimization_barrier((lhs_q, rhs_q))
+
+
+def _backward(dn, cfg: QDotConfig, precision, lhs_op, rhs_op, key, g):
+  """(dlhs, drhs) in FP32 from the saved operands (original or dequantized, compute dtype)."""
+  compute = jnp.dtype(cfg.compute_dtype)
+  dims = _Dims(dn, lhs_op.ndim, rhs_op.ndim)
+  if cfg.backward != "quantized":
+    g_c = g.astype(compute)
+    return dims.dgrad(g_c, rhs_op, precision), dims.wgrad(lhs_op, g_c, precision)
+  _, _, k_dgrad, k_wgrad = _split_key(key)
+  # dgrad GEMM contracts the rhs free axes.
+  g_d = _fq_axes(g, dims.g_rf, cfg.grad, k_dgrad, "dgrad gradient").astype(compute)
+  rhs_d = _fq_axes(rhs_op, dims.rf, _no_sr(cfg.rhs), None, "dgrad rhs").astype(compute)
+  # wgrad GEMM contracts the lhs free axes (e.g. batch x time).
+  g_w, lhs_w = g, lhs_op
+  if cfg.rht_wgrad:
+    g_w = _along(g_w.astype(jnp.float32), dims.g_lf, rht)
+    lhs_w = _along(lhs_w.astype(jnp.float32), dims.lf, rht)
+  g_w = _fq_axes(g_w, dims.g_lf, cfg.grad, k_wgrad, "wgrad gradient").astype(compute)
+  lhs_w = _fq_axes(lhs_w, dims.lf, _no_sr(cfg.lhs), None, "wgrad lhs").astype(compute)
+  return dims.dgrad(g_d, rhs_d, precision), dims.wgrad(lhs_w, g_w, precision)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _qdot(lhs, rhs, key, dn, cfg, precision, preferred_element_type):
+  lhs_q, rhs_q = _forward_operands(lhs, rhs, key, dn, cfg)
+  return lax.dot_general(lhs_q, rhs_q, dn, precision=precision,
+                         preferred_element_type=preferred_element_type)
+
+
+def _qdot_fwd(lhs, rhs, key, dn, cfg, precision, preferred_element_type):
+  lhs_q, rhs_q = _forward_operands(lhs, rhs, key, dn, cfg)
+  out = lax.dot_general(lhs_q, rhs_q, dn, precision=precision,
+                        preferred_element_type=preferred_element_type)
+  if cfg.backward == "high_precision":
+    compute = jnp.dtype(cfg.compute_dtype)
+    lhs_q, rhs_q = lhs.astype(compute), rhs.astype(compute)
+  # Zero-size arrays carry the primal dtypes to the backward (cotangents must match them).
+  dtypes = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+  return out, (lhs_q, rhs_q, key, dtypes)
+
+
+def _qdot_bwd(dn, cfg, precision, preferred_element_type, res, g):
+  del preferred_element_type
+  lhs_op, rhs_op, key, (lhs_dt, rhs_dt) = res
+  dlhs, drhs = _backward(dn, cfg, precision, lhs_op, rhs_op, key, g)
+  return dlhs.astype(lhs_dt.dtype), drhs.astype(rhs_dt.dtype), None
+
+
+_qdot.defvjp(_qdot_fwd, _qdot_bwd)
+
+
+def _check(lhs, rhs, dn: DimensionNumbers, cfg: QDotConfig, key) -> None:
+  """Trace-time validation of everything the forward and backward will need."""
+  (lc, rc), _ = dn
+  for name, qc, axes in (("lhs", cfg.lhs, lc), ("rhs", cfg.rhs, rc)):
+    if qc is None:
+      continue
+    if qc.kind != "tensor" and not qc.block_2d and len(axes) != 1:
+      raise ValueError(f"{name}: {qc.fmt} blocks along one contracting axis, but this dot_general "
+                       f"contracts {len(axes)} axes {axes}; reshape so one axis is contracted, or "
+                       "use a per-tensor format.")
+  needs_key = any(q is not None and q.stochastic_rounding for q in (cfg.lhs, cfg.rhs))
+  needs_key |= cfg.backward == "quantized" and cfg.grad.stochastic_rounding
+  if needs_key and key is None:
+    raise ValueError("This QDotConfig uses stochastic rounding: pass key=jax.random.key(seed) to "
+                     "quantized_dot_general / make_dot_general.")
+  if cfg.backward == "quantized" and cfg.grad.block_2d:
+    raise ValueError("cfg.grad: block_2d is for weights; quantize gradients with 1-D blocks.")
+  # Shape checks of forward and backward quantizers, abstractly (raises before any compile).
+  lhs_s = jax.ShapeDtypeStruct(lhs.shape, lhs.dtype)
+  rhs_s = jax.ShapeDtypeStruct(rhs.shape, rhs.dtype)
+  out_s = jax.eval_shape(lambda a, b, k: _forward_operands(a, b, k, dn, cfg), lhs_s, rhs_s, key)
+  if cfg.backward == "quantized":
+    y_s = jax.eval_shape(lambda a, b: lax.dot_general(a, b, dn), *out_s)
+    g_s = jax.ShapeDtypeStruct(y_s.shape, jnp.float32)
+    jax.eval_shape(lambda a, b, k, g: _backward(dn, cfg, None, a, b, k, g), *out_s, key, g_s)
+
+
+def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
+                          cfg: QDotConfig | None, key: jax.Array | None = None,
+                          preferred_element_type: Any = jnp.float32,
+                          precision: Any = None) -> jax.Array:
+  """`lax.dot_general` with quantized operands and the backward selected by cfg.backward.
+
+  Args:
+    lhs, rhs: operands (any float dtype); each is quantized along its contracting axis
+      (cfg.lhs.axis / cfg.rhs.axis are overridden).
+    dimension_numbers: as for lax.dot_general (batch dims allowed).
+    cfg: the QDotConfig; None means a plain `lax.dot_general(lhs, rhs)` on the operands as given.
+      A config quantizing neither operand is a plain dot_general in cfg.compute_dtype.
+    key: PRNG key, required when any quantizer uses stochastic rounding; not differentiated.
+    preferred_element_type: output/accumulation dtype; None = lax's default (the compute dtype).
+    precision: passed to every GEMM, forward and backward.
+  Returns:
+    The product, in preferred_element_type.
+  """
+  dn = _normalize_dn(dimension_numbers, lhs.ndim, rhs.ndim)
+  pet = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
+  if cfg is None:
+    return lax.dot_general(lhs, rhs, dn, precision=precision, preferred_element_type=pet)
+  if not isinstance(cfg, QDotConfig):
+    raise ValueError(f"cfg must be a QDotConfig or None, got {type(cfg).__name__}.")
+  if not cfg.quantized:
+    compute = jnp.dtype(cfg.compute_dtype)
+    return lax.dot_general(lhs.astype(compute), rhs.astype(compute), dn, precision=precision,
+                           preferred_element_type=pet)
+  _check(lhs, rhs, dn, cfg, key)
+  return _qdot(lhs, rhs, key, dn, cfg, precision, pet)
+
+
+def make_dot_general(cfg: QDotConfig | None, key: jax.Array | None = None) -> Callable:
+  """A drop-in `dot_general` (lax signature) for Flax layers, e.g. nn.Dense(dot_general=...).
+
+  The returned callable is
+  `(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None) -> jax.Array`;
+  preferred_element_type None gives the compute dtype, like lax.dot_general on cast operands.
+  """
+
+  def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    return quantized_dot_general(lhs, rhs, dimension_numbers, cfg, key,
+                                 preferred_element_type=preferred_element_type,
+                                 precision=precision)
+
+  return dot_general

@@ -1,0 +1,51 @@
+"""Sampler/trainer mismatch metrics, logged every step (REFERENCE.md §3).
+
+Tokens are sampled from the sampler, so with d = logp_sampler - logp_trainer on masked tokens:
+  mismatch_kl     = mean(d)                  k1 estimate of KL(sampler || trainer)
+  mismatch_kl_k3  = mean(w - log w - 1)      k3 estimate of the same KL, w = exp(-d); >= 0 per token
+  abs_dlogp_mean, abs_dlogp_max = mean and max of |d|
+  is_weight_mean, is_weight_std = mean and population std of w (w = pi_trainer / pi_sampler)
+  ess             = (sum w)^2 / (N sum w^2)  in (0, 1]; 1 when all weights are equal
+An all-zero mask means "no evidence of mismatch": KLs, |d| stats and the weight std are 0, the weight
+mean and ESS are 1. No NaN either way.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lowrl.rl.kl import k3_from_log_ratio
+from lowrl.rl.masked import masked_count, masked_max, masked_mean, masked_sum, safe_divide
+
+
+def mismatch_metrics(logp_sampler_BT: jax.Array, logp_trainer_BT: jax.Array,
+                     mask_BT: jax.Array) -> dict[str, jax.Array]:
+  """FP32 scalar mismatch metrics over the masked tokens (see module docstring); no gradient."""
+  if logp_sampler_BT.shape != logp_trainer_BT.shape or logp_sampler_BT.shape != mask_BT.shape:
+    raise ValueError(f"Shape mismatch: sampler {logp_sampler_BT.shape}, trainer "
+                     f"{logp_trainer_BT.shape}, mask {mask_BT.shape}.")
+  logp_sampler_BT = jax.lax.stop_gradient(jnp.asarray(logp_sampler_BT, jnp.float32))
+  logp_trainer_BT = jax.lax.stop_gradient(jnp.asarray(logp_trainer_BT, jnp.float32))
+  mask_BT = jnp.asarray(mask_BT, jnp.float32)
+  # Zero on padding so exp() below can't overflow on garbage logprobs.
+  d_BT = jnp.where(mask_BT != 0, logp_sampler_BT - logp_trainer_BT, 0.0)
+  w_BT = jnp.exp(-d_BT)
+  abs_d_BT = jnp.abs(d_BT)
+
+  w_mean = masked_mean(w_BT, mask_BT, empty=1.0)
+  w_var = masked_mean(jnp.square(w_BT - w_mean), mask_BT)
+  # ESS is scale-invariant: normalise by the largest weight so the sums can't overflow.
+  log_w_BT = -d_BT
+  u_BT = jnp.exp(log_w_BT - masked_max(log_w_BT, mask_BT))
+  sum_u = masked_sum(u_BT, mask_BT)
+  sum_u2 = masked_sum(jnp.square(u_BT), mask_BT)
+  return {
+      "mismatch_kl": masked_mean(d_BT, mask_BT),
+      # w - log w - 1 with log w = -d.
+      "mismatch_kl_k3": masked_mean(k3_from_log_ratio(-d_BT), mask_BT),
+      "abs_dlogp_mean": masked_mean(abs_d_BT, mask_BT),
+      "abs_dlogp_max": masked_max(abs_d_BT, mask_BT),
+      "is_weight_mean": w_mean,
+      "is_weight_std": jnp.sqrt(w_var),
+      "ess": safe_divide(jnp.square(sum_u), masked_count(mask_BT) * sum_u2, empty=1.0),
+  }

@@ -1,0 +1,371 @@
+"""Batched sampling: one jitted prefill + `lax.while_loop` decode over a donated KV cache.
+
+Layout (the "Sampler contract" in ARCHITECTURE.md): prompts arrive padded either way
+([B, P] tokens + mask); inside, each row is left-aligned so its last prompt token sits in
+column P - 1, and the completion occupies columns [P, P + N) of every row, N = max_new_tokens.
+The trainer re-scores `out.tokens` with `mask_BT=out.attention_mask` and reads the completion
+columns; `token_logprobs`' alignment (logp[:, t] scores tokens[:, t]) makes the columns line up.
+
+Two logprobs are recorded per generated token, both FP32:
+  `logprobs`: log q(y_t), q the distribution actually sampled from (logits / temperature,
+    restricted to top-k / top-p and renormalised). What importance corrections divide by.
+    Temperature 0 (greedy) is a point mass: 0.
+  `model_logprobs`: log p(y_t) under the raw model (temperature 1, no filtering).
+With temperature 1 and no filtering they are the same.
+
+Exact mode (`rescore`): both are recomputed from the *trainer's* full-sequence forward
+(`token_logprobs` on the finished sequences, same shapes as the trainer's call), so a trainer
+that scores the same sequences with the same params, policy and quant key gets bit-identical
+values: the only remaining sampler/trainer difference is staleness.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from lowrl.models import transformer
+from lowrl.models.config import ModelConfig
+from lowrl.precision import PrecisionPolicy
+
+Params = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """Static sampling settings (hashable: a jit static argument).
+
+  Attributes:
+    max_new_tokens: N, completion columns per row.
+    temperature: > 0 scales logits; 0 is greedy (argmax).
+    top_k: keep the k most likely tokens (0 = off).
+    top_p: keep the smallest most-likely set with mass >= top_p (1.0 = off).
+    stop_tokens: ids that end a completion (the stop token is kept, masked 1).
+    pad_id: written to padding columns of `tokens`.
+  """
+
+  max_new_tokens: int
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  stop_tokens: tuple[int, ...] = ()
+  pad_id: int = 0
+
+  def __post_init__(self):
+    object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1.")
+    if self.temperature < 0:
+      raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy).")
+    if self.top_k < 0:
+      raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off).")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p={self.top_p} must be in (0, 1] (1 = off).")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+  @property
+  def modifies_distribution(self) -> bool:
+    """Whether q (sampled from) differs from the raw model distribution p."""
+    return self.greedy or self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0
+
+  def check(self, model_cfg: ModelConfig) -> None:
+    """Raises ValueError for ids outside the vocabulary."""
+    v = model_cfg.vocab_size
+    bad = [t for t in self.stop_tokens + (self.pad_id,) if not 0 <= t < v]
+    if bad:
+      raise ValueError(f"stop_tokens/pad_id {bad} are outside the vocabulary [0, {v}).")
+    if self.top_k > v:
+      raise ValueError(f"top_k={self.top_k} exceeds vocab_size={v}; use top_k <= {v} or 0.")
+
+
+@struct.dataclass
+class SampleOutput:
+  """Finished rollouts. L = P + N; every array is [B, L] unless noted.
+
+  Attributes:
+    tokens: int32. Columns [0, P): the prompt, left-padded with pad_id. Columns [P, L): the
+      completion, pad_id after the stop token (or after N tokens).
+    prompt_mask: float32 1 on prompt tokens.
+    completion_mask: float32 1 on generated tokens up to and including the stop token.
+    logprobs: float32 log q(token) of the sampling distribution on completion tokens, else 0.
+    model_logprobs: float32 log p(token) of the raw model on completion tokens, else 0.
+    prompt_lengths: [B] int32.
+    completion_lengths: [B] int32, = completion_mask.sum(-1).
+    prompt_width: P (static), the first completion column.
+  """
+
+  tokens: jax.Array
+  prompt_mask: jax.Array
+  completion_mask: jax.Array
+  logprobs: jax.Array
+  model_logprobs: jax.Array
+  prompt_lengths: jax.Array
+  completion_lengths: jax.Array
+  prompt_width: int = struct.field(pytree_node=False, default=0)
+
+  @property
+  def attention_mask(self) -> jax.Array:
+    """prompt_mask + completion_mask: the mask_BT to re-score `tokens` with."""
+    return self.prompt_mask + self.completion_mask
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributions.
+
+
+def sampling_logits(logits_NV: jax.Array, config: SamplingConfig) -> jax.Array:
+  """FP32 logits of q: logits / temperature, -inf outside the top-k / top-p support.
+
+  top-k keeps exactly k tokens (ties broken by `lax.top_k`'s order); top-p is applied after
+  top-k and always keeps the most likely token. Not for temperature 0.
+  """
+  x = logits_NV.astype(jnp.float32) / config.temperature
+  if config.top_k:
+    _, idx_Nk = jax.lax.top_k(x, config.top_k)
+    keep = jnp.put_along_axis(jnp.zeros(x.shape, bool), idx_Nk, True, axis=-1, inplace=False)
+    x = jnp.where(keep, x, -jnp.inf)
+  if config.top_p < 1.0:
+    order_NV = jnp.argsort(-x, axis=-1, stable=True)
+    sorted_x = jnp.take_along_axis(x, order_NV, axis=-1)
+    probs = jax.nn.softmax(sorted_x, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = mass_before < config.top_p
+    keep = jnp.put_along_axis(jnp.zeros(x.shape, bool), order_NV, keep_sorted, axis=-1,
+                              inplace=False)
+    x = jnp.where(keep, x, -jnp.inf)
+  return x
+
+
+def _logp_at(logits_NV: jax.Array, tokens_N: jax.Array) -> jax.Array:
+  logits = logits_NV.astype(jnp.float32)
+  picked = jnp.take_along_axis(logits, tokens_N[..., None], axis=-1)[..., 0]
+  return picked - jax.nn.logsumexp(logits, axis=-1)
+
+
+def sampling_logprobs(logits_NV: jax.Array, tokens_N: jax.Array,
+                      config: SamplingConfig) -> jax.Array:
+  """log q(tokens) under the sampling distribution (greedy: 0 at the argmax, -inf elsewhere)."""
+  if config.greedy:
+    is_max = tokens_N == jnp.argmax(logits_NV, axis=-1)
+    return jnp.where(is_max, 0.0, -jnp.inf).astype(jnp.float32)
+  return _logp_at(sampling_logits(logits_NV, config), tokens_N)
+
+
+def sample_token(key: jax.Array, logits_NV: jax.Array, config: SamplingConfig
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(token_N, log q(token)_N, log p(token)_N) for one step; logits FP32 [..., V]."""
+  if config.greedy:
+    token = jnp.argmax(logits_NV, axis=-1).astype(jnp.int32)
+    logq = jnp.zeros(token.shape, jnp.float32)
+  else:
+    x = sampling_logits(logits_NV, config)
+    token = jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+    logq = _logp_at(x, token)
+  return token, logq, _logp_at(logits_NV, token)
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation.
+
+
+def left_align(tokens_BP: jax.Array, mask_BP: jax.Array, pad_id: int
+               ) -> tuple[jax.Array, jax.Array]:
+  """Moves each row's real tokens (order kept) to the right end; padding (pad_id) to the left."""
+  mask = mask_BP.astype(bool)
+  order = jnp.argsort(mask.astype(jnp.int32), axis=-1, stable=True)
+  mask = jnp.take_along_axis(mask, order, axis=-1)
+  tokens = jnp.where(mask, jnp.take_along_axis(tokens_BP, order, axis=-1), pad_id)
+  return tokens.astype(jnp.int32), mask
+
+
+def _fold(key, i):
+  return None if key is None else jax.random.fold_in(key, i)
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "policy", "config"),
+                   donate_argnames=("cache",))
+def _generate(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, *, model_cfg, policy,
+              config):
+  batch, p = prompt_BP.shape
+  n = config.max_new_tokens
+  prompt_BP, pmask_BP = left_align(prompt_BP, prompt_mask_BP, config.pad_id)
+  plen_B = pmask_BP.sum(-1).astype(jnp.int32)
+  stop = jnp.asarray(config.stop_tokens or (-1,), jnp.int32)
+  # The donated buffers are reused; stale contents are never attended (mask), zero them anyway
+  # so that a NaN left by an earlier call cannot leak through 0 * NaN.
+  cache = jax.tree.map(jnp.zeros_like, cache)
+
+  # Prefill: the LM head only for column P - 1, where every left-aligned prompt ends.
+  logits_B1V, cache = transformer.forward_with_cache(
+      params, prompt_BP, cache, model_cfg, policy, mask_BT=pmask_BP,
+      positions_BT=transformer.positions_from_mask(pmask_BP), quant_key=quant_key,
+      last_only=True)
+  tok_B, logq_B, logp_B = sample_token(jax.random.fold_in(rng, 0), logits_B1V[:, 0], config)
+
+  def record(state, i, tok_B, logq_B, logp_B):
+    tokens, logq, logp, cmask, done = state
+    live = ~done
+    tok_B = jnp.where(live, tok_B, config.pad_id)
+    tokens = tokens.at[:, i].set(tok_B)
+    logq = logq.at[:, i].set(jnp.where(live, logq_B, 0.0))
+    logp = logp.at[:, i].set(jnp.where(live, logp_B, 0.0))
+    cmask = cmask.at[:, i].set(live)
+    done = done | (live & jnp.isin(tok_B, stop))
+    return tokens, logq, logp, cmask, done
+
+  state = (jnp.full((batch, n), config.pad_id, jnp.int32), jnp.zeros((batch, n), jnp.float32),
+           jnp.zeros((batch, n), jnp.float32), jnp.zeros((batch, n), bool),
+           jnp.zeros((batch,), bool))
+  state = record(state, 0, tok_B, logq_B, logp_B)
+
+  def cond(carry):
+    i, state, _ = carry
+    return (i < n) & ~jnp.all(state[-1])
+
+  def body(carry):
+    i, state, cache = carry
+    tokens, _, _, cmask, _ = state
+    prev_B1 = jax.lax.dynamic_slice_in_dim(tokens, i - 1, 1, axis=1)
+    prev_live_B1 = jax.lax.dynamic_slice_in_dim(cmask, i - 1, 1, axis=1)
+    logits_B1V, cache = transformer.forward_with_cache(
+        params, prev_B1, cache, model_cfg, policy, mask_BT=prev_live_B1,
+        positions_BT=(plen_B + i - 1)[:, None], quant_key=_fold(quant_key, p + i - 1))
+    tok_B, logq_B, logp_B = sample_token(jax.random.fold_in(rng, i), logits_B1V[:, 0], config)
+    return i + 1, record(state, i, tok_B, logq_B, logp_B), cache
+
+  _, state, cache = jax.lax.while_loop(cond, body, (jnp.int32(1), state, cache))
+  tokens_BN, logq_BN, logp_BN, cmask_BN, _ = state
+  zeros_BP = jnp.zeros((batch, p), jnp.float32)
+  out = SampleOutput(
+      tokens=jnp.concatenate([prompt_BP, tokens_BN], axis=1),
+      prompt_mask=jnp.concatenate([pmask_BP.astype(jnp.float32), jnp.zeros((batch, n))], axis=1),
+      completion_mask=jnp.concatenate([zeros_BP, cmask_BN.astype(jnp.float32)], axis=1),
+      logprobs=jnp.concatenate([zeros_BP, logq_BN], axis=1),
+      model_logprobs=jnp.concatenate([zeros_BP, logp_BN], axis=1),
+      prompt_lengths=plen_B,
+      completion_lengths=cmask_BN.sum(-1).astype(jnp.int32),
+      prompt_width=p)
+  return out, cache
+
+
+def _check_inputs(prompt_BP, prompt_mask_BP, model_cfg, config):
+  if prompt_BP.ndim != 2 or prompt_BP.shape != prompt_mask_BP.shape:
+    raise ValueError(f"prompt tokens {prompt_BP.shape} and prompt mask {prompt_mask_BP.shape} "
+                     "must both be [B, P].")
+  config.check(model_cfg)
+  length = prompt_BP.shape[1] + config.max_new_tokens
+  if length > model_cfg.max_seq_len:
+    raise ValueError(f"P + max_new_tokens = {length} exceeds model_cfg.max_seq_len="
+                     f"{model_cfg.max_seq_len}; shorten the prompts or max_new_tokens.")
+  lengths = np.asarray(prompt_mask_BP).astype(bool).sum(-1)
+  if lengths.min() < 1:
+    raise ValueError(f"rows {np.flatnonzero(lengths < 1).tolist()} have empty prompts; every row "
+                     "needs at least one prompt token (e.g. a BOS id).")
+
+
+def generate(params: Params, prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Array,
+             rng: jax.Array, *, model_cfg: ModelConfig, policy: PrecisionPolicy,
+             config: SamplingConfig, quant_key: jax.Array | None = None,
+             cache: transformer.Cache | None = None
+             ) -> tuple[SampleOutput, transformer.Cache]:
+  """Samples N = config.max_new_tokens tokens per prompt with the KV cache (not exact mode).
+
+  Args:
+    params, model_cfg, policy: the sampler's model (may differ from the trainer's).
+    prompt_tokens_BP, prompt_mask_BP: prompts padded on either side; >= 1 real token per row.
+    rng: sampling key (step i uses fold_in(rng, i): deterministic given rng).
+    quant_key: stochastic-rounding key (the step writing column c uses fold_in(quant_key, c)).
+    cache: a cache from `transformer.init_cache(model_cfg, B, P + N, policy.dtype)` or from an
+      earlier call of the same shapes; donated (do not reuse the argument). None allocates one.
+
+  Returns:
+    (SampleOutput, the cache's buffers for the next call).
+  """
+  _check_inputs(prompt_tokens_BP, prompt_mask_BP, model_cfg, config)
+  batch, p = prompt_tokens_BP.shape
+  if cache is None:
+    cache = transformer.init_cache(model_cfg, batch, p + config.max_new_tokens, policy.dtype)
+  return _generate(params, jnp.asarray(prompt_tokens_BP, jnp.int32), jnp.asarray(prompt_mask_BP),
+                   rng, cache, quant_key, model_cfg=model_cfg, policy=policy, config=config)
+
+
+# Module-level jits: a trainer's `jax.jit(transformer.token_logprobs, ...)` traces the same
+# program for the same shapes, which is what makes exact mode bit-identical.
+_token_logprobs = jax.jit(transformer.token_logprobs, static_argnames=("model_cfg", "policy"))
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "policy", "config"))
+def _sampling_logprobs(params, tokens_BL, mask_BL, quant_key, *, model_cfg, policy, config):
+  logits_BLV = transformer.forward(params, tokens_BL, model_cfg, policy, mask_BT=mask_BL,
+                                   quant_key=quant_key)
+  logq = sampling_logprobs(logits_BLV[:, :-1], tokens_BL[:, 1:], config)
+  return jnp.pad(logq, ((0, 0), (1, 0)))
+
+
+def rescore(out: SampleOutput, params: Params, *, model_cfg: ModelConfig,
+            policy: PrecisionPolicy, config: SamplingConfig,
+            quant_key: jax.Array | None = None) -> SampleOutput:
+  """Exact mode: replaces both logprobs with the given (trainer) model's full forward.
+
+  `model_logprobs` = `transformer.token_logprobs(params, out.tokens, model_cfg, policy,
+  mask_BT=out.attention_mask, quant_key=quant_key)` on completion tokens. `logprobs` applies the
+  sampling transform (temperature, top-k, top-p) to the same forward's logits; when the
+  transform is the identity it is `model_logprobs` itself. Under top-k/top-p a token the
+  trainer's logits rank outside the support gets -inf.
+  """
+  comp = out.completion_mask > 0
+  mask_BL = out.attention_mask
+  logp = _token_logprobs(params, out.tokens, model_cfg=model_cfg, policy=policy, mask_BT=mask_BL,
+                         quant_key=quant_key)
+  logp = jnp.where(comp, logp, 0.0)
+  if config.modifies_distribution:
+    logq = _sampling_logprobs(params, out.tokens, mask_BL, quant_key, model_cfg=model_cfg,
+                              policy=policy, config=config)
+    logq = jnp.where(comp, logq, 0.0)
+  else:
+    logq = logp
+  return out.replace(logprobs=logq, model_logprobs=logp)
+
+
+class Sampler:
+  """Generation with a reused (donated) KV cache, optionally in exact mode.
+
+  Example:
+    sampler = Sampler(model_cfg, policy, SamplingConfig(max_new_tokens=16), exact=True)
+    out = sampler(params, prompts_BP, mask_BP, rng)
+  """
+
+  def __init__(self, model_cfg: ModelConfig, policy: PrecisionPolicy, config: SamplingConfig,
+               *, exact: bool = False, trainer_policy: PrecisionPolicy | None = None):
+    config.check(model_cfg)
+    self.model_cfg, self.policy, self.config = model_cfg, policy, config
+    self.exact = exact
+    self.trainer_policy = trainer_policy or policy
+    self._cache = None
+
+  def __call__(self, params: Params, prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Array,
+               rng: jax.Array, *, quant_key: jax.Array | None = None,
+               trainer_params: Params | None = None,
+               trainer_quant_key: jax.Array | None = None) -> SampleOutput:
+    """Generates; in exact mode re-scores with (trainer_params or params, trainer_policy)."""
+    batch, p = prompt_tokens_BP.shape
+    shape = (batch, p + self.config.max_new_tokens)
+    cache = self._cache if self._cache is not None and \
+        self._cache["mask"].shape == shape else None
+    self._cache = None  # donated below
+    out, self._cache = generate(params, prompt_tokens_BP, prompt_mask_BP, rng,
+                                model_cfg=self.model_cfg, policy=self.policy, config=self.config,
+                                quant_key=quant_key, cache=cache)
+    if self.exact:
+      out = rescore(out, params if trainer_params is None else trainer_params,
+                    model_cfg=self.model_cfg, policy=self.trainer_policy, config=self.config,
+                    quant_key=trainer_quant_key)
+    return out

@@ -1,0 +1,368 @@
+"""The RL training loop: mid-trained base -> GRPO-family updates under a precision recipe.
+
+Everything static is built and validated by `build` before anything is compiled. Each step:
+  1. the sampler generates a group of completions per prompt with the policy *version* and
+     precision the asynchronous schedule says (version = current params when synchronous);
+  2. the host decodes completions and scores them with the task's verifier;
+  3. the jitted pure update recomputes pi_old, applies the mismatch correction and runs mu
+     optimizer passes;
+  4. metrics (reward, mismatch, drift decomposition, entropy, clip fraction, gradient norm,
+     weight quantization error, sample texts) go to TensorBoard and `metrics.jsonl`;
+  5. an orbax checkpoint every `checkpoint_every` steps (params, optimizer state, reference
+     params, parameter versions the schedule still needs, RNG key, step, data position).
+Prompts of step t are drawn from a generator seeded by (seed, t), so the data position is the
+step and a resumed run sees exactly the prompts an uninterrupted one would.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from lowrl import precision
+from lowrl.asyncrl.drift import drift_metrics
+from lowrl.asyncrl.schedule import AsyncSchedule, VersionBuffer
+from lowrl.metrics.writer import create_writer
+from lowrl.models import transformer
+from lowrl.models.config import ModelConfig
+from lowrl.rl.advantages import ADVANTAGE_MODES, compute_advantages, group_has_signal, overlong_penalty
+from lowrl.rl.corrections import CorrectionConfig
+from lowrl.rl.losses import LossConfig
+from lowrl.sampling.sampler import SampleOutput, Sampler, SamplingConfig
+from lowrl.tasks.base import Task
+from lowrl.tasks.batching import decode_batch, encode_prompts
+from lowrl.tasks.registry import make_task
+from lowrl.training import diagnostics, optimizer, sft
+from lowrl.training.checkpointing import Checkpointer, abstract_like
+from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, make_rl_update
+
+Log = Callable[[str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """Everything static a run needs, validated."""
+
+  cfg: ml_collections.ConfigDict
+  task: Task
+  model_cfg: ModelConfig
+  trainer_policy: precision.PrecisionPolicy
+  sampler_policy: precision.PrecisionPolicy
+  sampling: SamplingConfig
+  eval_sampling: SamplingConfig
+  update_cfg: UpdateConfig
+  schedule: AsyncSchedule
+
+  @property
+  def batch_size(self) -> int:
+    return self.cfg.rl.num_prompts * self.cfg.rl.group_size
+
+
+def _positive(name: str, value, allow_zero: bool = False) -> None:
+  if value is None or (value < 0 if allow_zero else value <= 0):
+    raise ValueError(f"config.{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}.")
+
+
+def build(cfg: ml_collections.ConfigDict) -> Setup:
+  """Validates the config and builds the static pieces; raises ValueError naming the fix."""
+  rl = cfg.rl
+  for name in ("rl.steps", "rl.num_prompts", "rl.group_size", "rl.max_new_tokens",
+               "eval_num_prompts", "checkpoint_every", "log_every"):
+    node = cfg
+    for part in name.split("."):
+      node = node[part]
+    _positive(name, node)
+  _positive("sft.steps", cfg.sft.steps, allow_zero=True)
+  _positive("eval_every", cfg.eval_every, allow_zero=True)
+  if rl.group_size < 2:
+    raise ValueError(f"config.rl.group_size={rl.group_size}: group-relative advantages need >= 2 "
+                     "samples per prompt.")
+  if rl.advantage not in ADVANTAGE_MODES:
+    raise ValueError(f"config.rl.advantage={rl.advantage!r}; use one of {ADVANTAGE_MODES}.")
+  if not rl.temperature > 0:
+    raise ValueError(f"config.rl.temperature={rl.temperature} must be > 0 for RL rollouts (the "
+                     "importance ratios need a stochastic sampler).")
+  if rl.ref_reset_every < 0:
+    raise ValueError(f"config.rl.ref_reset_every={rl.ref_reset_every} must be >= 0 (0 = never).")
+  if (rl.num_prompts * rl.group_size) % rl.num_minibatches:
+    raise ValueError(f"rl.num_prompts * rl.group_size = {rl.num_prompts * rl.group_size} is not "
+                     f"divisible by rl.num_minibatches={rl.num_minibatches}.")
+  optimizer.validate_optimizer_config(cfg.optimizer)
+  if cfg.optimizer.master_rounding == "stochastic" and cfg.optimizer.master_dtype != "bfloat16":
+    raise ValueError("optimizer.master_rounding=stochastic rounds BF16 master weights; set "
+                     "optimizer.master_dtype=bfloat16 too.")
+
+  task = make_task(cfg.task.name, **cfg.task.kwargs.to_dict())
+  max_len = task.max_prompt_len + max(rl.max_new_tokens, task.max_answer_len)
+  model_cfg = ModelConfig(vocab_size=task.tokenizer.vocab_size, max_seq_len=max_len,
+                          **cfg.model.to_dict())
+  trainer_policy = precision.make_policy(cfg.precision, model_cfg)
+  sampler_cfg = cfg.precision
+  if cfg.sampler_precision.recipe:
+    sampler_cfg = precision.recipe(cfg.sampler_precision.recipe)
+  sampler_policy = precision.make_policy(sampler_cfg, model_cfg)
+  stop = (task.tokenizer.eos_id,)
+  sampling = SamplingConfig(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
+                            top_k=rl.top_k, top_p=rl.top_p, stop_tokens=stop,
+                            pad_id=task.tokenizer.pad_id)
+  sampling.check(model_cfg)
+  eval_sampling = dataclasses.replace(sampling, temperature=0.0, top_k=0, top_p=1.0)
+  loss_cfg = LossConfig(loss=rl.loss, clip_eps_low=rl.clip_eps_low,
+                        clip_eps_high=rl.clip_eps_high, cispo_eps_max=rl.cispo_eps_max,
+                        aggregation=rl.aggregation or None, max_len=rl.max_new_tokens,
+                        kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator)
+  correction = CorrectionConfig(mode=rl.correction, level=rl.correction_level,
+                                tis_cap=rl.tis_cap, mis_low=rl.mis_low, mis_high=rl.mis_high)
+  update_cfg = UpdateConfig(loss=loss_cfg, correction=correction, mu=rl.mu,
+                            num_minibatches=rl.num_minibatches,
+                            old_logp_source=rl.old_logp_source,
+                            master_rounding=cfg.optimizer.master_rounding)
+  a = cfg.async_rl
+  schedule = AsyncSchedule(lag=a.lag, sync_every=a.sync_every,
+                           lag_distribution=a.lag_distribution, seed=cfg.seed)
+  return Setup(cfg, task, model_cfg, trainer_policy, sampler_policy, sampling, eval_sampling,
+               update_cfg, schedule)
+
+
+def _quant_key(policy: precision.PrecisionPolicy, key: jax.Array) -> jax.Array | None:
+  return key if policy.needs_key else None
+
+
+class Trainer:
+  """Holds the jitted functions of one run; the state lives in plain pytrees."""
+
+  def __init__(self, setup: Setup, log: Log = print):
+    self.s = setup
+    self.log = log
+    cfg = setup.cfg
+    self.tx = optimizer.make_optimizer(cfg.optimizer, cfg.rl.steps * cfg.rl.mu
+                                       * cfg.rl.num_minibatches)
+    self.logprob_fn = make_logprob_fn(setup.model_cfg, setup.trainer_policy)
+    update = make_rl_update(self.logprob_fn, self.tx, setup.update_cfg)
+    self.update = jax.jit(update, donate_argnums=(0, 1))
+    self.sampler = Sampler(setup.model_cfg, setup.sampler_policy, setup.sampling,
+                           exact=cfg.sampler_exact, trainer_policy=setup.sampler_policy)
+    self.eval_sampler = Sampler(setup.model_cfg, setup.trainer_policy, setup.eval_sampling)
+    self.drift = jax.jit(self._drift)
+    self.weight_errors = jax.jit(
+        lambda p: diagnostics.weight_quant_errors(p, setup.model_cfg, setup.trainer_policy))
+
+  def _drift(self, stale_params, params, tokens_BT, input_mask_BT, logp_sampler_BT, mask_BT, key):
+    """Sampler -> trainer drift split into quantization and staleness parts."""
+    batch = {"tokens_BT": tokens_BT, "input_mask_BT": input_mask_BT}
+    logp_stale_BT = self.logprob_fn(stale_params, batch, key)[0]
+    logp_now_BT = self.logprob_fn(params, batch, key)[0]
+    return drift_metrics(logp_sampler_BT, logp_stale_BT, logp_now_BT, mask_BT)
+
+  # -- data -------------------------------------------------------------------------------------
+
+  def prompts(self, step: int):
+    """The step's prompts (data position = step), each repeated group_size times."""
+    cfg = self.s.cfg
+    rng = np.random.default_rng([cfg.seed, 2, step])
+    examples = self.s.task.sample(rng, cfg.rl.num_prompts, "train")
+    examples = [e for e in examples for _ in range(cfg.rl.group_size)]
+    tokens, lens = encode_prompts(self.s.task.tokenizer, [e.prompt for e in examples],
+                                  self.s.task.max_prompt_len)
+    mask = np.arange(tokens.shape[1])[None, :] < lens[:, None]
+    return examples, jnp.asarray(tokens), jnp.asarray(mask)
+
+  def rewards(self, out: SampleOutput, examples) -> tuple[np.ndarray, list[str]]:
+    tokens = np.asarray(out.tokens)
+    completions = decode_batch(self.s.task.tokenizer, tokens,
+                               np.full((tokens.shape[0],), out.prompt_width))
+    return self.s.task.rewards(completions, examples).astype(np.float32), completions
+
+  # -- evaluation -------------------------------------------------------------------------------
+
+  def evaluate(self, params, key: jax.Array) -> dict[str, float]:
+    """Greedy pass@1 on the held-out split (a fixed set of eval prompts)."""
+    cfg = self.s.cfg
+    rng = np.random.default_rng([cfg.seed, 3])
+    examples = self.s.task.sample(rng, cfg.eval_num_prompts, "eval")
+    tokens, lens = encode_prompts(self.s.task.tokenizer, [e.prompt for e in examples],
+                                  self.s.task.max_prompt_len)
+    mask = np.arange(tokens.shape[1])[None, :] < lens[:, None]
+    out = self.eval_sampler(params, jnp.asarray(tokens), jnp.asarray(mask), key,
+                            quant_key=_quant_key(self.s.trainer_policy, key))
+    rewards, _ = self.rewards(out, examples)
+    return {"pass@1": float(np.mean(rewards >= 1.0)), "reward": float(np.mean(rewards))}
+
+  # -- one step ---------------------------------------------------------------------------------
+
+  def rollout(self, sampler_params, step: int, key: jax.Array):
+    """Samples the step's batch with `sampler_params`; returns (batch, host-side info)."""
+    cfg, rl = self.s.cfg, self.s.cfg.rl
+    examples, tokens_BP, mask_BP = self.prompts(step)
+    k_sample, k_quant = jax.random.split(key)
+    out = self.sampler(sampler_params, tokens_BP, mask_BP, k_sample,
+                       quant_key=_quant_key(self.s.sampler_policy, k_quant),
+                       trainer_quant_key=_quant_key(self.s.sampler_policy, k_quant))
+    rewards, completions = self.rewards(out, examples)
+    lengths = np.asarray(out.completion_lengths)
+    shaped = rewards
+    if rl.overlong_buffer > 0:
+      shaped = rewards + np.asarray(overlong_penalty(jnp.asarray(lengths), rl.max_new_tokens,
+                                                     rl.overlong_buffer))
+    adv_B = compute_advantages(jnp.asarray(shaped), rl.group_size, rl.advantage)
+    loss_mask_BT = out.completion_mask
+    kept = 1.0
+    if rl.dynamic_sampling:
+      # DAPO dynamic sampling with static shapes: groups without signal are masked out.
+      signal_B = group_has_signal(jnp.asarray(rewards), rl.group_size)
+      loss_mask_BT = loss_mask_BT * signal_B[:, None].astype(jnp.float32)
+      kept = float(jnp.mean(signal_B))
+    batch = {"tokens_BT": out.tokens, "input_mask_BT": out.attention_mask,
+             "loss_mask_BT": loss_mask_BT, "logp_sampler_BT": out.logprobs, "adv_B": adv_B}
+    info = {"rewards": rewards, "lengths": lengths, "completions": completions,
+            "examples": examples, "groups_kept": kept}
+    return batch, info
+
+
+def _metrics_line(step: int, m: dict[str, float]) -> str:
+  return json.dumps({"step": step, **{k: round(float(v), 6) for k, v in m.items()}})
+
+
+def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> dict[str, Any]:
+  """Runs (or resumes) the whole pipeline in `workdir`; returns the summary."""
+  setup = build(cfg)  # every config error surfaces here, before any compile
+  os.makedirs(workdir, exist_ok=True)
+  log(f"[setup] task={cfg.task.name} model={setup.model_cfg.num_params():,} params "
+      f"trainer={setup.trainer_policy.name} sampler={setup.sampler_policy.name} "
+      f"async lag={setup.schedule.lag} sync_every={setup.schedule.sync_every}")
+  log(precision.format_table(precision.assignment_table(setup.trainer_policy, setup.model_cfg)))
+
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint_every)
+  base_dir = cfg.sft.base_dir or os.path.join(workdir, "base")
+  t0 = time.time()
+  base = sft.load_or_train_base(base_dir, setup.task, cfg.task, setup.model_cfg, cfg.sft,
+                                cfg.seed, log)
+  base = optimizer.to_master(base, cfg.optimizer.master_dtype)
+  trainer = Trainer(setup, log)
+  rl = cfg.rl
+  use_ref = rl.kl_coef > 0
+  versions = VersionBuffer(setup.schedule)
+
+  state = _state(base, optimizer.init_opt_state(trainer.tx, base),
+                 jax.random.key_data(jax.random.key(cfg.seed)), base if use_ref else None, {})
+  start = 0
+  if ckpt.latest_step() is not None:
+    latest = ckpt.latest_step()
+    abstract = abstract_like(jax.eval_shape(lambda: _with_versions(state, setup, latest)))
+    state, meta, start = ckpt.restore(abstract)
+    log(f"[resume] from step {start} (data position {meta['data_position']}) in {workdir}")
+  params, opt_state = state["params"], state["opt_state"]
+  ref_params = state.get("ref_params")
+  base_key = jax.random.wrap_key_data(state["rng"])
+  for v, p in state.get("versions", {}).items():
+    versions.put(int(v), p)
+
+  writer = create_writer(os.path.join(workdir, "tb"))
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  if start == 0:
+    open(metrics_path, "w").close()
+    ev = trainer.evaluate(params, jax.random.fold_in(base_key, -1 % 2**31))
+    log(f"[eval] step 0 held-out pass@1 {ev['pass@1']:.3f}")
+    writer.scalars(0, {f"eval/{k}": v for k, v in ev.items()})
+    with open(os.path.join(workdir, "eval_start.json"), "w") as f:
+      json.dump(ev, f)
+  with open(os.path.join(workdir, "eval_start.json")) as f:
+    eval_start = json.load(f)
+
+  # Only the schedule's versions need copies: the update donates (and so frees) `params`.
+  needs_copy = setup.schedule.lag > 0 or setup.schedule.sync_every > 1
+  copy = (lambda t: jax.tree.map(jnp.copy, t)) if needs_copy else (lambda t: t)
+  versions.put(start, copy(params))
+  t_rl = time.time()
+  for step in range(start, rl.steps):
+    key = jax.random.fold_in(base_key, step)
+    k_roll, k_upd, k_drift = jax.random.split(key, 3)
+    sv = setup.schedule.sampler_version(step)
+    sampler_params = versions.get(sv)
+    batch, info = trainer.rollout(sampler_params, step, k_roll)
+    drift = trainer.drift(sampler_params, params, batch["tokens_BT"], batch["input_mask_BT"],
+                          batch["logp_sampler_BT"], batch["loss_mask_BT"],
+                          _quant_key(setup.trainer_policy, k_drift))
+    params, opt_state, m = trainer.update(params, opt_state, ref_params, batch, k_upd)
+    versions.put(step + 1, copy(params))
+    versions.evict_before(step + 1)
+    if use_ref and rl.ref_reset_every and (step + 1) % rl.ref_reset_every == 0:
+      ref_params = jax.tree.map(jnp.copy, params)
+
+    m = {k: float(v) for k, v in {**m, **drift}.items()}
+    rewards = info["rewards"]
+    m.update({"reward/mean": float(rewards.mean()), "reward/pass_rate": float((rewards >= 1).mean()),
+              "response_length": float(info["lengths"].mean()), "groups_kept": info["groups_kept"],
+              "sampler_version_lag": float(step - sv), "versions_held": float(len(versions))})
+    if m["skipped_updates"] > 0:
+      log(f"[warn] step {step + 1}: {int(m['skipped_updates'])} optimizer step(s) skipped "
+          "(non-finite loss or gradient)")
+    done = step + 1
+    if cfg.eval_every and done % cfg.eval_every == 0 and done < rl.steps:
+      ev = trainer.evaluate(params, jax.random.fold_in(base_key, -1 % 2**31))
+      m.update({f"eval/{k}": v for k, v in ev.items()})
+    if done % cfg.log_every == 0 or done == rl.steps:
+      werr = {k: float(v) for k, v in trainer.weight_errors(params).items()}
+      if werr:
+        writer.histograms(done, {"quant_error/weights": np.array(list(werr.values()))})
+        m.update({f"quant_error/{k}": v for k, v in werr.items()})
+      writer.scalars(done, m)
+      writer.texts(done, {"samples": _sample_text(info, cfg.num_text_samples)})
+      with open(metrics_path, "a") as f:
+        f.write(_metrics_line(done, m) + "\n")
+      el = time.time() - t_rl
+      eta = el / (done - start) * (rl.steps - done)
+      log(f"[rl] step {done}/{rl.steps} reward {m['reward/mean']:.3f} "
+          f"pass {m['reward/pass_rate']:.3f} mismatch_kl {m['mismatch/mismatch_kl']:.2e} "
+          f"ess {m['mismatch/ess']:.3f} len {m['response_length']:.1f} "
+          f"elapsed {el:.0f}s eta {eta:.0f}s")
+    # The newest version is `params` itself: only older ones are saved separately.
+    state = _state(params, opt_state, jax.random.key_data(base_key), ref_params,
+                   {str(v): versions.get(v) for v in versions.versions() if v != done})
+    ckpt.save(done, state, {"data_position": done, "step": done}, force=done == rl.steps)
+  ckpt.wait()
+
+  ev_end = trainer.evaluate(params, jax.random.fold_in(base_key, -1 % 2**31))
+  writer.scalars(rl.steps, {f"eval/{k}": v for k, v in ev_end.items()})
+  writer.close()
+  summary = {"eval_start": eval_start, "eval_end": ev_end, "wall_s": time.time() - t0,
+             "steps": rl.steps}
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  log(f"[eval] held-out pass@1: start {eval_start['pass@1']:.3f} -> end {ev_end['pass@1']:.3f} "
+      f"(wall {summary['wall_s']:.0f}s)")
+  return summary
+
+
+def _state(params, opt_state, rng, ref_params, versions: dict[str, Any]) -> dict[str, Any]:
+  """The checkpointed tree; absent entries are left out (orbax stores no None leaves)."""
+  state = {"params": params, "opt_state": opt_state, "rng": rng}
+  if ref_params is not None:
+    state["ref_params"] = ref_params
+  if versions:
+    state["versions"] = versions
+  return state
+
+
+def _with_versions(state, setup: Setup, step: int):
+  """The state tree a checkpoint at `step` holds (which old versions it has depends on the step)."""
+  buf = VersionBuffer(setup.schedule)
+  for v in range(step + 1):
+    buf.put(v, state["params"])
+  buf.evict_before(step)
+  old = {str(v): state["params"] for v in buf.versions() if v != step}
+  return _state(state["params"], state["opt_state"], state["rng"], state.get("ref_params"), old)
+
+
+def _sample_text(info, n: int) -> str:
+  rows = []
+  for e, c, r in list(zip(info["examples"], info["completions"], info["rewards"]))[:n]:
+    rows.append(f"`{e.prompt}` -> `{c}` (answer `{e.answer}`, reward {r:g})")
+  return "\n\n".join(rows)

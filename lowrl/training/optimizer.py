@@ -1,0 +1,106 @@
+"""Optimizer (optax) and master-weight handling.
+
+Master weights are FP32 by default. With `master_dtype="bfloat16"` the parameter tree itself is
+BF16: the update is computed in FP32 on the upcast weights and rounded back either to nearest
+(RL's small updates below half a BF16 ulp are then erased) or stochastically (unbiased, so small
+updates survive in expectation; REFERENCE.md §2 "Stochastic rounding").
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from lowrl.quant.rounding import sr_cast_bf16
+
+MASTER_DTYPES = ("float32", "bfloat16")
+MASTER_ROUNDINGS = ("nearest", "stochastic")
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+def validate_optimizer_config(cfg: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the fix for out-of-range optimizer settings."""
+  if not cfg.lr > 0:
+    raise ValueError(f"optimizer.lr must be > 0, got {cfg.lr}.")
+  if cfg.schedule not in SCHEDULES:
+    raise ValueError(f"optimizer.schedule={cfg.schedule!r}; use one of {SCHEDULES}.")
+  if cfg.warmup_steps < 0:
+    raise ValueError(f"optimizer.warmup_steps must be >= 0, got {cfg.warmup_steps}.")
+  if not (0 <= cfg.b1 < 1 and 0 <= cfg.b2 < 1):
+    raise ValueError(f"optimizer.b1/b2 must be in [0, 1), got {cfg.b1}, {cfg.b2}.")
+  if cfg.grad_clip is not None and cfg.grad_clip <= 0:
+    raise ValueError(f"optimizer.grad_clip must be > 0 or None, got {cfg.grad_clip}.")
+  if cfg.master_dtype not in MASTER_DTYPES:
+    raise ValueError(f"optimizer.master_dtype={cfg.master_dtype!r}; use one of {MASTER_DTYPES}.")
+  if cfg.master_rounding not in MASTER_ROUNDINGS:
+    raise ValueError(
+        f"optimizer.master_rounding={cfg.master_rounding!r}; use one of {MASTER_ROUNDINGS}.")
+
+
+def make_schedule(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
+  """Learning-rate schedule: linear warmup then constant, cosine or linear decay."""
+  warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+  decay_steps = max(total_steps - warmup, 1)
+  if cfg.schedule == "constant":
+    decay = optax.constant_schedule(cfg.lr)
+  elif cfg.schedule == "cosine":
+    decay = optax.cosine_decay_schedule(cfg.lr, decay_steps, alpha=cfg.get("final_lr_fraction", 0.0))
+  else:
+    decay = optax.linear_schedule(cfg.lr, cfg.lr * cfg.get("final_lr_fraction", 0.0), decay_steps)
+  if warmup == 0:
+    return decay
+  return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), decay], [warmup])
+
+
+def make_optimizer(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
+  """AdamW with optional global-norm clipping; state is always FP32."""
+  validate_optimizer_config(cfg)
+  parts = []
+  if cfg.grad_clip is not None:
+    parts.append(optax.clip_by_global_norm(cfg.grad_clip))
+  parts.append(optax.adamw(make_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                           weight_decay=cfg.weight_decay))
+  return optax.chain(*parts)
+
+
+def to_master(params: Any, master_dtype: str) -> Any:
+  """Casts a parameter tree to the master-weight dtype (floating leaves only)."""
+  dtype = jnp.dtype(master_dtype)
+  return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p,
+                      params)
+
+
+def init_opt_state(tx: optax.GradientTransformation, params: Any) -> optax.OptState:
+  """Optimizer state, in FP32 whatever the master dtype."""
+  return tx.init(to_master(params, "float32"))
+
+
+def apply_update(tx: optax.GradientTransformation, params: Any, grads: Any,
+                 opt_state: optax.OptState, *, master_rounding: str,
+                 key: jax.Array | None) -> tuple[Any, optax.OptState]:
+  """One optimizer step: FP32 arithmetic, result rounded back to each leaf's dtype.
+
+  FP32 leaves are returned exactly as optax computes them. BF16 leaves are rounded to nearest or
+  stochastically (`master_rounding`), the latter with a key folded per leaf.
+  """
+  params32 = to_master(params, "float32")
+  grads32 = to_master(grads, "float32")
+  updates, opt_state = tx.update(grads32, opt_state, params32)
+  new32 = optax.apply_updates(params32, updates)
+
+  leaves, treedef = jax.tree.flatten(params)
+  new_leaves = treedef.flatten_up_to(new32)
+  out = []
+  for i, (old, new) in enumerate(zip(leaves, new_leaves)):
+    if old.dtype == jnp.float32:
+      out.append(new)
+    elif old.dtype == jnp.bfloat16 and master_rounding == "stochastic":
+      if key is None:
+        raise ValueError("master_rounding='stochastic' needs a PRNG key.")
+      out.append(sr_cast_bf16(new, jax.random.fold_in(key, i)))
+    else:
+      out.append(new.astype(old.dtype))
+  return jax.tree.unflatten(treedef, out), opt_state

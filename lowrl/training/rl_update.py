@@ -1,0 +1,139 @@
+"""The RL update: one pure function of (params, opt_state, ref_params, batch, key).
+
+It recomputes the trainer's logprobs of the sampled tokens (pi_old and the mismatch metrics), builds
+the sampler/trainer correction weights, then runs `mu` passes of `num_minibatches` optimizer steps
+on the batch against that fixed pi_old. A non-finite loss or gradient skips that optimizer step
+(params and optimizer state unchanged) and is counted in the metrics.
+
+Batch layout (all [B, T], aligned so that column t refers to token t, see ARCHITECTURE.md):
+  tokens_BT       int32, prompt + completion (+ padding)
+  input_mask_BT   bool/float, 1 on real (non-padding) tokens
+  loss_mask_BT    float32, 1 on completion tokens that count in the loss
+  logp_sampler_BT float32, the logprob the sampler recorded for token t (0 off loss_mask)
+  adv_B           float32 advantages
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lowrl.models import transformer
+from lowrl.models.config import ModelConfig
+from lowrl.precision import PrecisionPolicy
+from lowrl.rl.corrections import CorrectionConfig, correction_weights
+from lowrl.rl.losses import LossConfig, policy_loss
+from lowrl.rl.masked import masked_mean
+from lowrl.rl.mismatch import mismatch_metrics
+from lowrl.training.optimizer import apply_update
+
+Batch = dict[str, jax.Array]
+OLD_LOGP_SOURCES = ("trainer", "sampler")
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+  """Static settings of the update (hashable)."""
+
+  loss: LossConfig
+  correction: CorrectionConfig
+  mu: int = 1
+  num_minibatches: int = 1
+  old_logp_source: str = "trainer"
+  master_rounding: str = "nearest"
+
+  def __post_init__(self):
+    if self.mu < 1:
+      raise ValueError(f"rl.mu (inner updates per batch) must be >= 1, got {self.mu}.")
+    if self.num_minibatches < 1:
+      raise ValueError(f"rl.num_minibatches must be >= 1, got {self.num_minibatches}.")
+    if self.old_logp_source not in OLD_LOGP_SOURCES:
+      raise ValueError(f"rl.old_logp_source={self.old_logp_source!r}; use one of "
+                       f"{OLD_LOGP_SOURCES}.")
+
+
+def make_logprob_fn(model_cfg: ModelConfig, policy: PrecisionPolicy
+                    ) -> Callable[[Any, Batch, jax.Array | None], tuple[jax.Array, jax.Array]]:
+  """(params, batch, quant_key) -> (logp_BT, entropy_BT) of the batch's tokens, FP32."""
+  def logprob_fn(params, batch, quant_key):
+    return transformer.token_logprobs_and_entropy(
+        params, batch["tokens_BT"], model_cfg, policy, mask_BT=batch["input_mask_BT"],
+        quant_key=quant_key if policy.needs_key else None)
+  return logprob_fn
+
+
+def _tree_all_finite(tree: Any) -> jax.Array:
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+  return jnp.all(jnp.stack(leaves))
+
+
+def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConfig):
+  """Builds `update(params, opt_state, ref_params, batch, key) -> (params, opt_state, metrics)`.
+
+  `ref_params` may be None when no KL penalty is used (kl_coef == 0): the KL to the reference is
+  then not computed at all.
+  """
+
+  def update(params, opt_state, ref_params, batch: Batch, key: jax.Array):
+    key_fwd, key_opt = jax.random.split(key)
+    mask_BT = batch["loss_mask_BT"].astype(jnp.float32)
+    batch_size = mask_BT.shape[0]
+    if batch_size % cfg.num_minibatches:
+      raise ValueError(f"batch of {batch_size} sequences is not divisible into "
+                       f"rl.num_minibatches={cfg.num_minibatches}.")
+
+    # pi_old as the trainer sees it, with the params that start this update.
+    logp_trainer_BT, entropy_BT = jax.lax.stop_gradient(logprob_fn(params, batch, key_fwd))
+    logp_sampler_BT = batch["logp_sampler_BT"]
+    logp_old_BT = logp_trainer_BT if cfg.old_logp_source == "trainer" else logp_sampler_BT
+    is_w_BT, corr_metrics = correction_weights(logp_trainer_BT, logp_sampler_BT, mask_BT,
+                                               cfg.correction)
+    use_is = cfg.correction.mode != "none"
+    logp_ref_BT = None
+    if ref_params is not None and cfg.loss.kl_coef > 0:
+      logp_ref_BT = jax.lax.stop_gradient(logprob_fn(ref_params, batch, key_fwd)[0])
+
+    full = dict(batch, logp_old_BT=logp_old_BT, is_w_BT=is_w_BT, loss_mask_BT=mask_BT)
+    if logp_ref_BT is not None:
+      full["logp_ref_BT"] = logp_ref_BT
+    mb = batch_size // cfg.num_minibatches
+    minibatches = jax.tree.map(
+        lambda x: x.reshape((cfg.num_minibatches, mb) + x.shape[1:]), full)
+
+    def loss_fn(p, b):
+      logp_BT, _ = logprob_fn(p, b, key_fwd)
+      return policy_loss(logp_BT, b["logp_old_BT"], b["adv_B"], b["loss_mask_BT"], cfg.loss,
+                         logp_ref_BT=b.get("logp_ref_BT"),
+                         is_weights_BT=b["is_w_BT"] if use_is else None)
+
+    def step(carry, i):
+      p, o = carry
+      b = jax.tree.map(lambda x: x[i % cfg.num_minibatches], minibatches)
+      (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, b)
+      ok = jnp.isfinite(loss) & _tree_all_finite(grads)
+      grad_norm = optax.global_norm(grads)
+
+      def do(args):
+        return apply_update(tx, *args, master_rounding=cfg.master_rounding,
+                            key=jax.random.fold_in(key_opt, i))
+
+      p, o = jax.lax.cond(ok, do, lambda args: (args[0], args[2]), (p, grads, o))
+      m = dict(m, loss=loss, grad_norm=grad_norm, skipped=1.0 - ok.astype(jnp.float32))
+      return (p, o), m
+
+    (params, opt_state), step_metrics = jax.lax.scan(
+        step, (params, opt_state), jnp.arange(cfg.mu * cfg.num_minibatches))
+
+    metrics = {k: jnp.mean(v) for k, v in step_metrics.items() if k != "skipped"}
+    metrics["skipped_updates"] = jnp.sum(step_metrics["skipped"])
+    metrics["grad_norm_max"] = jnp.max(step_metrics["grad_norm"])
+    metrics["entropy"] = masked_mean(entropy_BT, mask_BT)
+    metrics.update({f"mismatch/{k}": v for k, v in
+                    mismatch_metrics(logp_sampler_BT, logp_trainer_BT, mask_BT).items()})
+    metrics.update({f"correction/{k}": v for k, v in corr_metrics.items()})
+    return params, opt_state, metrics
+
+  return update

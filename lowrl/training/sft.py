@@ -1,0 +1,103 @@
+"""Supervised "mid-training": turn a random model into a base with a modest pass rate.
+
+RL only works from a base whose pass@k is not zero (REFERENCE.md §5), so every RL run starts from
+a base trained with next-token cross-entropy on the task's reference targets. The base is
+precision-agnostic (FP32 policy), checkpointed with a fingerprint of everything that determines
+it, and reused by every run (and every recipe) that asks for the same base.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from lowrl.models import transformer
+from lowrl.models.config import ModelConfig
+from lowrl.precision import PrecisionPolicy
+from lowrl.rl.masked import masked_mean
+from lowrl.tasks.base import Task
+from lowrl.tasks.batching import encode_sft
+from lowrl.training.checkpointing import Checkpointer, abstract_like
+
+
+def sft_loss(params, tokens_BT, loss_mask_BT, model_cfg: ModelConfig,
+             policy: PrecisionPolicy) -> jax.Array:
+  """Mean next-token NLL over the target tokens (FP32).
+
+  Rows are right-padded and attention is causal, so trailing padding never reaches a target token:
+  no attention mask is needed.
+  """
+  logp_BT = transformer.token_logprobs(params, tokens_BT, model_cfg, policy)
+  return -masked_mean(logp_BT, loss_mask_BT)
+
+
+def fingerprint(task_cfg, model_cfg: ModelConfig, sft_cfg, seed: int) -> str:
+  """Short hash of everything that determines the base."""
+  blob = json.dumps({"task": task_cfg.to_dict() if hasattr(task_cfg, "to_dict") else task_cfg,
+                     "model": repr(model_cfg),
+                     "sft": sft_cfg.to_dict() if hasattr(sft_cfg, "to_dict") else sft_cfg,
+                     "seed": seed}, sort_keys=True, default=str)
+  return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def train_base(task: Task, model_cfg: ModelConfig, sft_cfg: ml_collections.ConfigDict, seed: int,
+               log: Callable[[str], None] = print) -> Any:
+  """Trains the base from scratch; deterministic in `seed`."""
+  policy = PrecisionPolicy.unquantized("float32", name="sft_fp32")
+  params = transformer.init_params(model_cfg, jax.random.key(seed))
+  tx = optax.chain(
+      optax.clip_by_global_norm(1.0),
+      optax.adamw(optax.warmup_cosine_decay_schedule(0.0, sft_cfg.lr, sft_cfg.warmup_steps,
+                                                     max(sft_cfg.steps, sft_cfg.warmup_steps + 1),
+                                                     end_value=sft_cfg.lr * 0.1),
+                  b1=0.9, b2=0.99, weight_decay=0.0))
+  opt_state = tx.init(params)
+  max_len = task.max_prompt_len + task.max_answer_len
+
+  def step(params, opt_state, tokens_BT, loss_mask_BT):
+    loss, grads = jax.value_and_grad(sft_loss)(params, tokens_BT, loss_mask_BT, model_cfg, policy)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  rng = np.random.default_rng([seed, 1])
+  start = time.time()
+  for i in range(sft_cfg.steps):
+    examples = task.sample(rng, sft_cfg.batch_size, "train")
+    tokens, mask = encode_sft(task.tokenizer, [e.prompt for e in examples],
+                              [task.target_text(e) for e in examples], max_len)
+    params, opt_state, loss = step(params, opt_state, jnp.asarray(tokens), jnp.asarray(mask))
+    if (i + 1) % max(1, sft_cfg.steps // 10) == 0 or i == 0:
+      elapsed = time.time() - start
+      eta = elapsed / (i + 1) * (sft_cfg.steps - i - 1)
+      log(f"[sft] step {i + 1}/{sft_cfg.steps} loss {float(loss):.4f} "
+          f"elapsed {elapsed:.0f}s eta {eta:.0f}s")
+  return params
+
+
+def load_or_train_base(base_dir: str, task: Task, task_cfg, model_cfg: ModelConfig,
+                       sft_cfg: ml_collections.ConfigDict, seed: int,
+                       log: Callable[[str], None] = print) -> Any:
+  """The base params from `base_dir/<fingerprint>` if saved there, else trains and saves them."""
+  fp = fingerprint(task_cfg, model_cfg, sft_cfg, seed)
+  ckpt = Checkpointer(os.path.join(base_dir, fp), every=1, max_to_keep=1)
+  if ckpt.latest_step() is not None:
+    abstract = abstract_like(jax.eval_shape(
+        lambda: transformer.init_params(model_cfg, jax.random.key(0))))
+    params, meta, _ = ckpt.restore({"params": abstract})
+    log(f"[sft] reusing base {fp} from {base_dir} (trained {meta.get('sft_steps')} steps)")
+    return params["params"]
+  params = train_base(task, model_cfg, sft_cfg, seed, log)
+  ckpt.save(0, {"params": params}, {"sft_steps": int(sft_cfg.steps), "fingerprint": fp},
+            force=True)
+  ckpt.wait()
+  log(f"[sft] saved base {fp} to {base_dir}")
+  return params

@@ -1,0 +1,75 @@
+"""TensorBoard writer: event files are written and read back with TensorBoard's EventAccumulator."""
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lowrl.metrics.writer import MetricWriter, NullWriter, create_writer
+
+
+def _read(logdir):
+  acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0,
+                                                     "images": 0})
+  acc.Reload()
+  return acc
+
+
+def test_roundtrip(tmp_path):
+  img = np.zeros((4, 6, 3), np.uint8)
+  img[1, 2] = [255, 0, 0]
+  with MetricWriter(tmp_path) as w:
+    w.scalars(1, {"loss": jnp.float32(0.5), "rl/kl": np.float64(1e-3), "count": 3})
+    w.scalars(jnp.int32(2), {"loss": jnp.array([0.25])})  # one-element arrays are scalars too
+    w.histograms(2, {"logp": jnp.arange(10.0), "w": np.array([1.0, np.nan, 3.0, np.inf])})
+    w.texts(3, {"sample": "2 + 2 = **4**"})
+    w.image(4, "attn", img)
+    w.flush()
+  assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path))
+
+  acc = _read(tmp_path)
+  loss = acc.Scalars("loss")
+  assert [(e.step, e.value) for e in loss] == [(1, 0.5), (2, 0.25)]
+  assert acc.Scalars("rl/kl")[0].value == pytest.approx(1e-3)
+  assert acc.Scalars("count")[0].value == 3.0
+
+  h = acc.Histograms("logp")[0]
+  assert h.step == 2
+  assert (h.histogram_value.num, h.histogram_value.sum) == (10, 45.0)
+  assert (h.histogram_value.min, h.histogram_value.max) == (0.0, 9.0)
+  hw = acc.Histograms("w")[0].histogram_value  # non-finite entries dropped
+  assert (hw.num, hw.sum) == (2, 4.0)
+
+  text = acc.Tensors("sample/text_summary")[0]
+  assert text.step == 3 and text.tensor_proto.string_val == [b"2 + 2 = **4**"]
+
+  im = acc.Images("attn")[0]
+  assert (im.step, im.height, im.width) == (4, 4, 6)
+
+
+def test_invalid_values(tmp_path):
+  with MetricWriter(tmp_path) as w:
+    with pytest.raises(ValueError, match="histograms"):
+      w.scalars(0, {"v": np.ones(3)})
+    with pytest.raises(ValueError, match="str"):
+      w.texts(0, {"t": 3})
+    with pytest.raises(ValueError, match="uint8"):
+      w.image(0, "x", np.zeros((4, 4, 3), np.float32))
+    with pytest.raises(ValueError, match=r"\[H, W, C\]"):
+      w.image(0, "x", np.zeros((4, 4), np.uint8))
+
+
+def test_null_writer_writes_nothing(tmp_path):
+  for w in (NullWriter(), create_writer(str(tmp_path), enabled=False), create_writer(None)):
+    assert isinstance(w, NullWriter)
+    with w:
+      w.scalars(0, {"a": 1.0})
+      w.histograms(0, {"h": np.ones(3)})
+      w.texts(0, {"t": "x"})
+      w.image(0, "i", np.zeros((2, 2, 3), np.uint8))
+      w.flush()
+  assert os.listdir(tmp_path) == []
+  real = create_writer(str(tmp_path / "run"))
+  assert isinstance(real, MetricWriter)
+  real.close()

@@ -1,0 +1,326 @@
+"""Decoder: param tree, causality, padding, KV cache, RoPE, logprobs, precision routing."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lowrl import precision
+from lowrl.models import config as model_config
+from lowrl.models import transformer
+from lowrl.models.config import ModelConfig
+
+TINY = model_config.preset("tiny")  # V=64, D=32, L=2, H=4, K=2, hd=8, F=64, untied
+# Every optional feature at once (Qwen3 qk-norm, Qwen2 biases, tied head, Llama 3 RoPE scaling).
+FULL = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                   d_ff=64, qk_norm=True, qkv_bias=True, tie_embeddings=True, rope_theta=500.0,
+                   max_seq_len=128, rope_llama3_scaling=(8.0, 1.0, 4.0, 16))
+FP32 = precision.PrecisionPolicy.unquantized("float32")
+
+fwd = jax.jit(transformer.forward, static_argnames=("model_cfg", "policy"))
+fwd_cache = jax.jit(transformer.forward_with_cache, static_argnames=("model_cfg", "policy",
+                                                                     "last_only"))
+
+
+@functools.lru_cache(maxsize=None)
+def _params(cfg, seed=0):
+  return transformer.init_params(cfg, jax.random.key(seed))
+
+
+def _tokens(shape, seed=1, vocab=64):
+  return jax.random.randint(jax.random.key(seed), shape, 0, vocab)
+
+
+# ----------------------------------------------------------------------------------------------
+# Config and params.
+
+
+def test_param_tree_matches_architecture():
+  cfg = FULL
+  params = _params(cfg)
+  d, hd, q, kv, f, v = 32, 8, 32, 16, 64, 64
+  layer = {"attn_norm": {"scale": (d,)},
+           "attn": {"q_proj": {"kernel": (d, q), "bias": (q,)},
+                    "k_proj": {"kernel": (d, kv), "bias": (kv,)},
+                    "v_proj": {"kernel": (d, kv), "bias": (kv,)},
+                    "o_proj": {"kernel": (q, d)},
+                    "q_norm": {"scale": (hd,)}, "k_norm": {"scale": (hd,)}},
+           "mlp_norm": {"scale": (d,)},
+           "mlp": {"gate_proj": {"kernel": (d, f)}, "up_proj": {"kernel": (d, f)},
+                   "down_proj": {"kernel": (f, d)}}}
+  expected = {"embed": {"embedding": (v, d)}, "layers_0": layer, "layers_1": layer,
+              "final_norm": {"scale": (d,)}}  # tied: no lm_head
+  shapes = jax.tree.map(lambda x: tuple(x.shape), params)
+  assert shapes == expected
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+  # Untied, no biases, no qk-norm.
+  plain = jax.tree.map(lambda x: tuple(x.shape), _params(TINY))
+  assert plain["lm_head"] == {"kernel": (32, 64)}
+  assert set(plain["layers_0"]["attn"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+  assert set(plain["layers_0"]["attn"]["q_proj"]) == {"kernel"}
+  for cfg in (FULL, TINY):
+    n = sum(x.size for x in jax.tree.leaves(_params(cfg)))
+    assert n == cfg.num_params()
+
+
+def test_init_is_deterministic_and_respects_param_dtype():
+  a = transformer.init_params(TINY, jax.random.key(7))
+  b = transformer.init_params(TINY, jax.random.key(7))
+  c = transformer.init_params(TINY, jax.random.key(8))
+  assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  assert not np.array_equal(a["embed"]["embedding"], c["embed"]["embedding"])
+  bf = transformer.init_params(TINY, jax.random.key(7), param_dtype=jnp.bfloat16)
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(bf))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(n_heads=4, n_kv_heads=3), "n_kv_heads"),
+    (dict(head_dim=7), "head_dim"),
+    (dict(d_model=0), "d_model"),
+    (dict(rope_llama3_scaling=(8.0, 4.0, 1.0, 16)), "rope_llama3_scaling"),
+    (dict(rms_eps=0.0), "rms_eps"),
+])
+def test_model_config_validation(kw, match):
+  base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
+  with pytest.raises(ValueError, match=match):
+    ModelConfig(**{**base, **kw})
+
+
+def test_presets_param_counts():
+  # Public figures: Qwen3-0.6B 0.6B (0.44B without embeddings), Llama-3.2-1B 1.24B.
+  assert model_config.preset("qwen3_0_6b").num_params() == pytest.approx(0.596e9, rel=0.01)
+  assert model_config.preset("llama3_2_1b").num_params() == pytest.approx(1.236e9, rel=0.01)
+  assert model_config.preset("qwen2_5_0_5b").num_params() == pytest.approx(0.494e9, rel=0.01)
+  with pytest.raises(ValueError, match="Unknown model preset"):
+    model_config.preset("gpt5")
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE.
+
+
+def _hf_rope(x_BTNH, positions_BT, inv_freq):
+  """Hugging Face `apply_rotary_pos_emb` transcribed to NumPy (float64)."""
+  freqs = positions_BT[..., None].astype(np.float64) * inv_freq.astype(np.float64)
+  emb = np.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+  half = x_BTNH.shape[-1] // 2
+  rotate_half = np.concatenate([-x_BTNH[..., half:], x_BTNH[..., :half]], axis=-1)
+  return x_BTNH * np.cos(emb) + rotate_half * np.sin(emb)
+
+
+def test_rope_is_hf_rotate_half_and_relative():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(2, 5, 3, 8)).astype(np.float32)
+  pos = rng.integers(0, 100, size=(2, 5))
+  inv = transformer.rope_inv_freq(TINY)
+  np.testing.assert_allclose(inv, 1.0 / 10000.0 ** (np.arange(0, 8, 2) / 8), rtol=1e-6)
+  out = np.asarray(transformer.apply_rope(jnp.asarray(x), jnp.asarray(pos), inv))
+  np.testing.assert_allclose(out, _hf_rope(x, pos, inv), atol=1e-5)
+  # q.k after RoPE depends only on the position difference.
+  q, k = x[:1, :1], x[1:, :1]
+  dot = lambda i, j: float(np.sum(np.asarray(transformer.apply_rope(  # noqa: E731
+      jnp.asarray(q), jnp.full((1, 1), i), inv)) * np.asarray(transformer.apply_rope(
+          jnp.asarray(k), jnp.full((1, 1), j), inv))))
+  assert dot(10, 3) == pytest.approx(dot(57, 50), abs=1e-4)
+  assert dot(10, 3) != pytest.approx(dot(10, 4), abs=1e-3)
+
+
+def test_llama3_rope_scaling():
+  cfg = model_config.preset("llama3_2_1b")
+  factor, low, high, orig = cfg.rope_llama3_scaling
+  base = 1.0 / cfg.rope_theta ** (np.arange(0, 64, 2) / 64)
+  scaled = transformer.rope_inv_freq(cfg)
+  wavelen = 2 * np.pi / base
+  hi = wavelen < orig / high  # short wavelengths untouched
+  lo = wavelen > orig / low  # long wavelengths slowed by `factor`
+  mid = ~hi & ~lo
+  assert hi.any() and lo.any() and mid.any()
+  np.testing.assert_allclose(scaled[hi], base[hi], rtol=1e-6)
+  np.testing.assert_allclose(scaled[lo], base[lo] / factor, rtol=1e-6)
+  # Medium band: interpolates between the two, monotonically in wavelength.
+  assert np.all(scaled[mid] < base[mid]) and np.all(scaled[mid] > base[mid] / factor)
+  smooth = (orig / wavelen[mid] - low) / (high - low)
+  np.testing.assert_allclose(scaled[mid], (1 - smooth) * base[mid] / factor + smooth * base[mid],
+                             rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Causality, padding, KV cache.
+
+
+def test_causality_gradient():
+  """d logits[:, :t+1] / d embedding rows of tokens that occur only after t is exactly 0."""
+  t = 4
+  early = jnp.array([[1, 2, 3, 4, 5]])
+  late = jnp.array([[40, 41, 42]])
+  tokens = jnp.concatenate([early, late], axis=1)
+  params = _params(TINY)
+
+  def early_logits(embedding):
+    p = {**params, "embed": {"embedding": embedding}}
+    return jnp.sum(transformer.forward(p, tokens, TINY, FP32)[:, :t + 1] ** 2)
+
+  g = jax.grad(early_logits)(params["embed"]["embedding"])
+  assert np.all(np.asarray(g[40:43]) == 0.0)
+  assert np.all(np.abs(np.asarray(g[1:6])).sum(-1) > 0)  # the early tokens do matter
+
+
+@pytest.mark.parametrize("name", ["fp32", "nvfp4_recipe"])
+def test_causality_perturbation(name):
+  """Changing later tokens leaves earlier logits bit-identical (per-token activation scales
+  keep NVFP4 quantization causal too)."""
+  policy = precision.policy_for(name, TINY)
+  a = _tokens((2, 10), seed=3)
+  b = a.at[:, 6:].set(_tokens((2, 4), seed=4))
+  la, lb = fwd(_params(TINY), a, TINY, policy), fwd(_params(TINY), b, TINY, policy)
+  np.testing.assert_array_equal(la[:, :6], lb[:, :6])
+  assert not np.allclose(la[:, 6:], lb[:, 6:])
+
+
+@pytest.mark.parametrize("cfg", [TINY, FULL], ids=["tiny", "full"])
+def test_padding_does_not_change_real_tokens(cfg):
+  params = _params(cfg)
+  toks = _tokens((1, 6), seed=5)
+  ref = fwd(params, toks, cfg, FP32)
+  # Left padding (positions from the mask) and right padding both leave the real logits.
+  left = jnp.concatenate([jnp.full((1, 3), 7), toks], axis=1)
+  left_mask = jnp.array([[0, 0, 0] + [1] * 6])
+  right = jnp.concatenate([toks, jnp.full((1, 3), 7)], axis=1)
+  right_mask = jnp.array([[1] * 6 + [0, 0, 0]])
+  np.testing.assert_allclose(fwd(params, left, cfg, FP32, mask_BT=left_mask)[:, 3:], ref,
+                             atol=1e-5)
+  np.testing.assert_allclose(fwd(params, right, cfg, FP32, mask_BT=right_mask)[:, :6], ref,
+                             atol=1e-5)
+  # Changing a padding token changes nothing.
+  other = left.at[:, :3].set(11)
+  np.testing.assert_array_equal(fwd(params, other, cfg, FP32, mask_BT=left_mask)[:, 3:],
+                                fwd(params, left, cfg, FP32, mask_BT=left_mask)[:, 3:])
+
+
+@pytest.mark.parametrize("cfg", [TINY, FULL], ids=["tiny", "full"])
+def test_kv_cache_matches_full_forward_fp32(cfg):
+  params = _params(cfg)
+  batch, length, prefill = 3, 12, 5
+  toks = _tokens((batch, length), seed=6)
+  mask = jnp.ones((batch, length), bool).at[1, :2].set(False)  # row 1 left-padded
+  full = fwd(params, toks, cfg, FP32, mask_BT=mask)
+  pos = transformer.positions_from_mask(mask)
+  cache = transformer.init_cache(cfg, batch, length, jnp.float32)
+  logits, cache = fwd_cache(params, toks[:, :prefill], cache, cfg, FP32,
+                            mask_BT=mask[:, :prefill], positions_BT=pos[:, :prefill])
+  steps = [logits]
+  for t in range(prefill, length, 2):  # decode in chunks of 2 and 1
+    logits, cache = fwd_cache(params, toks[:, t:t + 2], cache, cfg, FP32,
+                              mask_BT=mask[:, t:t + 2], positions_BT=pos[:, t:t + 2])
+    steps.append(logits)
+  assert int(cache["index"]) == length
+  got = jnp.concatenate(steps, axis=1)
+  real = np.asarray(mask)
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(full)[real], atol=2e-5, rtol=1e-5)
+  last, _ = fwd_cache(params, toks[:, :prefill], transformer.init_cache(cfg, batch, length,
+                                                                         jnp.float32),
+                      cfg, FP32, mask_BT=mask[:, :prefill], positions_BT=pos[:, :prefill],
+                      last_only=True)
+  np.testing.assert_array_equal(last[:, 0], steps[0][:, -1])
+
+
+def test_cache_longer_than_max_seq_len_is_refused():
+  with pytest.raises(ValueError, match="max_seq_len"):
+    transformer.init_cache(TINY, 1, TINY.max_seq_len + 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Logprobs.
+
+
+def test_token_logprobs_alignment_and_entropy():
+  params = _params(TINY)
+  toks = _tokens((2, 7), seed=8)
+  mask = jnp.ones((2, 7)).at[1, :2].set(0)
+  logits = np.asarray(fwd(params, toks, TINY, FP32, mask_BT=mask), np.float64)
+  logp, ent = transformer.token_logprobs_and_entropy(params, toks, TINY, FP32, mask_BT=mask)
+  assert logp.dtype == ent.dtype == jnp.float32
+  logsm = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  for b in range(2):
+    for t in range(7):
+      if t == 0 or mask[b, t] == 0 or mask[b, t - 1] == 0:
+        assert logp[b, t] == 0 and ent[b, t] == 0
+      else:
+        assert logp[b, t] == pytest.approx(logsm[b, t - 1, toks[b, t]], abs=1e-5)
+        p = np.exp(logsm[b, t - 1])
+        assert ent[b, t] == pytest.approx(-(p * logsm[b, t - 1]).sum(), abs=1e-5)
+  np.testing.assert_array_equal(
+      transformer.token_logprobs(params, toks, TINY, FP32, mask_BT=mask), logp)
+
+
+def test_jit_and_eager_agree():
+  params, toks = _params(FULL), _tokens((2, 6), seed=9)
+  eager = transformer.forward(params, toks, FULL, FP32)
+  np.testing.assert_allclose(fwd(params, toks, FULL, FP32), eager, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Precision routing.
+
+
+def test_every_linear_layer_goes_through_qdot_with_the_policy_config(monkeypatch):
+  cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=8,
+                    d_ff=64, tie_embeddings=True)
+  policy = precision.policy_for("nvfp4_recipe", cfg)
+  calls = []
+  real = transformer.quantized_dot_general
+
+  def spy(lhs, rhs, dims, qcfg, key=None, preferred_element_type=None):
+    calls.append((qcfg, lhs.dtype, rhs.shape))
+    return real(lhs, rhs, dims, qcfg, key=key, preferred_element_type=preferred_element_type)
+
+  monkeypatch.setattr(transformer, "quantized_dot_general", spy)
+  params = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.key(0)))
+  out = jax.eval_shape(lambda p: transformer.forward(p, jnp.zeros((2, 5), jnp.int32), cfg,
+                                                     policy), params)
+  assert out.dtype == jnp.float32 and out.shape == (2, 5, 64)
+  expected = [policy.qdot_config(layer, path)
+              for layer, path in precision.matmul_paths(cfg.n_layers)]
+  assert [c[0] for c in calls] == expected
+  # Body activations enter the GEMMs in BF16; the (tied) head sees the [V, D] embedding.
+  assert {c[1] for c in calls[:-1]} == {jnp.dtype(jnp.bfloat16)}
+  assert calls[-1][2] == (64, 32)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "mxfp8", "nvfp4_recipe"])
+def test_logits_are_fp32_and_close_to_fp32_model(name):
+  params, toks = _params(TINY), _tokens((2, 8), seed=10)
+  ref = fwd(params, toks, TINY, FP32)
+  out = fwd(params, toks, TINY, precision.policy_for(name, TINY))
+  assert out.dtype == jnp.float32 and np.all(np.isfinite(out))
+  # The policies quantize / round the body, so logits move, but not by much at init.
+  err = float(jnp.mean(jnp.abs(out - ref)))
+  assert 0 < err < 0.25, err
+
+
+def test_stochastic_rounding_needs_and_uses_the_quant_key():
+  policy = precision.policy_for("nvfp4_naive", TINY, stochastic_rounding="all")
+  params, toks = _params(TINY), _tokens((1, 4), seed=11)
+  with pytest.raises(ValueError, match="quant_key"):
+    transformer.forward(params, toks, TINY, policy)
+  k1, k2 = jax.random.key(1), jax.random.key(2)
+  a = fwd(params, toks, TINY, policy, quant_key=k1)
+  np.testing.assert_array_equal(a, fwd(params, toks, TINY, policy, quant_key=k1))
+  assert not np.array_equal(a, fwd(params, toks, TINY, policy, quant_key=k2))
+
+
+def test_gradients_flow_under_nvfp4_recipe():
+  params, toks = _params(TINY), _tokens((2, 6), seed=12)
+  policy = precision.policy_for("nvfp4_recipe", TINY)
+
+  @jax.jit
+  def loss(p):
+    return -jnp.mean(transformer.token_logprobs(p, toks, TINY, policy))
+
+  grads = jax.grad(loss)(params)
+  for path, g in jax.tree_util.tree_leaves_with_path(grads):
+    assert np.all(np.isfinite(g)), path
+  # Quantized layer 0 and BF16 layer 1 both train.
+  assert float(jnp.abs(grads["layers_0"]["mlp"]["up_proj"]["kernel"]).sum()) > 0
+  assert float(jnp.abs(grads["layers_1"]["attn"]["q_proj"]["kernel"]).sum()) > 0
