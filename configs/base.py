@@ -5,7 +5,7 @@ Override from the command line: `--config.rl.steps=100 --config.precision.bf16_l
 """
 import ml_collections
 
-from lowrl import precision
+from lowrl import precision, sharding
 
 
 def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
@@ -37,7 +37,7 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
 
   # Supervised mid-training of the base (BF16 compute, FP32 master weights).
   c.sft = ml_collections.ConfigDict()
-  c.sft.steps = 400
+  c.sft.steps = 200
   c.sft.batch_size = 128
   c.sft.lr = 3e-3
   c.sft.warmup_steps = 20
@@ -74,7 +74,8 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.rl.mis_high = 5.0
 
   c.optimizer = ml_collections.ConfigDict()
-  c.optimizer.lr = 1e-3
+  # RL moves a mid-trained base: with Adam, 1e-3 random-walks it away (reward falls); 1e-4..3e-4 is stable.
+  c.optimizer.lr = 2e-4
   c.optimizer.schedule = "constant"
   c.optimizer.warmup_steps = 0
   c.optimizer.final_lr_fraction = 0.0
@@ -87,6 +88,7 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.optimizer.master_rounding = "nearest"  # nearest | stochastic (bfloat16 master only)
 
   c.eval_num_prompts = 256
+  c.eval_samples = 4  # samples per eval prompt for pass@1 at the rollout temperature
   c.eval_every = 0  # 0 = only at the start and the end
   c.log_every = 1
   c.checkpoint_every = 10
@@ -98,7 +100,14 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.async_rl.sync_every = 1
   c.async_rl.lag_distribution = "fixed"  # fixed | uniform | geometric
 
+  # Device mesh over every process's devices (lowrl/sharding.py): "data" splits the batch and
+  # shards parameters FSDP-style, "model" is Megatron tensor parallelism; -1 fills the rest.
+  # E.g. 8 GPUs as 4-way FSDP x 2-way TP: --config.mesh.shape="(-1, 2)".
   c.mesh = ml_collections.ConfigDict()
   c.mesh.shape = (-1, 1)
   c.mesh.axes = ("data", "model")
+  c.mesh.batch_axes = ("data",)  # mesh axes the batch (rollouts, KV cache) is split over
+  # (regex over parameter paths, partition spec); first fullmatch wins, unmatched = replicated.
+  c.mesh.rules = sharding.DEFAULT_RULES
+  c.mesh.strict = False  # True: a rule axis that does not divide its dim is an error, not replicated
   return c

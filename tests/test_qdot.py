@@ -24,13 +24,16 @@ def _operands(m=32, k=64, n=32, seed=0):
   return a, b, g
 
 
-def _vjp(cfg, a, b, g, key=None, use_jit=False, dn=MM):
-  def f(a, b):
-    return quantized_dot_general(a, b, dn, cfg, key)
-  def run(a, b, g):
-    y, vjp = jax.vjp(f, a, b)
+def _vjp_fn(cfg, use_jit=False, dn=MM):
+  """(a, b, g, key) -> (y, da, db), optionally jitted (one compile per config, any key)."""
+  def run(a, b, g, key):
+    y, vjp = jax.vjp(lambda a, b: quantized_dot_general(a, b, dn, cfg, key), a, b)
     return (y,) + vjp(g)
-  return (jax.jit(run) if use_jit else run)(a, b, g)
+  return jax.jit(run) if use_jit else run
+
+
+def _vjp(cfg, a, b, g, key=None, use_jit=False, dn=MM):
+  return _vjp_fn(cfg, use_jit, dn)(a, b, g, key)
 
 
 def _mm(x, y, compute):
@@ -39,7 +42,8 @@ def _mm(x, y, compute):
 
 def _close(x, y):
   # Same products, possibly a different FP32 summation order in XLA's GEMMs.
-  np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-6, atol=2e-6 * float(jnp.max(jnp.abs(y))))
+  scale = float(jnp.max(jnp.abs(y)))
+  np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-6, atol=2e-6 * scale)
 
 
 FWD_CASES = [
@@ -50,8 +54,8 @@ FWD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("lhs_cfg,rhs_cfg,compute", FWD_CASES)
-@pytest.mark.parametrize("use_jit", [False, True])
+@pytest.mark.parametrize("lhs_cfg,rhs_cfg,compute,use_jit",
+                         [c + (True,) for c in FWD_CASES] + [FWD_CASES[0] + (False,)])
 def test_forward_equals_dot_of_fake_quant(lhs_cfg, rhs_cfg, compute, use_jit):
   a, b, _ = _operands()
   # The configs' axes are deliberately wrong (-1 for lhs is right, -1 for rhs is not): qdot must
@@ -69,8 +73,7 @@ def test_forward_equals_dot_of_fake_quant(lhs_cfg, rhs_cfg, compute, use_jit):
   assert not np.array_equal(np.asarray(y), np.asarray(a @ b))
 
 
-@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
-@pytest.mark.parametrize("use_jit", [False, True])
+@pytest.mark.parametrize("compute,use_jit", [("float32", True), ("bfloat16", False)])
 def test_high_precision_backward_is_straight_through(compute, use_jit):
   a, b, g = _operands()
   cfg = QDotConfig(NVFP4, NVFP4, backward="high_precision", compute_dtype=compute)
@@ -79,8 +82,7 @@ def test_high_precision_backward_is_straight_through(compute, use_jit):
   _close(db, _mm(a.T, g, compute))
 
 
-@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
-@pytest.mark.parametrize("use_jit", [False, True])
+@pytest.mark.parametrize("compute,use_jit", [("bfloat16", True), ("float32", False)])
 def test_dequantized_backward_uses_forward_values(compute, use_jit):
   a, b, g = _operands()
   lcfg, rcfg = QuantConfig("nvfp4", per_token=True, four_over_six=True), NVFP4
@@ -95,10 +97,13 @@ def test_dequantized_backward_uses_forward_values(compute, use_jit):
 
 
 def _quantized_closed_form(a, b, g, lcfg, rcfg, gcfg, key, rht_wgrad, compute="float32"):
-  """da = Q_g(g, axis 1) @ Q_b(dq(b), axis 1)^T;  db = Q_a(H dq(a), axis 0)^T @ Q_g(H g, axis 0)."""
+  """da = Q_g(g, axis 1) @ Q_b(dq(b), axis 1)^T;  db = Q_a(H dq(a), axis 0)^T @ Q_g(H g, axis 0).
+
+  dq(.) is the forward operand as the forward GEMM saw it: fake-quantized, cast to compute.
+  """
   _, _, k_dgrad, k_wgrad = jax.random.split(key, 4)
-  a_dq = fake_quant(a, dataclasses.replace(lcfg, axis=1))
-  b_dq = fake_quant(b, dataclasses.replace(rcfg, axis=0))
+  a_dq = fake_quant(a, dataclasses.replace(lcfg, axis=1)).astype(compute).astype(jnp.float32)
+  b_dq = fake_quant(b, dataclasses.replace(rcfg, axis=0)).astype(compute).astype(jnp.float32)
   no_sr = lambda c, ax: dataclasses.replace(c, axis=ax, stochastic_rounding=False)  # noqa: E731
   g_d = fake_quant(g, dataclasses.replace(gcfg, axis=1), k_dgrad)
   da = _mm(g_d, fake_quant(b_dq, no_sr(rcfg, 1)).T, compute)
@@ -110,35 +115,32 @@ def _quantized_closed_form(a, b, g, lcfg, rcfg, gcfg, key, rht_wgrad, compute="f
   return da, db
 
 
-@pytest.mark.parametrize("gcfg,rht_wgrad", [
-    (QuantConfig("fp8_e5m2"), False),
-    (QuantConfig("nvfp4", stochastic_rounding=True), False),
-    (QuantConfig("nvfp4", stochastic_rounding=True), True),
+@pytest.mark.parametrize("gcfg,rht_wgrad,use_jit", [
+    (QuantConfig("fp8_e5m2"), False, True),
+    (QuantConfig("nvfp4", stochastic_rounding=True), False, True),
+    (QuantConfig("nvfp4", stochastic_rounding=True), True, True),
+    (QuantConfig("nvfp4", stochastic_rounding=True), True, False),
 ])
-@pytest.mark.parametrize("use_jit", [False, True])
 def test_quantized_backward_closed_form(gcfg, rht_wgrad, use_jit):
   a, b, g = _operands()
   lcfg, rcfg = QuantConfig("mxfp8_e4m3"), NVFP4
   cfg = QDotConfig(lcfg, rcfg, backward="quantized", grad=gcfg, rht_wgrad=rht_wgrad)
   key = jax.random.key(7)
   _, da, db = _vjp(cfg, a, b, g, key=key, use_jit=use_jit)
-  want_da, want_db = _quantized_closed_form(a, b, g, lcfg, rcfg, gcfg, key, rht_wgrad)
+  want_da, want_db = jax.jit(_quantized_closed_form, static_argnums=(3, 4, 5, 7))(
+      a, b, g, lcfg, rcfg, gcfg, key, rht_wgrad)
   _close(da, want_da)
   _close(db, want_db)
 
 
-def test_quantized_backward_key_is_deterministic_and_matters():
+def test_quantized_backward_gradient_depends_on_key_only_through_sr():
   a, b, g = _operands()
   gcfg = QuantConfig("nvfp4", stochastic_rounding=True)
-  cfg = QDotConfig(NVFP4, NVFP4, backward="quantized", grad=gcfg)
-  r1 = _vjp(cfg, a, b, g, key=jax.random.key(1), use_jit=True)
-  r2 = _vjp(cfg, a, b, g, key=jax.random.key(1), use_jit=False)
-  r3 = _vjp(cfg, a, b, g, key=jax.random.key(2), use_jit=True)
-  for x, y in zip(r1, r2):
-    _close(x, y)
-  np.testing.assert_array_equal(np.asarray(r1[0]), np.asarray(r3[0]))  # forward has no SR
-  assert not np.allclose(np.asarray(r1[1]), np.asarray(r3[1]))
-  assert not np.allclose(np.asarray(r1[2]), np.asarray(r3[2]))
+  f = _vjp_fn(QDotConfig(NVFP4, NVFP4, backward="quantized", grad=gcfg), use_jit=True)
+  r1, r2 = f(a, b, g, jax.random.key(1)), f(a, b, g, jax.random.key(2))
+  np.testing.assert_array_equal(np.asarray(r1[0]), np.asarray(r2[0]))  # forward has no SR
+  assert not np.allclose(np.asarray(r1[1]), np.asarray(r2[1]))
+  assert not np.allclose(np.asarray(r1[2]), np.asarray(r2[2]))
 
 
 def test_three_d_activations_and_flattened_wgrad():
@@ -153,8 +155,8 @@ def test_three_d_activations_and_flattened_wgrad():
   key = jax.random.key(0)
   y, dx, dw = _vjp(cfg, x, w, g, key=key, use_jit=True, dn=dn)
   assert y.shape == (2, 16, 48) and dx.shape == x.shape and dw.shape == w.shape
-  want_dx, want_dw = _quantized_closed_form(x.reshape(32, 32), w, g.reshape(32, 48), lcfg, NVFP4,
-                                            gcfg, key, False, "bfloat16")
+  want_dx, want_dw = jax.jit(_quantized_closed_form, static_argnums=(3, 4, 5, 7, 8))(
+      x.reshape(32, 32), w, g.reshape(32, 48), lcfg, NVFP4, gcfg, key, False, "bfloat16")
   _close(dx, want_dx.reshape(x.shape))
   _close(dw, want_dw)
 
@@ -202,7 +204,8 @@ def test_make_dot_general_in_flax_dense():
   params = dense.init(jax.random.key(0), a)
   y = dense.apply(params, a)
   w = params["params"]["kernel"]
-  want = fake_quant(a, QuantConfig("nvfp4", per_token=True)) @ fake_quant(w, QuantConfig("nvfp4", axis=0))
+  want = (fake_quant(a, QuantConfig("nvfp4", per_token=True))
+          @ fake_quant(w, QuantConfig("nvfp4", axis=0)))
   np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
   grads = jax.grad(lambda p: jnp.sum(dense.apply(p, a) ** 2))(params)
   assert grads["params"]["kernel"].shape == w.shape

@@ -4,11 +4,12 @@ import json
 import numpy as np
 import pytest
 
+from lowrl.checkpoints.tokenizer import Tokenizer as CheckpointTokenizer
 from lowrl.tasks import verifiers
 from lowrl.tasks.batching import encode_sft
 from lowrl.tasks.jsonl import JsonlTask
 from lowrl.tasks.registry import make_task
-from lowrl.tasks.tokenizer import CharTokenizer, HFTokenizer
+from lowrl.tasks.tokenizer import CharTokenizer
 from lowrl.tasks.verifiers import extract_boxed, make_verifier, normalize_answer
 
 
@@ -152,7 +153,7 @@ def test_jsonl_with_tokenizer_json_and_callable_verifier(tmp_path):
                                            {"prompt": "Say bye:", "answer": "bye"}])
   task = JsonlTask(path, verifier=lambda c, a: float(c.strip().lower() == a.lower()),
                    tokenizer=str(tmp_path / "tokenizer.json"), max_answer_len=16)
-  assert isinstance(task.tokenizer, HFTokenizer) and task.max_answer_len == 16
+  assert isinstance(task.tokenizer, CheckpointTokenizer) and task.max_answer_len == 16
   e = (task.examples("train") + task.examples("eval"))[0]
   assert task.reward(" hello", e) == 1.0 and task.reward("hell", e) == 0.0
   assert task.tokenizer.decode(task.tokenizer.encode(e.prompt)) == e.prompt

@@ -1,10 +1,12 @@
-"""Tokenizers: CharTokenizer and the tokenizer.json wrapper."""
+"""Tokenizers: CharTokenizer and a bare tokenizer.json through load_tokenizer."""
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lowrl.tasks.tokenizer import DEFAULT_CHARS, CharTokenizer, HFTokenizer
+from lowrl.checkpoints.tokenizer import load_tokenizer
+from lowrl.tasks.tokenizer import DEFAULT_CHARS, CharTokenizer
+from lowrl.tasks.tokenizer import Tokenizer as TaskTokenizer
 
 TOK = CharTokenizer()
 
@@ -80,31 +82,32 @@ def tokenizer_json(tmp_path_factory):
 
 @given(text=st.text(max_size=40))
 def test_hf_round_trip(tokenizer_json, text):
-  tok = HFTokenizer(tokenizer_json)
+  tok = load_tokenizer(tokenizer_json)
   ids = tok.encode(text)
   assert tok.decode(ids) == text
   assert tok.decode([tok.bos_id] + ids + [tok.eos_id] + ids) == text
 
 
 def test_hf_special_tokens(tokenizer_json):
-  tok = HFTokenizer(tokenizer_json)
+  tok = load_tokenizer(tokenizer_json)  # no config files: the common names <pad>, <s>, </s>
+  assert isinstance(tok, TaskTokenizer)
   assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
   from tokenizers import Tokenizer
   assert tok.vocab_size == Tokenizer.from_file(tokenizer_json).get_vocab_size() > 256
-  tok2 = HFTokenizer(tokenizer_json, bos_token="</s>", eos_token="<s>", pad_token="</s>")
+  tok2 = load_tokenizer(tokenizer_json, bos_token="</s>", eos_token="<s>", pad_token="</s>")
   assert (tok2.bos_id, tok2.eos_id, tok2.pad_id) == (2, 1, 2)
 
 
 def test_hf_errors(tokenizer_json, tmp_path):
   with pytest.raises(ValueError, match="eos_token='<nope>' is not in the tokenizer vocabulary"):
-    HFTokenizer(tokenizer_json, eos_token="<nope>")
-  with pytest.raises(ValueError, match="Could not load tokenizer.json"):
-    HFTokenizer(str(tmp_path / "missing.json"))
+    load_tokenizer(tokenizer_json, eos_token="<nope>")
+  with pytest.raises(FileNotFoundError, match="missing.json not found"):
+    load_tokenizer(str(tmp_path / "missing.json"))
   from tokenizers import Tokenizer, models
   bare = Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a"))
   path = tmp_path / "bare.json"
   bare.save(str(path))
   with pytest.raises(ValueError, match="pass eos_token=... explicitly"):
-    HFTokenizer(str(path))
-  tok = HFTokenizer(str(path), eos_token="b")  # no bos: allowed; pad falls back to eos
+    load_tokenizer(str(path))
+  tok = load_tokenizer(str(path), eos_token="b")  # no bos: allowed; pad falls back to eos
   assert tok.bos_id is None and tok.pad_id == tok.eos_id == 1

@@ -64,6 +64,38 @@ class AsyncSchedule:
     """No batch consumed at `step` or later is sampled by a version older than this."""
     return self.sync_every * (max(step - self.lag, 0) // self.sync_every)
 
+  @property
+  def max_versions(self) -> int:
+    """Most versions a VersionBuffer holds at once: ceil(lag / sync_every) + 1.
+
+    After put(t) and evict_before(t) it holds the synced versions in [oldest_needed(t), t]; between
+    sync_every * floor((t - lag) / sync_every) and sync_every * floor(t / sync_every) there are at
+    most ceil(lag / sync_every) + 1 multiples of sync_every.
+    """
+    return -(-self.lag // self.sync_every) + 1
+
+  def ring_plan(self, steps: int, num_slots: int | None = None) -> dict[str, np.ndarray]:
+    """The VersionBuffer of steps 0..steps-1 as a ring of `num_slots` parameter slots (for jit).
+
+    Synced version v lives in slot (v // sync_every) % num_slots, so a ring of at least
+    `max_versions` slots never overwrites a version a later step still samples with.
+
+    Returns int32/bool arrays [steps]: `write` (version t = params after t updates is synced
+    before step t samples), `write_slot`, `read_slot` (slot of the sampler's version) and
+    `version` (= sampler_version(t), what the read slot must hold).
+    """
+    num_slots = self.max_versions if num_slots is None else num_slots
+    if num_slots < self.max_versions:
+      raise ValueError(f"a ring of {num_slots} parameter slots cannot hold the "
+                       f"{self.max_versions} versions lag={self.lag}, "
+                       f"sync_every={self.sync_every} needs.")
+    t = np.arange(steps)
+    version = np.array([self.sampler_version(int(i)) for i in t], np.int32)
+    return {"write": t % self.sync_every == 0,
+            "write_slot": ((t // self.sync_every) % num_slots).astype(np.int32),
+            "read_slot": ((version // self.sync_every) % num_slots).astype(np.int32),
+            "version": version}
+
 
 class VersionBuffer:
   """Keeps exactly the parameter versions the schedule may still ask for."""

@@ -4,7 +4,9 @@ The fast-tokenizer file holds the whole pipeline (normalizer, pre-tokenizer, mod
 decoder), so the `tokenizers` library reproduces transformers' encode/decode without transformers.
 The special-token ids are spread over three files; `load_tokenizer` reads them in transformers'
 order of authority: tokenizer_config.json (what the tokenizer itself uses), then
-generation_config.json (what `generate` stops on), then config.json.
+generation_config.json (what `generate` stops on), then config.json. A bare tokenizer.json
+(none of those files beside it) gets its special tokens from common names instead (`<s>`, `</s>`,
+`<|endoftext|>`, ...; see `_CANDIDATES`).
 
 `Tokenizer` satisfies the `lowrl.tasks.tokenizer.Tokenizer` protocol with the same meaning:
 `encode` adds no special tokens (batching prepends bos itself), `decode` stops at the first eos
@@ -21,7 +23,16 @@ import numpy as np
 import tokenizers
 
 TOKENIZER_FILE = "tokenizer.json"
+_TOKENIZER_CONFIG = "tokenizer_config.json"
 _ID_FILES = ("generation_config.json", "config.json")
+
+# Token names tried, in order, for a special token of a bare tokenizer.json (no config files).
+_CANDIDATES = {
+    "bos": ("<bos>", "<s>", "<|begin_of_text|>", "<|startoftext|>", "[BOS]"),
+    "eos": ("<eos>", "</s>", "<|endoftext|>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>",
+            "[EOS]"),
+    "pad": ("<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>"),
+}
 
 
 class Tokenizer:
@@ -115,7 +126,7 @@ def _read_json(file: str) -> dict:
 
 
 def _token_id(tok: tokenizers.Tokenizer, token: Any, where: str) -> int | None:
-  """Id of a special token given as a string or a serialized AddedToken dict."""
+  """Id of a special token given as a string or a serialized AddedToken dict (from `where`)."""
   if token is None:
     return None
   content = token.get("content") if isinstance(token, Mapping) else token
@@ -124,6 +135,20 @@ def _token_id(tok: tokenizers.Tokenizer, token: Any, where: str) -> int | None:
     raise ValueError(f"{where}: {content!r} is not in the {TOKENIZER_FILE} vocabulary; the "
                      "files do not belong together (or name a token the tokenizer has).")
   return token_id
+
+
+def _given_id(tok: tokenizers.Tokenizer, name: str, token: str) -> int:
+  """Id of a special token the caller named."""
+  token_id = tok.token_to_id(token)
+  if token_id is None:
+    raise ValueError(f"{name}_token={token!r} is not in the tokenizer vocabulary "
+                     f"({TOKENIZER_FILE}); pass a token it has.")
+  return token_id
+
+
+def _guess_id(tok: tokenizers.Tokenizer, name: str) -> int | None:
+  """Id of the first common name for special token `name` that the vocabulary has."""
+  return next((i for i in map(tok.token_to_id, _CANDIDATES[name]) if i is not None), None)
 
 
 def _ids(value: Any) -> list[int]:
@@ -140,12 +165,21 @@ def load_tokenizer(path: str | os.PathLike, *, bos_token: str | None = None,
     path: the directory (or the tokenizer.json file itself).
     bos_token, eos_token, pad_token: token strings overriding what the checkpoint's files say.
 
+  A token that is neither given nor defined by the files stays undefined (no bos; pad = eos),
+  except for a bare tokenizer.json: with no tokenizer_config.json, generation_config.json or
+  config.json beside it, each token not given is the first of its `_CANDIDATES` names in the
+  vocabulary.
+
   Raises:
-    FileNotFoundError: no tokenizer.json (e.g. only a sentencepiece tokenizer.model).
+    FileNotFoundError: `path` does not exist, or has no tokenizer.json (e.g. only a
+      sentencepiece tokenizer.model).
     ValueError: tokenizer.json cannot be parsed, a special token is not in its vocabulary, or
       no file defines an eos token.
   """
   path = os.fspath(path)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} not found: expected a checkpoint directory or its "
+                            f"{TOKENIZER_FILE}.")
   if os.path.isfile(path):
     path, file = os.path.dirname(path), path
   else:
@@ -161,12 +195,15 @@ def load_tokenizer(path: str | os.PathLike, *, bos_token: str | None = None,
     raise ValueError(f"{file} cannot be parsed by tokenizers {tokenizers.__version__} ({e}); it "
                      "is corrupt or from a newer tokenizers version.") from e
 
-  tc_file = os.path.join(path, "tokenizer_config.json")
+  tc_file = os.path.join(path, _TOKENIZER_CONFIG)
   tc = _read_json(tc_file)
+  bare = not any(os.path.isfile(os.path.join(path, f)) for f in (_TOKENIZER_CONFIG, *_ID_FILES))
   found = {}
   for name, override in (("bos", bos_token), ("eos", eos_token), ("pad", pad_token)):
     if override is not None:
-      found[name] = _token_id(tok, override, f"{name}_token={override!r}")
+      found[name] = _given_id(tok, name, override)
+    elif bare:
+      found[name] = _guess_id(tok, name)
     else:
       found[name] = _token_id(tok, tc.get(f"{name}_token"), f"{tc_file} {name}_token")
   bos, pad = found["bos"], found["pad"]
@@ -184,6 +221,9 @@ def load_tokenizer(path: str | os.PathLike, *, bos_token: str | None = None,
       pad = cfg.get("pad_token_id")
     if eos_token is None:
       eos_ids += [i for i in _ids(cfg.get("eos_token_id")) if i not in eos_ids]
+  if not eos_ids and bare:
+    raise ValueError(f"No eos token in {file!r}: no config files beside it and none of the usual "
+                     f"eos_token names {list(_CANDIDATES['eos'])}; pass eos_token=... explicitly.")
   if not eos_ids:
     raise ValueError(f"No eos token in {path!r}: tokenizer_config.json, generation_config.json "
                      "and config.json define none. Pass eos_token='...'.")

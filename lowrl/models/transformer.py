@@ -123,6 +123,7 @@ class QDense(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, quant_key: jax.Array | None) -> jax.Array:
+    # Initializers here only give shapes: `init_params` draws the values.
     kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
                         self.param_dtype)
     y = _qdot(x, kernel, 0, self.policy, self.layer, self.matmul, quant_key)
@@ -155,8 +156,7 @@ class Attention(nn.Module):
   param_dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, mask_BT, cache_layer, cache_index, key_mask_BS,
-               quant_key):
+  def __call__(self, x_BTD, positions_BT, cache_layer, cache_index, key_mask_BS, quant_key):
     cfg, dtype = self.cfg, self.policy.dtype
     batch, steps = x_BTD.shape[:2]
     h, k, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -229,13 +229,12 @@ class Block(nn.Module):
   param_dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, mask_BT, cache_layer, cache_index, key_mask_BS,
-               quant_key):
+  def __call__(self, x_BTD, positions_BT, cache_layer, cache_index, key_mask_BS, quant_key):
     kw = dict(cfg=self.cfg, layer=self.layer, policy=self.policy, param_dtype=self.param_dtype)
     layer_key = _fold(quant_key, self.layer)
     h = RMSNorm(self.cfg.rms_eps, self.param_dtype, name="attn_norm")(x_BTD)
     attn_BTD, new_cache = Attention(**kw, name="attn")(
-        h, positions_BT, mask_BT, cache_layer, cache_index, key_mask_BS, layer_key)
+        h, positions_BT, cache_layer, cache_index, key_mask_BS, layer_key)
     x_BTD = x_BTD + attn_BTD
     h = RMSNorm(self.cfg.rms_eps, self.param_dtype, name="mlp_norm")(x_BTD)
     x_BTD = x_BTD + Mlp(**kw, name="mlp")(h, layer_key)
@@ -265,12 +264,13 @@ class Transformer(nn.Module):
     for i in range(cfg.n_layers):
       cache_layer = None if cache is None else cache["layers"][i]
       x_BTD, new_layer = Block(cfg, i, self.policy, self.param_dtype, name=f"layers_{i}")(
-          x_BTD, positions_BT, mask_BT, cache_layer, cache_index, key_mask_BS, quant_key)
+          x_BTD, positions_BT, cache_layer, cache_index, key_mask_BS, quant_key)
       new_layers.append(new_layer)
 
     if last_only:
       x_BTD = x_BTD[:, -1:]
-    h_BTD = RMSNorm(cfg.rms_eps, self.param_dtype, name="final_norm")(x_BTD)
+    # The head's input stays FP32 (the norm computes in FP32): an FP32 head, not a BF16 one.
+    h_BTD = RMSNorm(cfg.rms_eps, self.param_dtype, name="final_norm")(x_BTD.astype(jnp.float32))
     head_key = _fold(quant_key, cfg.n_layers)
     if cfg.tie_embeddings:
       logits_BTV = _qdot(h_BTD, embed.embedding, 1, self.policy, None, LM_HEAD, head_key)
@@ -288,11 +288,44 @@ class Transformer(nn.Module):
 
 
 def init_params(model_cfg: ModelConfig, rng: jax.Array, param_dtype=jnp.float32) -> Params:
-  """A fresh parameter tree (ARCHITECTURE.md layout), deterministic in `rng`."""
+  """A fresh parameter tree (ARCHITECTURE.md layout), deterministic in `rng`.
+
+  Kernels ~ N(0, 1/fan_in), embedding ~ N(0, 1/D) (so tied logits start with unit scale), norm
+  scales 1, biases 0.
+  """
+  return _init_fn(model_cfg, jnp.dtype(param_dtype))(rng)
+
+
+@functools.lru_cache(maxsize=16)
+def _init_fn(model_cfg: ModelConfig, param_dtype):
   module = Transformer(model_cfg, PrecisionPolicy.unquantized("float32"), param_dtype)
   tokens = jnp.zeros((1, 1), jnp.int32)
-  init = jax.jit(lambda r: module.init(r, tokens, tokens, jnp.ones((1, 1), bool))["params"])
-  return init(rng)
+  shapes = jax.eval_shape(
+      lambda: module.init(jax.random.key(0), tokens, tokens, jnp.ones((1, 1), bool))["params"])
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+  names = [jax.tree_util.keystr(path, simple=True, separator="/") for path, _ in leaves]
+  random = [i for i, n in enumerate(names) if n.endswith(("kernel", "embedding"))]
+  sizes = [leaves[i][1].size for i in random]
+
+  @jax.jit
+  def init(rng):
+    # One normal draw sliced into every random leaf: a draw per leaf compiles ~10x slower.
+    flat = jax.random.normal(rng, (sum(sizes),), jnp.float32)
+    out = [None] * len(leaves)
+    offset = 0
+    for i, size in zip(random, sizes):
+      shape = leaves[i][1].shape
+      fan_in = shape[1] if names[i].endswith("embedding") else shape[0]
+      out[i] = flat[offset:offset + size].reshape(shape) * fan_in ** -0.5
+      offset += size
+    for i, name in enumerate(names):
+      if out[i] is None:
+        fill = 1.0 if name.endswith("scale") else 0.0
+        out[i] = jnp.full(leaves[i][1].shape, fill, jnp.float32)
+      out[i] = out[i].astype(param_dtype)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+  return init
 
 
 def positions_from_mask(mask_BT: jax.Array) -> jax.Array:

@@ -1,4 +1,4 @@
-"""Low-precision numerics: formats, quantizers, stochastic rounding, RHT, packing, quantized matmuls."""
+"""Low-precision numerics: formats, quantizers, stochastic rounding, RHT, packing, quantized dots."""
 from lowrl.quant.config import FORMATS, QDotConfig, QuantConfig
 from lowrl.quant.formats import E2M1, E4M3, E5M2, ElementFormat, element_format
 from lowrl.quant.hadamard import inverse_rht, rht

@@ -68,6 +68,9 @@ class QuantConfig:
         raise ValueError(f"block_size must be positive, got {self.block_size}.")
     if kind != "nvfp4" and (self.per_token or self.block_2d or self.four_over_six):
       raise ValueError(f"per_token, block_2d and four_over_six are NVFP4 options; got fmt={self.fmt!r}.")
+    if self.four_over_six and (self.block or 0) ** (2 if self.block_2d else 1) > 1024:
+      raise ValueError("four_over_six sums per-block errors in int32 fixed point: use blocks of at "
+                       "most 1024 elements.")
     if self.per_token and self.block_2d:
       raise ValueError("per_token and block_2d don't combine: 16x16 tiles span 16 rows, so one outer "
                        "scale per row is not defined; choose one.")

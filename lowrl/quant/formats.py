@@ -19,7 +19,8 @@ class ElementFormat:
     name: short name ("e4m3", "e5m2", "e2m1").
     dtype: the ml_dtypes scalar type the codes are stored in.
     mantissa_bits: explicit mantissa bits.
-    emin: exponent of the smallest normal (2**emin); subnormals are spaced 2**(emin - mantissa_bits).
+    emin: exponent of the smallest normal (2**emin); subnormals are spaced
+      2**(emin - mantissa_bits).
     emax: exponent of the largest binade (OCP `emax_elem`).
     max_normal: largest finite value.
   """

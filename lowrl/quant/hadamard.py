@@ -1,11 +1,13 @@
 """Random Hadamard transform (RHT) of 16-wide blocks along an axis.
 
 Each block v of 16 consecutive elements becomes T v with T = H16 · diag(signs) / 4: H16 the
-Sylvester Hadamard matrix (entries ±1, H Hᵀ = 16 I), signs a fixed random ±1 vector. T is orthonormal,
-so applying it to both operands along their contracting axis leaves the product unchanged
+Sylvester Hadamard matrix (entries ±1, H Hᵀ = 16 I), signs a fixed random ±1 vector. T is
+orthonormal, so applying it to both operands along their contracting axis leaves the product unchanged
 (aᵀ b = (T a)ᵀ (T b)) while spreading outliers across the block before quantization.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -43,17 +45,24 @@ def _apply(x: jax.Array, axis: int, mat: np.ndarray) -> jax.Array:
   if n % RHT_BLOCK:
     raise ValueError(f"RHT works on blocks of {RHT_BLOCK}: x.shape[{axis}]={n} is not a multiple "
                      f"of {RHT_BLOCK}; pad the axis.")
+  return _apply_jit(x, axis, jnp.asarray(mat))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _apply_jit(x: jax.Array, axis: int, mat: jax.Array) -> jax.Array:
+  n = x.shape[axis]
   dtype = x.dtype
-  x_b = x.astype(jnp.float32).reshape(x.shape[:axis] + (n // RHT_BLOCK, RHT_BLOCK) + x.shape[axis + 1:])
+  blocked = x.shape[:axis] + (n // RHT_BLOCK, RHT_BLOCK) + x.shape[axis + 1:]
+  x_b = x.astype(jnp.float32).reshape(blocked)
   # out[..., j, ...] = sum_i mat[j, i] x[..., i, ...] over the in-block axis.
-  out_b = jnp.tensordot(x_b, jnp.asarray(mat), axes=((axis + 1,), (1,)),
+  out_b = jnp.tensordot(x_b, mat, axes=((axis + 1,), (1,)),
                         precision=lax.Precision.HIGHEST)
   out_b = jnp.moveaxis(out_b, -1, axis + 1)
   return out_b.reshape(x.shape).astype(dtype)
 
 
 def rht(x: jax.Array, axis: int = -1, signs=None) -> jax.Array:
-  """Random Hadamard transform of 16-wide blocks along `axis` (computed in FP32, returns x.dtype)."""
+  """Random Hadamard transform of 16-wide blocks along `axis` (in FP32; returns x.dtype)."""
   return _apply(x, axis, rht_matrix(signs))
 
 

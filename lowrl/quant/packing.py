@@ -6,6 +6,7 @@ significant nibble). Nibbles are the raw E2M1 bit patterns (sign bit 3), so -0 s
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -32,6 +33,12 @@ def pack_e2m1(codes: jax.Array, axis: int = -1) -> jax.Array:
   if n % 2:
     raise ValueError(f"pack_e2m1: codes.shape[{axis}]={n} is odd; two codes share a byte, so pad "
                      f"axis {axis} to an even length.")
+  return _pack(codes, axis)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _pack(codes, axis):
+  n = codes.shape[axis]
   nib = lax.bitcast_convert_type(codes, jnp.uint4).astype(jnp.uint8)
   nib = nib.reshape(codes.shape[:axis] + (n // 2, 2) + codes.shape[axis + 1:])
   lo = lax.index_in_dim(nib, 0, axis + 1, keepdims=False)
@@ -43,7 +50,11 @@ def unpack_e2m1(packed: jax.Array, axis: int = -1) -> jax.Array:
   """Inverse of pack_e2m1: uint8 -> float4_e2m1fn with `axis` twice as long."""
   if packed.dtype != jnp.uint8:
     raise ValueError(f"unpack_e2m1 takes uint8 bytes, got {packed.dtype}.")
-  axis = _pair_axis(packed.shape, axis, "unpack_e2m1")
+  return _unpack(packed, _pair_axis(packed.shape, axis, "unpack_e2m1"))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _unpack(packed, axis):
   nib = jnp.stack([packed & 0xF, packed >> 4], axis=axis + 1)
   shape = packed.shape[:axis] + (2 * packed.shape[axis],) + packed.shape[axis + 1:]
   return lax.bitcast_convert_type(nib.reshape(shape).astype(jnp.uint4), _E2M1)
@@ -56,8 +67,8 @@ _ELEMENT_BITS = {"fp8_e4m3": 8, "fp8_e5m2": 8, "mxfp8_e4m3": 8, "mxfp8_e5m2": 8,
 def bytes_per_param(cfg: QuantConfig, shape: tuple[int, ...]) -> float:
   """Storage bytes per element of a tensor of `shape` quantized with cfg, scales included.
 
-  FP8: 1 byte + one FP32 scale per tensor. MXFP8: 1 + 1/32 (8.25 bits). MXFP4: 1/2 + 1/32 (4.25 bits,
-  E2M1 packed two per byte). NVFP4: 1/2 + 1/16 (4.5 bits) + the FP32 outer scale(s): one per tensor,
+  FP8: 1 byte + one FP32 scale per tensor. MXFP8: 1 + 1/32 (8.25 bits). MXFP4: 1/2 + 1/32
+  (4.25 bits, E2M1 packed two per byte). NVFP4: 1/2 + 1/16 (4.5 bits) + the FP32 outer scale(s): one per tensor,
   or one per row (per_token).
   """
   shape = tuple(int(s) for s in shape)

@@ -16,7 +16,8 @@ to the primal dtypes):
                   backward sees the forward's values, re-blocked for the transposed GEMM (as a
                   kernel would after quantizing the transpose). An operand that is not quantized in
                   the forward stays unquantized. Optional RHT (cfg.rht_wgrad) transforms both wgrad
-                  operands along their contracting axes before quantizing; it cancels in the product.
+                  operands along their contracting axes before quantizing; it cancels in the
+                  product.
 
 In the backward GEMMs a contraction can run over several axes (e.g. the batch and time axes of
 activations in the weight gradient); block formats then block along those axes flattened in order
@@ -42,7 +43,8 @@ from lowrl.quant.config import QDotConfig, QuantConfig
 from lowrl.quant.hadamard import rht
 from lowrl.quant.quantize import fake_quant
 
-DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
+_Axes = tuple[int, ...]
+DimensionNumbers = tuple[tuple[_Axes, _Axes], tuple[_Axes, _Axes]]
 
 
 def _normalize_dn(dn, lhs_ndim: int, rhs_ndim: int) -> DimensionNumbers:
@@ -80,7 +82,8 @@ def _fq_axes(x, axes, cfg: QuantConfig | None, key, what: str) -> jax.Array:
   try:
     return _along(x, axes, lambda xm, a: fake_quant(xm, dataclasses.replace(cfg, axis=a), key))
   except ValueError as e:
-    raise ValueError(f"{what} (contracting axes {tuple(axes)} of shape {tuple(x.shape)}): {e}") from None
+    where = f"contracting axes {tuple(axes)} of shape {tuple(x.shape)}"
+    raise ValueError(f"{what} ({where}): {e}") from None
 
 
 def _no_sr(cfg: QuantConfig | None) -> QuantConfig | None:
@@ -129,8 +132,10 @@ def _forward_operands(lhs, rhs, key, dn, cfg: QDotConfig):
   k_lhs, k_rhs, _, _ = _split_key(key)
   lhs_q = _fq_axes(lhs, lc, cfg.lhs, k_lhs, "lhs").astype(compute)
   rhs_q = _fq_axes(rhs, rc, cfg.rhs, k_rhs, "rhs").astype(compute)
-  # Without the barrier XLA's simplifier hoists a per-tensor scale out of the dot
-  # (dot(c * s, w) -> s * dot(c, w)), which rounds differently from the fake-quant operands.
+  # Defensive: a simplifier may move a per-tensor scale across the dot (dot(c * s, w) ->
+  # s * dot(c, w)), which would round differently from the fake-quant operands. (On XLA CPU
+  # the barrier does not constrain fusion and no such rewrite happens; the forward-equality test
+  # checks.)
   return lax.optimization_barrier((lhs_q, rhs_q))
 
 

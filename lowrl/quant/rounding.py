@@ -1,12 +1,15 @@
 """Rounding onto an element grid in FP32 arithmetic: round-to-nearest-even and stochastic.
 
 The casts XLA offers (`x.astype(float8_e4m3fn)`) are slow multi-pass expansions on CPU and have no
-stochastic mode, so the quantizers round in FP32: for a value y, the grid spacing at y is
-ulp(y) = 2**(max(floor(log2|y|), emin) - mantissa_bits); y * 2**-ulp_exp is exact (power of two), so
-rounding that product to an integer and scaling back is the element-format rounding. The round-to-
-nearest-even path equals `y.astype(fmt.dtype)` bit for bit after saturation (tested).
+stochastic mode, so the quantizers round in FP32: the grid spacing at y is
+ulp(y) = 2**(max(floor(log2|y|), emin) - mantissa_bits); y / ulp(y) is exact (a power of two), so
+rounding it to an integer and scaling back is the element-format rounding. The round-to-nearest-
+even path equals `y.astype(fmt.dtype)` bit for bit after saturation (tested).
 """
 from __future__ import annotations
+
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +19,35 @@ from lowrl.quant.formats import ElementFormat
 
 _F32_EXP_MASK = 0xFF
 _F32_MANT_BITS = 23
+
+
+def _mix32(h_u32: jax.Array) -> jax.Array:
+  """A bijective 32-bit integer mixer (Wellons' lowbias32: good avalanche, 6 cheap ops)."""
+  h_u32 = h_u32 ^ (h_u32 >> 16)
+  h_u32 = h_u32 * jnp.uint32(0x7FEB352D)
+  h_u32 = h_u32 ^ (h_u32 >> 15)
+  h_u32 = h_u32 * jnp.uint32(0x846CA68B)
+  return h_u32 ^ (h_u32 >> 16)
+
+
+def random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Uniform uint32 bits for stochastic rounding: a counter-based hash of (element index, key).
+
+  jax.random.bits (threefry) costs ~20 rounds per word at run time and seconds of XLA compile per
+  program on CPU; rounding noise needs uniform, decorrelated bits, not cryptographic ones. The key's
+  raw words (threefry-split keys are themselves random) seed a keyed hash of the element index:
+  bits = mix(mix(i ^ mix(k0 ^ c0)) + mix(k1 ^ c1)), k0/k1 the first/last key word, mix a bijective
+  32-bit mixer; for a fixed key it is a bijection of the index, so no two elements of one tensor
+  (up to 2**32 elements) share bits.
+  """
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.key_data(key)
+  words_u32 = key.reshape(-1).astype(jnp.uint32)
+  k0, k1 = words_u32[0], words_u32[-1]
+  idx_u32 = lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
+  # Mixing the key in before each round keeps nearby keys (k, k + 1) from giving related streams.
+  h_u32 = _mix32(idx_u32 ^ _mix32(k0 ^ jnp.uint32(0x9E3779B9)))
+  return _mix32(h_u32 + _mix32(k1 ^ jnp.uint32(0x85EBCA6B)))
 
 
 def f32_exponent(y_f32: jax.Array) -> jax.Array:
@@ -39,6 +71,7 @@ def saturate(y_f32: jax.Array, fmt: ElementFormat) -> jax.Array:
   return jnp.clip(y_f32, -fmt.max_normal, fmt.max_normal)
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def round_to_grid(y_f32: jax.Array, fmt: ElementFormat) -> jax.Array:
   """Saturate, then round to nearest even onto fmt's grid; returns FP32 values on the grid.
 
@@ -51,6 +84,7 @@ def round_to_grid(y_f32: jax.Array, fmt: ElementFormat) -> jax.Array:
   return jnp.round(y_f32 * pow2(k)) * pow2(-k)
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def stochastic_round_to_grid(y_f32: jax.Array, fmt: ElementFormat, key: jax.Array) -> jax.Array:
   """Saturate, then round stochastically onto fmt's grid (unbiased inside ±max_normal).
 
@@ -65,13 +99,15 @@ def stochastic_round_to_grid(y_f32: jax.Array, fmt: ElementFormat, key: jax.Arra
   frac_f32 = t_f32 - lo_f32  # exact: t has at most 24 significant bits
   # frac * 2**32 is exact in FP32 and < 2**32; the conversion truncates to the fixed-point fraction.
   thresh_u32 = (frac_f32 * 4294967296.0).astype(jnp.uint32)
-  bits_u32 = jax.random.bits(key, y_f32.shape, jnp.uint32)
+  bits_u32 = random_bits(key, y_f32.shape)
   up_f32 = (bits_u32 < thresh_u32).astype(jnp.float32)
   out_f32 = (lo_f32 + up_f32) * pow2(-k)
-  # NaN must survive (floor/compare would turn it into a number).
+  # Zeros keep the input's sign like the RNE cast (-0.1 -> -0, not +0); NaN must survive.
+  out_f32 = jnp.copysign(out_f32, y_f32)
   return jnp.where(jnp.isnan(y_f32), y_f32, out_f32)
 
 
+@jax.jit
 def sr_cast_bf16(x_f32: jax.Array, key: jax.Array) -> jax.Array:
   """Unbiased stochastic-rounding cast FP32 -> BF16 (for BF16 master weights).
 
@@ -82,7 +118,7 @@ def sr_cast_bf16(x_f32: jax.Array, key: jax.Array) -> jax.Array:
   """
   x_f32 = jnp.asarray(x_f32, jnp.float32)
   bits_u32 = lax.bitcast_convert_type(x_f32, jnp.uint32)
-  noise_u32 = jax.random.bits(key, x_f32.shape, jnp.uint32) >> 16
+  noise_u32 = random_bits(key, x_f32.shape) >> 16
   rounded_u32 = (bits_u32 + noise_u32) & jnp.uint32(0xFFFF0000)
   out_bf16 = lax.bitcast_convert_type((rounded_u32 >> 16).astype(jnp.uint16), jnp.bfloat16)
   # Adding to an inf/NaN pattern could move it (sNaN -> inf); keep the exact cast for those.

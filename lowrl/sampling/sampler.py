@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from typing import Any
 
 import jax
@@ -29,9 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from lowrl import distributed
 from lowrl.models import transformer
 from lowrl.models.config import ModelConfig
-from lowrl.precision import PrecisionPolicy
+from lowrl.precision import PrecisionPolicy, matmul_paths
+from lowrl.quant.packing import pack_e2m1, unpack_e2m1
+from lowrl.quant.quantize import QTensor, dequantize, fake_quant, quantize
+from lowrl.sharding import ShardingPlan
 
 Params = Any
 
@@ -190,18 +195,18 @@ def _fold(key, i):
   return None if key is None else jax.random.fold_in(key, i)
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg", "policy", "config"),
-                   donate_argnames=("cache",))
-def _generate(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, *, model_cfg, policy,
-              config):
+def _generate_impl(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, *, model_cfg, policy,
+                   config):
   batch, p = prompt_BP.shape
   n = config.max_new_tokens
   prompt_BP, pmask_BP = left_align(prompt_BP, prompt_mask_BP, config.pad_id)
   plen_B = pmask_BP.sum(-1).astype(jnp.int32)
   stop = jnp.asarray(config.stop_tokens or (-1,), jnp.int32)
-  # The donated buffers are reused; stale contents are never attended (mask), zero them anyway
-  # so that a NaN left by an earlier call cannot leak through 0 * NaN.
-  cache = jax.tree.map(jnp.zeros_like, cache)
+  # Reuse the donated k/v buffers as they are: a column is written before any query can see it
+  # (causal over columns), so stale values get softmax weight exactly 0. Reset index and mask.
+  cache = {**cache, "index": jnp.zeros((), jnp.int32), "mask": jnp.zeros_like(cache["mask"])}
+  # Weights are quantized once per call, not in the prefill and again at every decode step.
+  params, policy = quantize_weights(params, model_cfg, policy)
 
   # Prefill: the LM head only for column P - 1, where every left-aligned prompt ends.
   logits_B1V, cache = transformer.forward_with_cache(
@@ -256,6 +261,10 @@ def _generate(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, *, model
   return out, cache
 
 
+_generate = jax.jit(_generate_impl, static_argnames=("model_cfg", "policy", "config"),
+                    donate_argnames=("cache",))
+
+
 def _check_inputs(prompt_BP, prompt_mask_BP, model_cfg, config):
   if prompt_BP.ndim != 2 or prompt_BP.shape != prompt_mask_BP.shape:
     raise ValueError(f"prompt tokens {prompt_BP.shape} and prompt mask {prompt_mask_BP.shape} "
@@ -265,7 +274,7 @@ def _check_inputs(prompt_BP, prompt_mask_BP, model_cfg, config):
   if length > model_cfg.max_seq_len:
     raise ValueError(f"P + max_new_tokens = {length} exceeds model_cfg.max_seq_len="
                      f"{model_cfg.max_seq_len}; shorten the prompts or max_new_tokens.")
-  lengths = np.asarray(prompt_mask_BP).astype(bool).sum(-1)
+  lengths = distributed.to_host(prompt_mask_BP).astype(bool).sum(-1)
   if lengths.min() < 1:
     raise ValueError(f"rows {np.flatnonzero(lengths < 1).tolist()} have empty prompts; every row "
                      "needs at least one prompt token (e.g. a BOS id).")
@@ -274,7 +283,7 @@ def _check_inputs(prompt_BP, prompt_mask_BP, model_cfg, config):
 def generate(params: Params, prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Array,
              rng: jax.Array, *, model_cfg: ModelConfig, policy: PrecisionPolicy,
              config: SamplingConfig, quant_key: jax.Array | None = None,
-             cache: transformer.Cache | None = None
+             cache: transformer.Cache | None = None, plan: ShardingPlan | None = None
              ) -> tuple[SampleOutput, transformer.Cache]:
   """Samples N = config.max_new_tokens tokens per prompt with the KV cache (not exact mode).
 
@@ -285,14 +294,30 @@ def generate(params: Params, prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Ar
     quant_key: stochastic-rounding key (the step writing column c uses fold_in(quant_key, c)).
     cache: a cache from `transformer.init_cache(model_cfg, B, P + N, policy.dtype)` or from an
       earlier call of the same shapes; donated (do not reuse the argument). None allocates one.
+    plan: run on this mesh: params as `plan.param_shardings`, prompts, outputs and the KV cache
+      split over the batch axes (the cache's kv heads as k_proj's columns); inputs placed
+      otherwise are moved there first. None: one device, as jit places it.
 
   Returns:
     (SampleOutput, the cache's buffers for the next call).
   """
   _check_inputs(prompt_tokens_BP, prompt_mask_BP, model_cfg, config)
   batch, p = prompt_tokens_BP.shape
+  if plan is not None:
+    plan.check_batch(batch, "the sampler's batch (prompts)")
+    fns = _sharded_fns(model_cfg, policy, config, plan, _params_key(params))
+    if cache is None:
+      cache = fns.init_cache(batch, p + config.max_new_tokens)
+    args = (params, jnp.asarray(prompt_tokens_BP, jnp.int32), jnp.asarray(prompt_mask_BP), rng,
+            cache, quant_key)
+    return fns.generate(*plan.put(args, fns.generate_in))
   if cache is None:
     cache = transformer.init_cache(model_cfg, batch, p + config.max_new_tokens, policy.dtype)
+  # Quantize the weights in their own call: master and packed weights then share one compiled
+  # generate program (the policy it sees no longer quantizes weights).
+  if _has_weight_quantizers(policy, model_cfg):
+    params = _quantize_weights(params, model_cfg=model_cfg, policy=policy)
+    policy = prequantized_policy(policy, model_cfg)
   return _generate(params, jnp.asarray(prompt_tokens_BP, jnp.int32), jnp.asarray(prompt_mask_BP),
                    rng, cache, quant_key, model_cfg=model_cfg, policy=policy, config=config)
 
@@ -302,27 +327,76 @@ def generate(params: Params, prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Ar
 _token_logprobs = jax.jit(transformer.token_logprobs, static_argnames=("model_cfg", "policy"))
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg", "policy", "config"))
-def _sampling_logprobs(params, tokens_BL, mask_BL, quant_key, *, model_cfg, policy, config):
+def _sampling_logprobs_impl(params, tokens_BL, mask_BL, quant_key, *, model_cfg, policy, config):
   logits_BLV = transformer.forward(params, tokens_BL, model_cfg, policy, mask_BT=mask_BL,
                                    quant_key=quant_key)
   logq = sampling_logprobs(logits_BLV[:, :-1], tokens_BL[:, 1:], config)
   return jnp.pad(logq, ((0, 0), (1, 0)))
 
 
+_sampling_logprobs = jax.jit(_sampling_logprobs_impl,
+                             static_argnames=("model_cfg", "policy", "config"))
+
+
+def _token_logprobs_impl(params, tokens_BL, mask_BL, quant_key, *, model_cfg, policy):
+  return transformer.token_logprobs(params, tokens_BL, model_cfg, policy, mask_BT=mask_BL,
+                                    quant_key=quant_key)
+
+
+def _params_key(params: Params) -> tuple[Any, tuple[tuple[int, ...], ...]]:
+  """Hashable structure + shapes of a parameter tree (what its shardings depend on)."""
+  leaves, treedef = jax.tree.flatten(params)
+  return treedef, tuple(tuple(np.shape(x)) for x in leaves)
+
+
+@functools.lru_cache(maxsize=32)
+def _sharded_fns(model_cfg: ModelConfig, policy: PrecisionPolicy, config: SamplingConfig,
+                 plan: ShardingPlan, params_key) -> Any:
+  """The sampler's jits on `plan`'s mesh, with explicit in/out shardings (one set per model)."""
+  treedef, shapes = params_key
+  params_sh = plan.param_shardings(
+      jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]))
+  cache_sh = plan.cache_shardings(model_cfg)
+  batch, repl = plan.batch, plan.replicated
+  static = dict(model_cfg=model_cfg, policy=policy)
+  fns = types.SimpleNamespace(params=params_sh)
+  fns.generate_in = (params_sh, batch, batch, repl, cache_sh, repl)
+  # The cache (argument 4) is donated: its buffers come back as the next call's cache.
+  fns.generate = jax.jit(functools.partial(_generate_impl, **static, config=config),
+                         in_shardings=fns.generate_in, out_shardings=(batch, cache_sh),
+                         donate_argnums=(4,))
+  fns.init_cache = jax.jit(
+      lambda b, length: transformer.init_cache(model_cfg, b, length, policy.dtype),
+      static_argnums=(0, 1), out_shardings=cache_sh)
+  fns.rescore_in = (params_sh, batch, batch, repl)
+  fns.logprobs = jax.jit(functools.partial(_token_logprobs_impl, **static),
+                         in_shardings=fns.rescore_in, out_shardings=batch)
+  fns.sampling_logprobs = jax.jit(functools.partial(_sampling_logprobs_impl, **static,
+                                                    config=config),
+                                  in_shardings=fns.rescore_in, out_shardings=batch)
+  return fns
+
+
 def rescore(out: SampleOutput, params: Params, *, model_cfg: ModelConfig,
             policy: PrecisionPolicy, config: SamplingConfig,
-            quant_key: jax.Array | None = None) -> SampleOutput:
+            quant_key: jax.Array | None = None, plan: ShardingPlan | None = None) -> SampleOutput:
   """Exact mode: replaces both logprobs with the given (trainer) model's full forward.
 
   `model_logprobs` = `transformer.token_logprobs(params, out.tokens, model_cfg, policy,
   mask_BT=out.attention_mask, quant_key=quant_key)` on completion tokens. `logprobs` applies the
   sampling transform (temperature, top-k, top-p) to the same forward's logits; when the
   transform is the identity it is `model_logprobs` itself. Under top-k/top-p a token the
-  trainer's logits rank outside the support gets -inf.
+  trainer's logits rank outside the support gets -inf. `plan`: as in `generate`.
   """
   comp = out.completion_mask > 0
   mask_BL = out.attention_mask
+  if plan is not None:
+    fns = _sharded_fns(model_cfg, policy, config, plan, _params_key(params))
+    args = plan.put((params, out.tokens, mask_BL, quant_key), fns.rescore_in)
+    logp = jnp.where(comp, fns.logprobs(*args), 0.0)
+    logq = jnp.where(comp, fns.sampling_logprobs(*args), 0.0) if config.modifies_distribution \
+        else logp
+    return out.replace(logprobs=logq, model_logprobs=logp)
   logp = _token_logprobs(params, out.tokens, model_cfg=model_cfg, policy=policy, mask_BT=mask_BL,
                          quant_key=quant_key)
   logp = jnp.where(comp, logp, 0.0)
@@ -338,17 +412,22 @@ def rescore(out: SampleOutput, params: Params, *, model_cfg: ModelConfig,
 class Sampler:
   """Generation with a reused (donated) KV cache, optionally in exact mode.
 
+  `params` may be a `pack_params` tree (weights held packed between calls; dequantized for the
+  duration of the call, with the weight quantizers of the policy skipped).
+
   Example:
     sampler = Sampler(model_cfg, policy, SamplingConfig(max_new_tokens=16), exact=True)
     out = sampler(params, prompts_BP, mask_BP, rng)
   """
 
   def __init__(self, model_cfg: ModelConfig, policy: PrecisionPolicy, config: SamplingConfig,
-               *, exact: bool = False, trainer_policy: PrecisionPolicy | None = None):
+               *, exact: bool = False, trainer_policy: PrecisionPolicy | None = None,
+               plan: ShardingPlan | None = None):
     config.check(model_cfg)
     self.model_cfg, self.policy, self.config = model_cfg, policy, config
     self.exact = exact
     self.trainer_policy = trainer_policy or policy
+    self.plan = plan  # None: one device; else every call runs sharded on plan.mesh
     self._cache = None
 
   def __call__(self, params: Params, prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Array,
@@ -361,11 +440,189 @@ class Sampler:
     cache = self._cache if self._cache is not None and \
         self._cache["mask"].shape == shape else None
     self._cache = None  # donated below
+    policy = self.policy
+    if any(_is_packed(x) for x in jax.tree.leaves(params, is_leaf=_is_packed)):
+      if self.exact and trainer_params is None:
+        raise ValueError("Exact mode re-scores with the trainer's weights: pass trainer_params "
+                         "(the packed sampler weights are not a trainer parameter tree).")
+      policy = prequantized_policy(policy, self.model_cfg)
+      params = unpack_params(params)
     out, self._cache = generate(params, prompt_tokens_BP, prompt_mask_BP, rng,
-                                model_cfg=self.model_cfg, policy=self.policy, config=self.config,
-                                quant_key=quant_key, cache=cache)
+                                model_cfg=self.model_cfg, policy=policy, config=self.config,
+                                quant_key=quant_key, cache=cache, plan=self.plan)
     if self.exact:
       out = rescore(out, params if trainer_params is None else trainer_params,
                     model_cfg=self.model_cfg, policy=self.trainer_policy, config=self.config,
-                    quant_key=trainer_quant_key)
+                    quant_key=trainer_quant_key, plan=self.plan)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed rollout weights.
+
+
+@struct.dataclass
+class PackedWeight:
+  """A kernel held quantized: codes (E2M1 two per byte as uint8, or FP8), block and outer scales.
+
+  `dequantize()` gives exactly `fake_quant(kernel)` as the trainer's forward computes it.
+  """
+
+  codes: jax.Array
+  scale: jax.Array
+  outer: jax.Array | None
+  cfg: Any = struct.field(pytree_node=False)  # QuantConfig, axis resolved
+  nibbles: bool = struct.field(pytree_node=False, default=False)  # codes packed two per byte
+
+  @property
+  def nbytes(self) -> int:
+    return sum(int(a.nbytes) for a in (self.codes, self.scale, self.outer) if a is not None)
+
+  def dequantize(self) -> jax.Array:
+    codes = unpack_e2m1(self.codes, axis=self.cfg.axis) if self.nibbles else self.codes
+    q = QTensor(codes=codes, scale=self.scale, outer=self.outer, cfg=self.cfg)
+    return dequantize(q, jnp.float32)
+
+
+def _weight_quantizer(policy: PrecisionPolicy, layer: int | None, path: str):
+  """The deterministic rhs QuantConfig the forward applies to this [in, out] kernel, or None.
+
+  Stochastically rounded weight quantizers draw a new key per forward and cannot be applied
+  ahead of time: None for those too.
+  """
+  q = policy.qdot_config(layer, path).rhs
+  if q is None or q.stochastic_rounding:
+    return None
+  # As quantized_dot_general does: 1-D blocks run along the contracting axis (0 for [in, out]).
+  return q if q.kind == "tensor" or q.block_2d else dataclasses.replace(q, axis=0)
+
+
+def _kernel_paths(model_cfg: ModelConfig):
+  """(layer, path, params keys) of every [in, out] kernel (a tied head has none)."""
+  for layer, path in matmul_paths(model_cfg.n_layers):
+    if layer is None:
+      if not model_cfg.tie_embeddings:
+        yield layer, path, ("lm_head", "kernel")
+    else:
+      yield layer, path, (f"layers_{layer}", *path.split("/"), "kernel")
+
+
+def _get(tree, keys):
+  for k in keys:
+    tree = tree[k]
+  return tree
+
+
+def _set(tree, keys, value):
+  if len(keys) == 1:
+    return {**tree, keys[0]: value}
+  return {**tree, keys[0]: _set(tree[keys[0]], keys[1:], value)}
+
+
+def pack_params(params: Params, model_cfg: ModelConfig, policy: PrecisionPolicy,
+                other_dtype=None) -> Params:
+  """Replaces every kernel the policy quantizes by a PackedWeight (E2M1 two codes per byte).
+
+  Kernels the policy keeps unquantized, norms, biases and the embedding stay as they are, or are
+  cast to `other_dtype` (e.g. bfloat16: exact for the embedding and unquantized kernels, which the
+  forward casts to the compute dtype anyway, but it rounds norm scales and biases). With
+  other_dtype None, `unpack_params` + `prequantized_policy` compute exactly what the master
+  weights do (fake_quant(W) == dequantize(quantize(W)) bit for bit).
+  """
+  return _pack(params, model_cfg=model_cfg, policy=policy,
+               other_dtype=None if other_dtype is None else jnp.dtype(other_dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "policy", "other_dtype"))
+def _pack(params, *, model_cfg, policy, other_dtype):
+  # One program for all kernels (eager quantize calls would compile once per kernel shape).
+  out = params if other_dtype is None else jax.tree.map(lambda x: x.astype(other_dtype), params)
+  for layer, path, keys in _kernel_paths(model_cfg):
+    rhs = policy.qdot_config(layer, path).rhs
+    if rhs is not None and rhs.stochastic_rounding:
+      raise ValueError(f"{layer=}, {path}: stochastically rounded weights are re-drawn every "
+                       "forward and cannot be packed; use precision.stochastic_rounding=grad or "
+                       "none for a packed sampler.")
+    q = _weight_quantizer(policy, layer, path)
+    if q is None:
+      continue
+    qt = quantize(_get(params, keys), q)
+    nibbles = qt.codes.dtype == jnp.float4_e2m1fn
+    codes = pack_e2m1(qt.codes, axis=q.axis) if nibbles else qt.codes
+    out = _set(out, keys, PackedWeight(codes, qt.scale, qt.outer, qt.cfg, nibbles))
+  return out
+
+
+def _is_packed(x) -> bool:
+  return isinstance(x, PackedWeight)
+
+
+@jax.jit
+def unpack_params(packed: Params) -> Params:
+  """PackedWeight leaves -> FP32 dequantized kernels (inside the sampler call, the emulation)."""
+  return jax.tree.map(lambda x: x.dequantize() if _is_packed(x) else x, packed,
+                      is_leaf=_is_packed)
+
+
+def _droppable(c) -> bool:
+  return c.rhs is not None and not c.rhs.stochastic_rounding
+
+
+def _has_weight_quantizers(policy: PrecisionPolicy, model_cfg: ModelConfig) -> bool:
+  return any(_weight_quantizer(policy, layer, path) is not None
+             for layer, path, _ in _kernel_paths(model_cfg))
+
+
+def prequantized_policy(policy: PrecisionPolicy, model_cfg: ModelConfig) -> PrecisionPolicy:
+  """`policy` without the weight quantizers that `quantize_weights` / `pack_params` apply ahead
+  of time (deterministic ones on [in, out] kernels; a tied head quantizes the embedding itself).
+  Idempotent: a policy with nothing to drop comes back unchanged."""
+  if not _has_weight_quantizers(policy, model_cfg):
+    return policy
+  def drop(c):
+    return dataclasses.replace(c, rhs=None) if _droppable(c) else c
+  rules = [(p, drop(c)) for p, c in policy.rules]
+  if model_cfg.tie_embeddings:
+    rules.insert(0, ("lm_head", policy.qdot_config(None, "lm_head")))
+  return dataclasses.replace(policy, rules=tuple(rules), name=policy.name + "+prequantized")
+
+
+def quantize_weights(params: Params, model_cfg: ModelConfig, policy: PrecisionPolicy
+                     ) -> tuple[Params, PrecisionPolicy]:
+  """(params with kernels fake-quantized once, the policy that then skips weight quantizers).
+
+  Exact: the pair computes bit for bit what (params, policy) computes, since the forward's own
+  weight quantization is the same `fake_quant` call; the sampler uses it so that the decode loop
+  does not re-quantize every weight at every step.
+  """
+  out = params
+  for layer, path, keys in _kernel_paths(model_cfg):
+    q = _weight_quantizer(policy, layer, path)
+    if q is not None:
+      out = _set(out, keys, fake_quant(_get(params, keys), q))
+  return out, prequantized_policy(policy, model_cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "policy"))
+def _quantize_weights(params, *, model_cfg, policy):
+  return quantize_weights(params, model_cfg, policy)[0]
+
+
+def packed_bytes(packed: Params) -> dict[str, float]:
+  """Storage of a packed tree: quantized kernels (codes + scales) vs everything else."""
+  leaves = jax.tree.leaves(packed, is_leaf=_is_packed)
+  q = [x for x in leaves if _is_packed(x)]
+  rest = [x for x in leaves if not _is_packed(x)]
+  q_params = sum(_num_elements(x) for x in q)
+  q_bytes = sum(x.nbytes for x in q)
+  rest_params = sum(int(x.size) for x in rest)
+  rest_bytes = sum(int(x.nbytes) for x in rest)
+  total = q_params + rest_params
+  return {"quantized_params": q_params, "quantized_bytes": q_bytes,
+          "bytes_per_quantized_param": q_bytes / max(q_params, 1),
+          "other_params": rest_params, "other_bytes": rest_bytes,
+          "bytes_per_param": (q_bytes + rest_bytes) / max(total, 1)}
+
+
+def _num_elements(w: PackedWeight) -> int:
+  return int(w.codes.size) * (2 if w.nibbles else 1)

@@ -9,13 +9,13 @@ from lowrl.tasks.registry import TASKS, make_task, task_names
 from lowrl.tasks.reversal import ReversalTask
 from lowrl.tasks.sorting import SortingTask
 from lowrl.tasks.splits import SPLITS, split_of
-from lowrl.tasks.tokenizer import DEFAULT_CHARS, CharTokenizer, HFTokenizer, Tokenizer
+from lowrl.tasks.tokenizer import DEFAULT_CHARS, CharTokenizer, Tokenizer
 from lowrl.tasks.verifiers import extract_boxed, make_verifier, normalize_answer, register_verifier
 
 __all__ = [
-    "AdditionTask", "CharTokenizer", "CountdownTask", "DEFAULT_CHARS", "Example", "HFTokenizer",
-    "JsonlTask", "ProceduralTask", "ReversalTask", "SPLITS", "SortingTask", "TASKS", "Task",
-    "Tokenizer", "decode_batch", "encode_prompts", "encode_sft", "extract_boxed", "make_task",
-    "make_verifier", "normalize_answer", "pass_at_k", "pass_at_k_from_rewards", "prompt_ids",
-    "register_verifier", "split_of", "task_names",
+    "AdditionTask", "CharTokenizer", "CountdownTask", "DEFAULT_CHARS", "Example", "JsonlTask",
+    "ProceduralTask", "ReversalTask", "SPLITS", "SortingTask", "TASKS", "Task", "Tokenizer",
+    "decode_batch", "encode_prompts", "encode_sft", "extract_boxed", "make_task", "make_verifier",
+    "normalize_answer", "pass_at_k", "pass_at_k_from_rewards", "prompt_ids", "register_verifier",
+    "split_of", "task_names",
 ]

@@ -16,7 +16,7 @@ import numpy as np
 
 from lowrl.tasks import splits, verifiers
 from lowrl.tasks.base import Example, Task, check_count, check_rng
-from lowrl.tasks.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
+from lowrl.tasks.tokenizer import CharTokenizer, Tokenizer
 
 
 def _default_target(verifier_name: str | None, answer: str) -> str:
@@ -39,7 +39,7 @@ class JsonlTask(Task):
       verifier_kwargs: options for a named verifier, e.g. {"rtol": 1e-4} for "numeric".
       eval_fraction: share of distinct prompts held out for evaluation.
       tokenizer: None = a CharTokenizer over the file's characters; a path = a tokenizer.json
-        (HFTokenizer with its usual special tokens); or any `Tokenizer`.
+        or its checkpoint directory (`lowrl.checkpoints.load_tokenizer`); or any `Tokenizer`.
       max_answer_len: generation budget in tokens incl. eos, at least the longest target + eos
         (the default).
       name: task name (also salts the split keys).
@@ -78,7 +78,9 @@ class JsonlTask(Task):
       tokenizer = CharTokenizer.from_texts([e.prompt for e in all_examples] +
                                            [self.target_text(e) for e in all_examples])
     elif isinstance(tokenizer, (str, os.PathLike)):
-      tokenizer = HFTokenizer(os.fspath(tokenizer))
+      # Imported here: lowrl.checkpoints pulls in the models (jax) and `tokenizers`.
+      from lowrl.checkpoints.tokenizer import load_tokenizer
+      tokenizer = load_tokenizer(tokenizer)
     elif not isinstance(tokenizer, Tokenizer):
       raise ValueError("tokenizer must be None, a tokenizer.json path or a Tokenizer, "
                        f"got {type(tokenizer).__name__}.")

@@ -1,9 +1,10 @@
-"""Tokenizers for the tasks: a character-level one and a wrapper for Hugging Face tokenizer.json.
+"""The tasks' tokenizer interface (`Tokenizer`) and a character-level implementation.
 
-Both expose the same small interface (`Tokenizer`): integer ids for pad / bos / eos, `encode`
-(text -> ids, no special tokens added) and `decode` (ids -> text, stopping at the first eos).
-Special tokens are never produced by `encode`: the text "<eos>" is five ordinary characters,
-so task text cannot inject control tokens.
+`Tokenizer`: integer ids for pad / bos / eos, `encode` (text -> ids, no special tokens added)
+and `decode` (ids -> text, stopping at the first eos). Special tokens are never produced by
+`encode`: the text "<eos>" is five ordinary characters, so task text cannot inject control
+tokens. A Hugging Face tokenizer.json is loaded with `lowrl.checkpoints.load_tokenizer`, whose
+`lowrl.checkpoints.Tokenizer` implements the same interface.
 """
 from __future__ import annotations
 
@@ -136,80 +137,3 @@ class CharTokenizer:
         raise ValueError(f"Token id {i} is outside the vocabulary [0, {n}).")
       out.append(self._chars[i - len(SPECIAL_TOKENS)])
     return "".join(out)
-
-
-# Names tried, in order, when the caller does not name a special token of a tokenizer.json.
-_BOS_CANDIDATES = ("<bos>", "<s>", "<|begin_of_text|>", "<|startoftext|>", "[BOS]")
-_EOS_CANDIDATES = ("<eos>", "</s>", "<|endoftext|>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>",
-                   "[EOS]")
-_PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>")
-
-
-class HFTokenizer:
-  """A Hugging Face `tokenizers` tokenizer.json behind the `Tokenizer` interface.
-
-  bos may be absent (Qwen-style tokenizers have none): then `bos_id` is None and nothing is
-  prepended. pad falls back to eos when the file has no pad token (as Qwen does); batching never
-  infers lengths from pad, so the two may share an id.
-  """
-
-  def __init__(self, path: str, *, bos_token: str | None = None, eos_token: str | None = None,
-               pad_token: str | None = None):
-    """Loads `path` (a tokenizer.json).
-
-    Args:
-      path: tokenizer.json file.
-      bos_token, eos_token, pad_token: special-token strings; None = try common names.
-    """
-    import tokenizers  # imported here so the char tokenizer does not need the package
-
-    try:
-      self._tok = tokenizers.Tokenizer.from_file(str(path))
-    except Exception as e:  # the Rust error type is not importable; re-raise with the path
-      raise ValueError(f"Could not load tokenizer.json from {str(path)!r}: {e}") from e
-    self._bos = self._find("bos_token", bos_token, _BOS_CANDIDATES, required=False)
-    eos = self._find("eos_token", eos_token, _EOS_CANDIDATES, required=True)
-    assert eos is not None
-    self._eos = eos
-    pad = self._find("pad_token", pad_token, _PAD_CANDIDATES, required=False)
-    self._pad = eos if pad is None else pad
-
-  def _find(self, what: str, given: str | None, candidates: Sequence[str], required: bool) -> int | None:
-    if given is not None:
-      i = self._tok.token_to_id(given)
-      if i is None:
-        raise ValueError(f"{what}={given!r} is not in the tokenizer vocabulary; pass a token it has.")
-      return i
-    for name in candidates:
-      i = self._tok.token_to_id(name)
-      if i is not None:
-        return i
-    if required:
-      raise ValueError(f"The tokenizer has none of the usual {what} names {list(candidates)}; "
-                       f"pass {what}=... explicitly.")
-    return None
-
-  @property
-  def vocab_size(self) -> int:
-    return self._tok.get_vocab_size(with_added_tokens=True)
-
-  @property
-  def pad_id(self) -> int:
-    return self._pad
-
-  @property
-  def bos_id(self) -> int | None:
-    return self._bos
-
-  @property
-  def eos_id(self) -> int:
-    return self._eos
-
-  def encode(self, text: str) -> list[int]:
-    """Token ids of `text` without the tokenizer's own special-token template."""
-    return list(self._tok.encode(text, add_special_tokens=False).ids)
-
-  def decode(self, ids: Iterable[int]) -> str:
-    """Text of `ids` up to the first eos; pad and bos are dropped."""
-    drop = {self._pad} | ({self._bos} if self._bos is not None else set())
-    return self._tok.decode(_cut_at_eos(ids, self._eos, drop), skip_special_tokens=False)

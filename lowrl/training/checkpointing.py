@@ -45,11 +45,12 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, meta: dict[str, Any], force: bool = False) -> bool:
     """Saves if `step` is due (or `force`); returns whether it saved."""
-    if not force and not self._manager.should_save(step):
+    # Our own interval test: orbax's should_save also fires on the first step it ever sees.
+    if not force and step % self.every:
       return False
     return self._manager.save(
         step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                      meta=ocp.args.JsonSave(meta)), force=force)
+                                      meta=ocp.args.JsonSave(meta)), force=True)
 
   def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict[str, Any], int]:
     """Restores (state, meta, step) of `step` (default: the latest) onto `abstract_state`'s shardings."""

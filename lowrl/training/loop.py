@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from lowrl import precision
+from lowrl import distributed, precision, sharding
 from lowrl.asyncrl.drift import drift_metrics
 from lowrl.asyncrl.schedule import AsyncSchedule, VersionBuffer
 from lowrl.metrics.writer import create_writer
@@ -35,12 +35,12 @@ from lowrl.models.config import ModelConfig
 from lowrl.rl.advantages import ADVANTAGE_MODES, compute_advantages, group_has_signal, overlong_penalty
 from lowrl.rl.corrections import CorrectionConfig
 from lowrl.rl.losses import LossConfig
-from lowrl.sampling.sampler import SampleOutput, Sampler, SamplingConfig
+from lowrl.sampling.sampler import SampleOutput, Sampler, SamplingConfig, rescore
 from lowrl.tasks.base import Task
 from lowrl.tasks.batching import decode_batch, encode_prompts
 from lowrl.tasks.registry import make_task
 from lowrl.training import diagnostics, optimizer, sft
-from lowrl.training.checkpointing import Checkpointer, abstract_like
+from lowrl.training.checkpointing import Checkpointer
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, make_rl_update
 
 Log = Callable[[str], None]
@@ -59,6 +59,7 @@ class Setup:
   eval_sampling: SamplingConfig
   update_cfg: UpdateConfig
   schedule: AsyncSchedule
+  plan: sharding.ShardingPlan | None = None  # None: one device
 
   @property
   def batch_size(self) -> int:
@@ -74,7 +75,7 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   """Validates the config and builds the static pieces; raises ValueError naming the fix."""
   rl = cfg.rl
   for name in ("rl.steps", "rl.num_prompts", "rl.group_size", "rl.max_new_tokens",
-               "eval_num_prompts", "checkpoint_every", "log_every"):
+               "eval_num_prompts", "eval_samples", "checkpoint_every", "log_every"):
     node = cfg
     for part in name.split("."):
       node = node[part]
@@ -127,8 +128,27 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   a = cfg.async_rl
   schedule = AsyncSchedule(lag=a.lag, sync_every=a.sync_every,
                            lag_distribution=a.lag_distribution, seed=cfg.seed)
+  plan = _mesh_plan(cfg, model_cfg, trainer_policy, sampler_policy,
+                    seq_len=task.max_prompt_len + rl.max_new_tokens)
   return Setup(cfg, task, model_cfg, trainer_policy, sampler_policy, sampling, eval_sampling,
-               update_cfg, schedule)
+               update_cfg, schedule, plan)
+
+
+def _mesh_plan(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
+               trainer_policy: precision.PrecisionPolicy,
+               sampler_policy: precision.PrecisionPolicy, seq_len: int) -> sharding.ShardingPlan:
+  """The mesh and rules of `cfg.mesh`, checked against the batch sizes and quantizer blocks."""
+  plan = sharding.plan_from_config(cfg.mesh)
+  rows = cfg.rl.num_prompts * cfg.rl.group_size
+  plan.check_batch(rows, "rl.num_prompts * rl.group_size")
+  plan.check_batch(rows // cfg.rl.num_minibatches,
+                   "a minibatch (rl.num_prompts * rl.group_size / rl.num_minibatches)")
+  plan.check_batch(cfg.eval_num_prompts, "eval_num_prompts")
+  plan.param_specs(sharding.param_shapes(model_cfg))  # rule/shape mismatches raise here
+  for what, policy in (("precision", trainer_policy), ("sampler precision", sampler_policy)):
+    sharding.check_quant_blocks(policy, model_cfg, plan, rows=rows // cfg.rl.num_minibatches,
+                                seq_len=seq_len, what=what)
+  return plan
 
 
 def _quant_key(policy: precision.PrecisionPolicy, key: jax.Array) -> jax.Array | None:
@@ -146,20 +166,49 @@ class Trainer:
                                        * cfg.rl.num_minibatches)
     self.logprob_fn = make_logprob_fn(setup.model_cfg, setup.trainer_policy)
     update = make_rl_update(self.logprob_fn, self.tx, setup.update_cfg)
-    self.update = jax.jit(update, donate_argnums=(0, 1))
+    # Every step runs on the mesh with explicit shardings: sampler and update take the same
+    # sharded params (no gather in between), batches are split over the batch axes.
+    self.plan = plan = setup.plan or sharding.single_device_plan()
+    self.param_shapes = sharding.param_shapes(setup.model_cfg)
+    p_sh = plan.param_shardings(self.param_shapes)
+    init_opt = lambda p: optimizer.init_opt_state(self.tx, p)  # noqa: E731
+    o_sh = plan.shardings_like_params(jax.eval_shape(init_opt, self.param_shapes),
+                                      self.param_shapes)
+    self.init_opt_state = jax.jit(init_opt, in_shardings=(p_sh,), out_shardings=o_sh)
+    ref_sh = p_sh if cfg.rl.kl_coef > 0 else plan.replicated
+    batch, repl = plan.batch, plan.replicated
+    self.update = jax.jit(update, donate_argnums=(0, 1),
+                          in_shardings=(p_sh, o_sh, ref_sh, batch, repl),
+                          out_shardings=(p_sh, o_sh, repl))
     self.sampler = Sampler(setup.model_cfg, setup.sampler_policy, setup.sampling,
-                           exact=cfg.sampler_exact, trainer_policy=setup.sampler_policy)
-    self.eval_sampler = Sampler(setup.model_cfg, setup.trainer_policy, setup.eval_sampling)
-    self.drift = jax.jit(self._drift)
+                           exact=cfg.sampler_exact, trainer_policy=setup.sampler_policy, plan=plan)
+    self.eval_sampler = Sampler(setup.model_cfg, setup.trainer_policy, setup.eval_sampling,
+                                plan=plan)
+    self.eval_sampler_t = Sampler(setup.model_cfg, setup.trainer_policy, setup.sampling,
+                                  plan=plan)
+    self.drift = jax.jit(drift_metrics, in_shardings=(batch,) * 4, out_shardings=repl)
     self.weight_errors = jax.jit(
-        lambda p: diagnostics.weight_quant_errors(p, setup.model_cfg, setup.trainer_policy))
+        lambda p: diagnostics.weight_quant_errors(p, setup.model_cfg, setup.trainer_policy),
+        in_shardings=(p_sh,), out_shardings=repl)
 
-  def _drift(self, stale_params, params, tokens_BT, input_mask_BT, logp_sampler_BT, mask_BT, key):
-    """Sampler -> trainer drift split into quantization and staleness parts."""
-    batch = {"tokens_BT": tokens_BT, "input_mask_BT": input_mask_BT}
-    logp_stale_BT = self.logprob_fn(stale_params, batch, key)[0]
-    logp_now_BT = self.logprob_fn(params, batch, key)[0]
-    return drift_metrics(logp_sampler_BT, logp_stale_BT, logp_now_BT, mask_BT)
+  def state_shardings(self, state: Any) -> Any:
+    """Shardings of a state tree: parameter-shaped leaves as the params, the rest replicated."""
+    return self.plan.shardings_like_params(state, self.param_shapes)
+
+  def place(self, state: Any) -> Any:
+    """`state` on the mesh (every process must call this alike)."""
+    return self.plan.put(state, self.state_shardings(state))
+
+  def score(self, params, policy: precision.PrecisionPolicy, out: SampleOutput,
+            key: jax.Array) -> jax.Array:
+    """Logprobs of the sampled tokens under (params, policy): the exact-mode scoring program.
+
+    The trainer's pi_old, the drift parts and the exact-mode sampler all go through this one
+    jitted program, so equal inputs give bit-identical logprobs.
+    """
+    return rescore(out, params, model_cfg=self.s.model_cfg, policy=policy,
+                   config=self.s.sampling, quant_key=_quant_key(policy, key),
+                   plan=self.plan).model_logprobs
 
   # -- data -------------------------------------------------------------------------------------
 
@@ -175,7 +224,7 @@ class Trainer:
     return examples, jnp.asarray(tokens), jnp.asarray(mask)
 
   def rewards(self, out: SampleOutput, examples) -> tuple[np.ndarray, list[str]]:
-    tokens = np.asarray(out.tokens)
+    tokens = distributed.to_host(out.tokens)
     completions = decode_batch(self.s.task.tokenizer, tokens,
                                np.full((tokens.shape[0],), out.prompt_width))
     return self.s.task.rewards(completions, examples).astype(np.float32), completions
@@ -183,30 +232,51 @@ class Trainer:
   # -- evaluation -------------------------------------------------------------------------------
 
   def evaluate(self, params, key: jax.Array) -> dict[str, float]:
-    """Greedy pass@1 on the held-out split (a fixed set of eval prompts)."""
+    """Held-out evaluation on a fixed set of eval-split prompts.
+
+    pass@1: the success rate of one sample at the rollout temperature (the unbiased estimate
+    from `eval_samples` samples per prompt, as RL papers report it); greedy: temperature-0
+    accuracy; reward: mean reward of the samples.
+    """
     cfg = self.s.cfg
     rng = np.random.default_rng([cfg.seed, 3])
     examples = self.s.task.sample(rng, cfg.eval_num_prompts, "eval")
     tokens, lens = encode_prompts(self.s.task.tokenizer, [e.prompt for e in examples],
                                   self.s.task.max_prompt_len)
     mask = np.arange(tokens.shape[1])[None, :] < lens[:, None]
-    out = self.eval_sampler(params, jnp.asarray(tokens), jnp.asarray(mask), key,
-                            quant_key=_quant_key(self.s.trainer_policy, key))
-    rewards, _ = self.rewards(out, examples)
-    return {"pass@1": float(np.mean(rewards >= 1.0)), "reward": float(np.mean(rewards))}
+    k_greedy, k_sample = jax.random.split(key)
+    qk = _quant_key(self.s.trainer_policy, key)
+    out = self.eval_sampler(params, jnp.asarray(tokens), jnp.asarray(mask), k_greedy,
+                            quant_key=qk)
+    greedy, _ = self.rewards(out, examples)
+    n = cfg.eval_samples
+    out = self.eval_sampler_t(params, jnp.asarray(np.repeat(tokens, n, 0)),
+                              jnp.asarray(np.repeat(mask, n, 0)), k_sample, quant_key=qk)
+    sampled, _ = self.rewards(out, [e for e in examples for _ in range(n)])
+    return {"pass@1": float(np.mean(sampled >= 1.0)), "greedy": float(np.mean(greedy >= 1.0)),
+            "reward": float(np.mean(sampled))}
 
   # -- one step ---------------------------------------------------------------------------------
 
-  def rollout(self, sampler_params, step: int, key: jax.Array):
-    """Samples the step's batch with `sampler_params`; returns (batch, host-side info)."""
+  def rollout(self, sampler_params, params, step: int, key: jax.Array, stale: bool):
+    """Samples the step's batch with `sampler_params` (in the sampler's precision).
+
+    Also scores the sampled tokens with the current `params` in the trainer's precision (the
+    trainer's pi_old) and, when the sampler's version is `stale`, with the sampler's weights in the
+    trainer's precision, for the drift decomposition. Returns (batch, drift metrics, host info).
+    """
     cfg, rl = self.s.cfg, self.s.cfg.rl
     examples, tokens_BP, mask_BP = self.prompts(step)
     k_sample, k_quant = jax.random.split(key)
     out = self.sampler(sampler_params, tokens_BP, mask_BP, k_sample,
                        quant_key=_quant_key(self.s.sampler_policy, k_quant),
                        trainer_quant_key=_quant_key(self.s.sampler_policy, k_quant))
+    logp_now_BT = self.score(params, self.s.trainer_policy, out, k_quant)
+    logp_stale_BT = (self.score(sampler_params, self.s.trainer_policy, out, k_quant) if stale
+                     else logp_now_BT)
+    drift = self.drift(out.model_logprobs, logp_stale_BT, logp_now_BT, out.completion_mask)
     rewards, completions = self.rewards(out, examples)
-    lengths = np.asarray(out.completion_lengths)
+    lengths = distributed.to_host(out.completion_lengths)
     shaped = rewards
     if rl.overlong_buffer > 0:
       shaped = rewards + np.asarray(overlong_penalty(jnp.asarray(lengths), rl.max_new_tokens,
@@ -217,13 +287,18 @@ class Trainer:
     if rl.dynamic_sampling:
       # DAPO dynamic sampling with static shapes: groups without signal are masked out.
       signal_B = group_has_signal(jnp.asarray(rewards), rl.group_size)
-      loss_mask_BT = loss_mask_BT * signal_B[:, None].astype(jnp.float32)
       kept = float(jnp.mean(signal_B))
+      signal_B = self.plan.put(signal_B, self.plan.batch)  # host value -> the rollout's layout
+      loss_mask_BT = loss_mask_BT * signal_B[:, None].astype(jnp.float32)
+    # Raw model logprobs on both sides (temperature/top-k/top-p are the sampler's choice, not
+    # part of the policy the trainer optimises).
     batch = {"tokens_BT": out.tokens, "input_mask_BT": out.attention_mask,
-             "loss_mask_BT": loss_mask_BT, "logp_sampler_BT": out.logprobs, "adv_B": adv_B}
+             "loss_mask_BT": loss_mask_BT, "logp_sampler_BT": out.model_logprobs,
+             "logp_trainer_BT": logp_now_BT, "adv_B": adv_B}
+    batch = self.plan.put(batch, self.plan.batch)
     info = {"rewards": rewards, "lengths": lengths, "completions": completions,
             "examples": examples, "groups_kept": kept}
-    return batch, info
+    return batch, drift, info
 
 
 def _metrics_line(step: int, m: dict[str, float]) -> str:
@@ -233,30 +308,41 @@ def _metrics_line(step: int, m: dict[str, float]) -> str:
 def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> dict[str, Any]:
   """Runs (or resumes) the whole pipeline in `workdir`; returns the summary."""
   setup = build(cfg)  # every config error surfaces here, before any compile
+  primary = distributed.is_primary()  # only process 0 logs and writes files (orbax: all save)
+  if not primary:
+    log = lambda _: None  # noqa: E731
   os.makedirs(workdir, exist_ok=True)
   log(f"[setup] task={cfg.task.name} model={setup.model_cfg.num_params():,} params "
       f"trainer={setup.trainer_policy.name} sampler={setup.sampler_policy.name} "
       f"async lag={setup.schedule.lag} sync_every={setup.schedule.sync_every}")
   log(precision.format_table(precision.assignment_table(setup.trainer_policy, setup.model_cfg)))
+  log(f"[mesh] {dict(setup.plan.mesh.shape)} over {jax.device_count()} {jax.default_backend()} "
+      f"devices, {jax.process_count()} process(es)")
+  for note in setup.plan.fallbacks(sharding.param_shapes(setup.model_cfg)):
+    log(f"[mesh] {note}")
 
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint_every)
   base_dir = cfg.sft.base_dir or os.path.join(workdir, "base")
   t0 = time.time()
-  base = sft.load_or_train_base(base_dir, setup.task, cfg.task, setup.model_cfg, cfg.sft,
-                                cfg.seed, log)
+  base = _load_base(base_dir, setup, log)
   base = optimizer.to_master(base, cfg.optimizer.master_dtype)
   trainer = Trainer(setup, log)
   rl = cfg.rl
   use_ref = rl.kl_coef > 0
   versions = VersionBuffer(setup.schedule)
 
-  state = _state(base, optimizer.init_opt_state(trainer.tx, base),
-                 jax.random.key_data(jax.random.key(cfg.seed)), base if use_ref else None, {})
+  base = trainer.place(base)
+  # The update donates `params`: the reference needs buffers of its own.
+  state = _state(base, trainer.init_opt_state(base),
+                 jax.random.key_data(jax.random.key(cfg.seed)),
+                 jax.tree.map(jnp.copy, base) if use_ref else None, {})
+  state = trainer.place(state)
   start = 0
   if ckpt.latest_step() is not None:
     latest = ckpt.latest_step()
-    abstract = abstract_like(jax.eval_shape(lambda: _with_versions(state, setup, latest)))
-    state, meta, start = ckpt.restore(abstract)
+    shapes = jax.eval_shape(lambda: _with_versions(state, setup, latest))
+    # Restores onto this run's mesh, whatever mesh saved it.
+    state, meta, start = ckpt.restore(sharding.abstract(shapes, trainer.state_shardings(shapes)))
     log(f"[resume] from step {start} (data position {meta['data_position']}) in {workdir}")
   params, opt_state = state["params"], state["opt_state"]
   ref_params = state.get("ref_params")
@@ -264,17 +350,28 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> dict[
   for v, p in state.get("versions", {}).items():
     versions.put(int(v), p)
 
-  writer = create_writer(os.path.join(workdir, "tb"))
+  writer = create_writer(os.path.join(workdir, "tb"), enabled=primary)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   if start == 0:
-    open(metrics_path, "w").close()
+    if primary:
+      open(metrics_path, "w").close()
     ev = trainer.evaluate(params, jax.random.fold_in(base_key, -1 % 2**31))
-    log(f"[eval] step 0 held-out pass@1 {ev['pass@1']:.3f}")
+    log(f"[eval] step 0 held-out pass@1 {ev['pass@1']:.3f} greedy {ev['greedy']:.3f}")
     writer.scalars(0, {f"eval/{k}": v for k, v in ev.items()})
-    with open(os.path.join(workdir, "eval_start.json"), "w") as f:
-      json.dump(ev, f)
-  with open(os.path.join(workdir, "eval_start.json")) as f:
-    eval_start = json.load(f)
+    if primary:
+      with open(os.path.join(workdir, "eval_start.json"), "w") as f:
+        json.dump(ev, f)
+    eval_start = ev
+  else:
+    with open(os.path.join(workdir, "eval_start.json")) as f:
+      eval_start = json.load(f)
+    if primary and os.path.exists(metrics_path):
+      # Steps logged after the checkpoint we resume from run again: drop their old lines (and a
+      # line cut short by the interruption).
+      with open(metrics_path) as f:
+        kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= start]
+      with open(metrics_path, "w") as f:
+        f.writelines(kept)
 
   # Only the schedule's versions need copies: the update donates (and so frees) `params`.
   needs_copy = setup.schedule.lag > 0 or setup.schedule.sync_every > 1
@@ -283,13 +380,10 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> dict[
   t_rl = time.time()
   for step in range(start, rl.steps):
     key = jax.random.fold_in(base_key, step)
-    k_roll, k_upd, k_drift = jax.random.split(key, 3)
+    k_roll, k_upd = jax.random.split(key)
     sv = setup.schedule.sampler_version(step)
     sampler_params = versions.get(sv)
-    batch, info = trainer.rollout(sampler_params, step, k_roll)
-    drift = trainer.drift(sampler_params, params, batch["tokens_BT"], batch["input_mask_BT"],
-                          batch["logp_sampler_BT"], batch["loss_mask_BT"],
-                          _quant_key(setup.trainer_policy, k_drift))
+    batch, drift, info = trainer.rollout(sampler_params, params, step, k_roll, stale=sv != step)
     params, opt_state, m = trainer.update(params, opt_state, ref_params, batch, k_upd)
     versions.put(step + 1, copy(params))
     versions.evict_before(step + 1)
@@ -315,8 +409,9 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> dict[
         m.update({f"quant_error/{k}": v for k, v in werr.items()})
       writer.scalars(done, m)
       writer.texts(done, {"samples": _sample_text(info, cfg.num_text_samples)})
-      with open(metrics_path, "a") as f:
-        f.write(_metrics_line(done, m) + "\n")
+      if primary:
+        with open(metrics_path, "a") as f:
+          f.write(_metrics_line(done, m) + "\n")
       el = time.time() - t_rl
       eta = el / (done - start) * (rl.steps - done)
       log(f"[rl] step {done}/{rl.steps} reward {m['reward/mean']:.3f} "
@@ -334,11 +429,45 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> dict[
   writer.close()
   summary = {"eval_start": eval_start, "eval_end": ev_end, "wall_s": time.time() - t0,
              "steps": rl.steps}
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  log(f"[eval] held-out pass@1: start {eval_start['pass@1']:.3f} -> end {ev_end['pass@1']:.3f} "
+  if primary:
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+  log(f"[eval] held-out pass@1: start {eval_start['pass@1']:.3f} -> end {ev_end['pass@1']:.3f}; "
+      f"greedy: start {eval_start['greedy']:.3f} -> end {ev_end['greedy']:.3f} "
       f"(wall {summary['wall_s']:.0f}s)")
   return summary
+
+
+def _load_base(base_dir: str, setup: Setup, log: Log) -> Any:
+  """The mid-trained base (see `sft.load_or_train_base`), replicated over the mesh.
+
+  A saved base is restored onto this run's mesh, whichever topology saved it. With several
+  processes orbax must see global arrays, so process 0 trains the base (SFT is not sharded) and
+  broadcasts it before it is saved.
+  """
+  cfg = setup.cfg
+  fp = sft.fingerprint(cfg.task, setup.model_cfg, cfg.sft, cfg.seed)
+  ckpt = Checkpointer(os.path.join(base_dir, fp), every=1, max_to_keep=1)
+  shapes = sharding.param_shapes(setup.model_cfg)
+  repl = jax.tree.map(lambda _: setup.plan.replicated, shapes)
+  if ckpt.latest_step() is not None:
+    out, meta, _ = ckpt.restore({"params": sharding.abstract(shapes, repl)})
+    log(f"[sft] reusing base {fp} from {base_dir} (trained {meta.get('sft_steps')} steps)")
+    return out["params"]
+  if jax.process_count() == 1:
+    return sft.load_or_train_base(base_dir, setup.task, cfg.task, setup.model_cfg, cfg.sft,
+                                  cfg.seed, log)
+  if distributed.is_primary():
+    params = jax.tree.map(np.asarray, sft.train_base(setup.task, setup.model_cfg, cfg.sft,
+                                                     cfg.seed, log))
+  else:
+    params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+  params = setup.plan.put(distributed.broadcast_from_primary(params), repl)
+  ckpt.save(0, {"params": params}, {"sft_steps": int(cfg.sft.steps), "fingerprint": fp},
+            force=True)
+  ckpt.wait()
+  log(f"[sft] saved base {fp} to {base_dir}")
+  return params
 
 
 def _state(params, opt_state, rng, ref_params, versions: dict[str, Any]) -> dict[str, Any]:

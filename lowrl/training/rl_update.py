@@ -10,7 +10,14 @@ Batch layout (all [B, T], aligned so that column t refers to token t, see ARCHIT
   input_mask_BT   bool/float, 1 on real (non-padding) tokens
   loss_mask_BT    float32, 1 on completion tokens that count in the loss
   logp_sampler_BT float32, the logprob the sampler recorded for token t (0 off loss_mask)
+  logp_trainer_BT float32, optional: the trainer's recompute of the same logprobs with the params
+                  that start this update (pi_old as the trainer sees it); recomputed here if absent
   adv_B           float32 advantages
+
+pi_old is recomputed *outside* this function, by the same jitted scoring program the sampler uses
+in exact mode (lowrl.sampling.rescore): two different XLA programs round BF16 activations
+differently, and NVFP4 amplifies a one-ulp difference into a different code, so only the
+identical program gives bit-identical logprobs (mismatch exactly 0 when sampler = trainer).
 """
 from __future__ import annotations
 
@@ -85,8 +92,10 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
       raise ValueError(f"batch of {batch_size} sequences is not divisible into "
                        f"rl.num_minibatches={cfg.num_minibatches}.")
 
-    # pi_old as the trainer sees it, with the params that start this update.
-    logp_trainer_BT, entropy_BT = jax.lax.stop_gradient(logprob_fn(params, batch, key_fwd))
+    if "logp_trainer_BT" in batch:
+      logp_trainer_BT = jax.lax.stop_gradient(batch["logp_trainer_BT"])
+    else:  # no external scorer (e.g. the fast simulator): recompute inside this program
+      logp_trainer_BT = jax.lax.stop_gradient(logprob_fn(params, batch, key_fwd)[0])
     logp_sampler_BT = batch["logp_sampler_BT"]
     logp_old_BT = logp_trainer_BT if cfg.old_logp_source == "trainer" else logp_sampler_BT
     is_w_BT, corr_metrics = correction_weights(logp_trainer_BT, logp_sampler_BT, mask_BT,
@@ -104,10 +113,12 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
         lambda x: x.reshape((cfg.num_minibatches, mb) + x.shape[1:]), full)
 
     def loss_fn(p, b):
-      logp_BT, _ = logprob_fn(p, b, key_fwd)
-      return policy_loss(logp_BT, b["logp_old_BT"], b["adv_B"], b["loss_mask_BT"], cfg.loss,
-                         logp_ref_BT=b.get("logp_ref_BT"),
-                         is_weights_BT=b["is_w_BT"] if use_is else None)
+      logp_BT, entropy_BT = logprob_fn(p, b, key_fwd)
+      loss, m = policy_loss(logp_BT, b["logp_old_BT"], b["adv_B"], b["loss_mask_BT"], cfg.loss,
+                            logp_ref_BT=b.get("logp_ref_BT"),
+                            is_weights_BT=b["is_w_BT"] if use_is else None)
+      m["entropy"] = jax.lax.stop_gradient(masked_mean(entropy_BT, b["loss_mask_BT"]))
+      return loss, m
 
     def step(carry, i):
       p, o = carry
@@ -130,7 +141,7 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
     metrics = {k: jnp.mean(v) for k, v in step_metrics.items() if k != "skipped"}
     metrics["skipped_updates"] = jnp.sum(step_metrics["skipped"])
     metrics["grad_norm_max"] = jnp.max(step_metrics["grad_norm"])
-    metrics["entropy"] = masked_mean(entropy_BT, mask_BT)
+    metrics["entropy"] = step_metrics["entropy"][0]  # of pi_old, before any inner step
     metrics.update({f"mismatch/{k}": v for k, v in
                     mismatch_metrics(logp_sampler_BT, logp_trainer_BT, mask_BT).items()})
     metrics.update({f"correction/{k}": v for k, v in corr_metrics.items()})

@@ -1,0 +1,245 @@
+"""The fast asynchronous-RL simulator (lowrl.asyncrl.simulator) and its sweep (lowrl.asyncrl.sweep).
+
+Every run uses one of two tiny setups (bf16 and an NVFP4 sampler; one compile each): a 1-layer
+decoder, 2 prompts x 4 samples, horizon 4. Runs of the bf16 setup share one ring size (SLOTS) and
+the seeds, so they share one compiled program.
+"""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from lowrl.asyncrl import simulator, sweep
+from lowrl.asyncrl.drift import DRIFT_PARTS, sampler_trainer_drift
+from lowrl.asyncrl.schedule import AsyncSchedule
+from lowrl.training.rl_update import make_logprob_fn, make_rl_update
+
+STEPS = 8
+SEEDS = (0, 1)
+SLOTS = 4  # >= every schedule's max_versions below: one compiled program for all of them
+
+
+def tiny_config(sampler_recipe: str = "bf16", trainer_recipe: str = "bf16"):
+  c = simulator.default_config()
+  c.task.update(kind="sort", num_symbols=5, length=4)
+  c.model.update(d_model=16, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=16, d_ff=32)
+  c.rl.update(steps=STEPS, num_prompts=2, group_size=4)
+  c.optimizer.lr = 3e-2  # large, so that a few steps move the policy measurably
+  c.sampler_recipe, c.trainer_recipe = sampler_recipe, trainer_recipe
+  c.eval_num_prompts = 8
+  return c
+
+
+@pytest.fixture(scope="module")
+def bf16_setup():
+  return simulator.build(tiny_config())
+
+
+# ----------------------------------------------------------------------------------------------
+# The task.
+
+
+def test_task_targets_and_rewards():
+  prompt = jnp.array([[5, 3, 0, 4, 0]])  # bos = num_symbols = 5
+  completion = jnp.array([[0, 0, 4, 3]])
+  for kind, target in (("sort", [0, 0, 3, 4]), ("reverse", [0, 4, 0, 3]),
+                       ("copy", [3, 0, 4, 0])):
+    task = simulator.SequenceTask(kind=kind, num_symbols=5, length=4)
+    np.testing.assert_array_equal(task.targets(prompt), [target])
+  task = simulator.SequenceTask(kind="sort", num_symbols=5, length=4)
+  reward, exact = task.rewards(prompt, completion)
+  assert float(reward[0]) == 0.5 and float(exact[0]) == 0.0
+  reward, exact = task.rewards(prompt, jnp.array([[0, 0, 3, 4]]))
+  assert float(reward[0]) == 1.0 and float(exact[0]) == 1.0
+  exact_task = simulator.SequenceTask(kind="sort", num_symbols=5, length=4, reward="exact")
+  assert float(exact_task.rewards(prompt, completion)[0][0]) == 0.0
+  p = task.prompts(jax.random.key(0), 64)
+  assert p.shape == (64, 5) and bool(jnp.all(p[:, 0] == 5)) and int(p[:, 1:].max()) < 5
+
+
+@pytest.mark.parametrize("path, value, match", [
+    ("sampler_recipe", "fp8", "Unknown precision recipe"), ("task.kind", "add", "task.kind"),
+    ("rl.group_size", 1, "group_size"), ("rl.correction", "is", "correction mode"),
+    ("model.d_ff", 24, "multiple of the nvfp4 block"),
+])
+def test_build_rejects_bad_settings(path, value, match):
+  c = tiny_config(sampler_recipe="nvfp4_naive")
+  sweep._set(c, path, value)
+  with pytest.raises(ValueError, match=match):
+    simulator.build(c)
+
+
+# ----------------------------------------------------------------------------------------------
+# Runs.
+
+
+@pytest.mark.parametrize("schedule", [AsyncSchedule(), AsyncSchedule(lag=2),
+                                      AsyncSchedule(lag=3, sync_every=2),
+                                      AsyncSchedule(lag=3, lag_distribution="uniform")],
+                         ids=["sync", "lag2", "lag3-sync2", "uniform3"])
+def test_in_jit_versions_are_the_schedule(bf16_setup, schedule):
+  res = simulator.simulate(bf16_setup, schedule, SEEDS, num_slots=SLOTS)
+  for i, seed in enumerate(SEEDS):
+    seeded = AsyncSchedule(schedule.lag, schedule.sync_every, schedule.lag_distribution, seed)
+    expected = [seeded.sampler_version(t) for t in range(STEPS)]
+    np.testing.assert_array_equal(res.metrics["sampler_version"][i], expected)
+    np.testing.assert_array_equal(res.metrics["sampler_version_lag"][i],
+                                  np.arange(STEPS) - np.array(expected))
+  stale = res.metrics["drift/staleness/abs_dlogp_max"]
+  lagged = res.metrics["sampler_version_lag"] > 0
+  assert np.all(stale[~lagged] == 0.0)  # the ring's version t is the trainer's params, bit for bit
+  assert np.all(stale[lagged] > 0.0)
+
+
+def test_same_seed_replays_and_other_seeds_differ(bf16_setup):
+  schedule = AsyncSchedule(lag=2)
+  a = simulator.simulate(bf16_setup, schedule, SEEDS, num_slots=SLOTS).metrics
+  b = simulator.simulate(bf16_setup, schedule, SEEDS, num_slots=SLOTS).metrics
+  assert a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+  assert not np.array_equal(a["reward/mean"][0], a["reward/mean"][1])
+
+
+def _synchronous_reference(setup: simulator.SimSetup, seed: int):
+  """The synchronous trainer, step by step in Python: sample with the current params, update."""
+  tx = setup.make_optimizer()
+  logprob_fn = make_logprob_fn(setup.model_cfg, setup.trainer_policy)
+  update = make_rl_update(logprob_fn, tx, setup.update_cfg)
+
+  @jax.jit
+  def step(params, opt_state, key):
+    k_roll, k_drift, k_upd = jax.random.split(key, 3)
+    batch, info = simulator.rollout(setup, params, k_roll)
+    drift = sampler_trainer_drift(logprob_fn, params, params, batch, batch["logp_sampler_BT"],
+                                  batch["loss_mask_BT"], None)
+    params, opt_state, m = update(params, opt_state, None, batch, k_upd)
+    return params, opt_state, {**m, **drift, "reward/mean": jnp.mean(info["reward_B"])}
+
+  params = simulator.initial_params(setup, jax.random.key(seed))
+  _, k_steps = jax.random.split(jax.random.key(seed))
+  opt_state = tx.init(params)
+  rows = []
+  for t in range(setup.steps):
+    params, opt_state, m = step(params, opt_state, jax.random.fold_in(k_steps, t))
+    rows.append(m)
+  return {k: np.array([float(r[k]) for r in rows]) for k in rows[0]}
+
+
+def test_lag0_sync1_same_recipe_is_the_synchronous_trainer(bf16_setup):
+  sim = simulator.simulate(bf16_setup, AsyncSchedule(), SEEDS, num_slots=SLOTS).metrics
+  ref = _synchronous_reference(bf16_setup, SEEDS[0])
+  assert np.any(ref["grad_norm"] > 0)
+  # Same samples and rewards; continuous metrics up to XLA's fusion differences (scan/vmap vs a
+  # plain jit).
+  np.testing.assert_array_equal(sim["reward/mean"][0], ref["reward/mean"])
+  for k in ("loss", "grad_norm", "entropy", "mismatch/mismatch_kl", "clip_frac"):
+    np.testing.assert_allclose(sim[k][0], ref[k], rtol=1e-4, atol=1e-6, err_msg=k)
+  for p in DRIFT_PARTS:
+    assert np.all(sim[f"drift/{p}/mismatch_kl"] == 0.0)
+    assert np.all(sim[f"drift/{p}/ess"] == 1.0)
+
+
+def test_drift_parts_add_up_with_a_quantized_stale_sampler():
+  setup = simulator.build(tiny_config(sampler_recipe="nvfp4_naive"))
+  m = simulator.simulate(setup, AsyncSchedule(lag=2), SEEDS[:1]).metrics
+  q, s, t = (m[f"drift/{p}/mismatch_kl"][0] for p in DRIFT_PARTS)
+  np.testing.assert_allclose(q + s, t, atol=1e-5)
+  np.testing.assert_allclose(t, m["mismatch/mismatch_kl"][0], atol=1e-5)
+  assert np.all(m["drift/quantization/abs_dlogp_max"] > 1e-3)
+  assert np.all(m["drift/staleness/abs_dlogp_max"][0, 1:] > 0)
+  assert m["drift/staleness/abs_dlogp_max"][0, 0] == 0.0
+  assert np.all(m["drift/total/ess"] < 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The sweep.
+
+
+def sweep_config():
+  c = ml_collections.ConfigDict()
+  c.sim = tiny_config()
+  c.seeds = SEEDS
+  c.log_every = 1
+  c.grid = ml_collections.ConfigDict({"lag": (0, 2, 3), "sync_every": (1,),
+                                      "sampler_recipe": ("bf16",), "correction": ("none",)})
+  return c
+
+
+_TIMING = ("compile_s", "run_s", "updates_per_min")
+
+
+def _strip(rows):
+  return [{k: v for k, v in r.items() if k not in _TIMING} for r in rows]
+
+
+class _Crash(Exception):
+  pass
+
+
+def test_sweep_writes_runs_summary_and_resumes(tmp_path):
+  cfg = sweep_config()
+  full = sweep.run_sweep(cfg, str(tmp_path / "full"), log=lambda _: None)
+  assert [r["lag"] for r in full] == [0, 2, 3]
+  assert all(r["finite"] for r in full)
+
+  def crash_after_first(msg: str) -> None:
+    if msg.startswith("[sweep] 1/"):
+      raise _Crash
+
+  workdir = str(tmp_path / "resumed")
+  with pytest.raises(_Crash):
+    sweep.run_sweep(cfg, workdir, log=crash_after_first)
+  with open(os.path.join(workdir, "results.jsonl"), "a") as f:
+    f.write('{"name": "lag=2_sy')  # a line cut short by the interruption
+  logs = []
+  resumed = sweep.run_sweep(cfg, workdir, log=logs.append)
+  assert "1 already done, 2 to run" in logs[0]
+  assert _strip(resumed) == _strip(full)
+  with open(os.path.join(workdir, "results.jsonl")) as f:
+    assert [json.loads(line)["lag"] for line in f] == [0, 2, 3]
+
+  for r in resumed:
+    for seed in SEEDS:
+      run = os.path.join(workdir, "runs", r["name"], f"seed_{seed}")
+      assert any(f.startswith("events.out.tfevents") for f in os.listdir(run))
+  with open(os.path.join(workdir, "summary.md")) as f:
+    table = f.read()
+  assert table.count("\n| ") == 1 + 3  # header + one row per setting
+  assert os.path.getsize(os.path.join(workdir, "summary.png")) > 10_000
+
+  cfg.sim.optimizer.lr = 1e-2  # another config in the same workdir must not mix in silently
+  with pytest.raises(ValueError, match="from another config"):
+    sweep.run_sweep(cfg, workdir, log=lambda _: None)
+
+
+def test_summary_numbers_come_from_the_metrics():
+  steps = 20
+  rng = np.random.default_rng(0)
+  metrics = {k: rng.random((2, steps)) for k in (
+      "reward/mean", "reward/exact", "sampler_version_lag", "correction/is_truncated_frac",
+      "skipped_updates", *[f"drift/{p}/{m}" for p in DRIFT_PARTS
+                           for m in ("mismatch_kl", "mismatch_kl_k3", "abs_dlogp_max", "ess")])}
+  metrics.update({f"eval/{w}/{k}": rng.random(2) for w in ("start", "end")
+                  for k in ("reward", "exact")})
+  s = sweep.summarize(metrics)
+  assert s["reward_final"] == pytest.approx(metrics["reward/mean"][:, -2:].mean())
+  assert s["reward_final_std"] == pytest.approx(np.std(metrics["reward/mean"][:, -2:].mean(1)))
+  assert s["staleness_k1"] == pytest.approx(metrics["drift/staleness/mismatch_kl"].mean())
+  assert s["eval_end"] == pytest.approx(metrics["eval/end/reward"].mean())
+  assert s["finite"]
+
+
+def test_default_sweep_config_is_the_issue_grid():
+  from configs import simulate as simulate_config
+  cfg = simulate_config.get_config()
+  settings = sweep.expand_grid(cfg)
+  assert len(settings) == 5 * 3 * 2
+  assert {s.knobs["lag"] for s in settings} == {0, 1, 2, 4, 8}
+  assert {s.knobs["sampler_recipe"] for s in settings} == {"bf16", "nvfp4_naive", "nvfp4_recipe"}
+  assert {s.knobs["correction"] for s in settings} == {"none", "tis"}
+  assert len({s.name for s in settings}) == len(settings)

@@ -1,0 +1,184 @@
+"""Optimizer / master weights, the pure RL update and config validation of the training loop."""
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from configs import base as base_config
+from lowrl import precision
+from lowrl.models import transformer
+from lowrl.models.config import ModelConfig
+from lowrl.rl.corrections import CorrectionConfig
+from lowrl.rl.losses import LossConfig
+from lowrl.training import loop, optimizer
+from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, make_rl_update
+
+MODEL = ModelConfig(vocab_size=16, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
+                    d_ff=64, max_seq_len=16)
+
+
+def _opt_cfg(**kw):
+  c = base_config.get_config("fp32").optimizer
+  c.update(kw)
+  return c
+
+
+def test_bf16_master_stochastic_rounding_keeps_small_updates():
+  # An update of 1e-4 on weights of 1.0 is far below half a BF16 ulp (2^-8 = 0.0039): round to
+  # nearest erases it every step; stochastic rounding keeps it in expectation.
+  n, steps, lr = 4096, 20, 1e-4
+  params = {"w": jnp.ones((n,), jnp.bfloat16)}
+  grads = {"w": -jnp.ones((n,), jnp.float32)}  # SGD step of +lr per step
+  tx = optax.sgd(lr)
+  results = {}
+  for rounding in ("nearest", "stochastic"):
+    p, o = params, optimizer.init_opt_state(tx, params)
+    for i in range(steps):
+      p, o = optimizer.apply_update(tx, p, grads, o, master_rounding=rounding,
+                                    key=jax.random.key(i))
+      assert p["w"].dtype == jnp.bfloat16
+    results[rounding] = float(jnp.mean(p["w"].astype(jnp.float32)))
+  assert results["nearest"] == 1.0
+  # Expected value 1 + steps*lr = 1.002. The SR mean over n weights has std
+  # sqrt(steps * p(1-p)) * ulp / n with p = lr/ulp: 5 sigma is ~1.5e-4.
+  ulp = 2.0**-7
+  p_up = lr / ulp
+  sigma = np.sqrt(steps * p_up * (1 - p_up)) * ulp / np.sqrt(n)
+  assert abs(results["stochastic"] - (1 + steps * lr)) < 5 * sigma
+
+
+def test_fp32_master_matches_optax():
+  params = {"w": jnp.linspace(-1, 1, 8)}
+  grads = {"w": jnp.arange(8.0)}
+  tx = optimizer.make_optimizer(_opt_cfg(lr=1e-2), total_steps=10)
+  o = optimizer.init_opt_state(tx, params)
+  p, _ = optimizer.apply_update(tx, params, grads, o, master_rounding="nearest", key=None)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  np.testing.assert_array_equal(p["w"], optax.apply_updates(params, updates)["w"])
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"lr": 0.0}, "lr"), ({"schedule": "step"}, "schedule"), ({"master_dtype": "fp8"}, "master_dtype"),
+    ({"grad_clip": -1.0}, "grad_clip"),
+])
+def test_optimizer_config_errors(bad, match):
+  with pytest.raises(ValueError, match=match):
+    optimizer.validate_optimizer_config(_opt_cfg(**bad))
+
+
+def _batch(key, b=8, t=10):
+  tokens = jax.random.randint(key, (b, t), 3, MODEL.vocab_size)
+  loss_mask = jnp.zeros((b, t)).at[:, 5:].set(1.0)
+  return {"tokens_BT": tokens, "input_mask_BT": jnp.ones((b, t)), "loss_mask_BT": loss_mask,
+          "logp_sampler_BT": jnp.zeros((b, t)), "adv_B": jnp.linspace(-1, 1, b)}
+
+
+def _update(policy_name="fp32", **cfg_kw):
+  policy = precision.policy_for(policy_name, MODEL)
+  logprob_fn = make_logprob_fn(MODEL, policy)
+  tx = optax.adam(1e-2)
+  cfg = UpdateConfig(loss=LossConfig(), correction=CorrectionConfig(), **cfg_kw)
+  return logprob_fn, tx, jax.jit(make_rl_update(logprob_fn, tx, cfg))
+
+
+def test_update_recomputes_pi_old_and_moves_params():
+  logprob_fn, tx, update = _update()
+  params = transformer.init_params(MODEL, jax.random.key(0))
+  batch = _batch(jax.random.key(1))
+  logp, _ = logprob_fn(params, batch, None)
+  batch["logp_sampler_BT"] = logp * batch["loss_mask_BT"]
+  new, _, m = update(params, tx.init(params), None, batch, jax.random.key(2))
+  # pi_old recomputed by the trainer with the same params: ratio 1, nothing clipped, and the
+  # sampler's logprobs were the trainer's own, so the mismatch is exactly zero.
+  assert float(m["ratio_mean"]) == pytest.approx(1.0, abs=1e-6)
+  assert float(m["clip_frac"]) == 0.0
+  assert abs(float(m["mismatch/mismatch_kl"])) < 1e-6
+  assert float(m["skipped_updates"]) == 0.0
+  moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), params, new)
+  assert all(jax.tree.leaves(moved))
+
+
+def test_update_skips_non_finite_gradient():
+  _, tx, update = _update()
+  params = transformer.init_params(MODEL, jax.random.key(0))
+  batch = _batch(jax.random.key(1))
+  batch["adv_B"] = batch["adv_B"].at[0].set(jnp.nan)
+  opt_state = tx.init(params)
+  new, new_opt, m = update(params, opt_state, None, batch, jax.random.key(2))
+  assert float(m["skipped_updates"]) == 1.0
+  jax.tree.map(np.testing.assert_array_equal, new, params)
+  jax.tree.map(np.testing.assert_array_equal, new_opt, opt_state)
+
+
+def test_update_mu_passes():
+  _, tx, update = _update(mu=3, num_minibatches=2)
+  params = transformer.init_params(MODEL, jax.random.key(0))
+  batch = _batch(jax.random.key(1))
+  _, opt_state, m = update(params, tx.init(params), None, batch, jax.random.key(2))
+  # Adam counts its steps: 3 passes x 2 minibatches.
+  assert int(opt_state[0].count) == 6
+  # Later passes move away from pi_old, so the ratio is no longer exactly 1 on average.
+  assert float(m["ratio_mean"]) != 1.0
+
+
+def _tiny_config():
+  c = base_config.get_config("fp32")
+  c.model.update(dict(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64))
+  c.task.kwargs = ml_collections.ConfigDict({"num_digits": 1})
+  return c
+
+
+@pytest.mark.parametrize("path, value, match", [
+    ("rl.group_size", 1, "group_size"),
+    ("rl.temperature", 0.0, "temperature"),
+    ("rl.num_minibatches", 3, "num_minibatches"),
+    ("rl.advantage", "ppo", "advantage"),
+    ("rl.loss", "reinforce", "loss"),
+    ("rl.correction", "clip", "correction"),
+    ("async_rl.lag", -1, "lag"),
+    ("optimizer.master_rounding", "stochastic", "master_dtype"),
+    ("precision.format", "int4", "format"),
+    ("precision.bf16_last_fraction", 1.5, "bf16_last_fraction"),
+    ("task.name", "chess", "chess"),
+])
+def test_build_rejects_bad_config(path, value, match):
+  c = _tiny_config()
+  node = c
+  *parents, leaf = path.split(".")
+  for p in parents:
+    node = node[p]
+  node[leaf] = value
+  with pytest.raises(ValueError, match=match):
+    loop.build(c)
+
+
+def test_build_rejects_block_not_dividing_width():
+  c = base_config.get_config("nvfp4_naive")
+  c.model.update(dict(d_model=40, n_heads=2, n_kv_heads=1, head_dim=20, d_ff=80))
+  with pytest.raises(ValueError, match="multiple of the nvfp4 block size 16"):
+    loop.build(c)
+
+
+def test_exact_mode_rollout_and_update_agree_bitwise_under_nvfp4():
+  # The sampler's exact-mode logprobs, the trainer's pi_old and the loss's first forward all see
+  # the same numbers: mismatch exactly 0 and the PPO ratio 1 before the first inner step. Without
+  # lowrl's xla_allow_excess_precision=false the loss forward (a different XLA program) drifted
+  # from pi_old by ~10% on average under NVFP4.
+  c = _tiny_config()
+  # Wide enough that NVFP4 blocks of 16 tile the contracting axes sharded over 8 fake devices.
+  c.model.update(dict(d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=128))
+  c.precision = base_config.precision.recipe("nvfp4_recipe")
+  c.rl.update(dict(num_prompts=4, group_size=4, max_new_tokens=4))
+  setup = loop.build(c)
+  trainer = loop.Trainer(setup, log=lambda _: None)
+  params = transformer.init_params(setup.model_cfg, jax.random.key(0))
+  batch, drift, _ = trainer.rollout(params, params, 0, jax.random.key(1), stale=False)
+  mask = batch["loss_mask_BT"]
+  assert float(mask.sum()) > 0
+  np.testing.assert_array_equal(batch["logp_sampler_BT"] * mask, batch["logp_trainer_BT"] * mask)
+  assert float(drift["drift/total/mismatch_kl"]) == 0.0
+  _, _, m = trainer.update(params, trainer.init_opt_state(params), None, batch, jax.random.key(2))
+  assert float(m["mismatch/mismatch_kl"]) == 0.0
+  assert float(m["ratio_mean"]) == pytest.approx(1.0, abs=1e-5)
