@@ -60,8 +60,11 @@ def _generate_fn(model_cfg, policy, params, prompts_BP, new_tokens):
   return run
 
 
-def bench_recipes(names, model_cfg, params, prompts_BP, new_tokens, repeats):
+def bench_recipes(names, model_cfg, params, prompts_BP, new_tokens, repeats, extra_fns=None):
   """{clock: {recipe: (prefill tokens/s, decode tokens/s, seconds per generate call)}}.
+
+  `extra_fns` ({name: (1-new-token callable, N-new-token callable)}, e.g. tunix's sampler) are
+  timed the same way, interleaved with the recipes, and reported as extra rows.
 
   Prefill is timed as `generate` with one new token (prompt pass, weight quantization, one
   sample); decode as the difference to `generate` with all N tokens, over B * (N - 1) tokens.
@@ -77,6 +80,11 @@ def bench_recipes(names, model_cfg, params, prompts_BP, new_tokens, repeats):
                  _generate_fn(model_cfg, policy, params, prompts_BP, new_tokens))
     for fn in fns[name]:
       jax.block_until_ready(fn())  # compile
+  for name, pair in (extra_fns or {}).items():
+    fns[name] = pair
+    for fn in pair:
+      jax.block_until_ready(fn())  # compile
+  names = list(fns)
   best = {clock: {name: [float("inf")] * 2 for name in names} for clock in ("wall", "cpu")}
   for _ in range(repeats):
     for name in names:
@@ -122,8 +130,13 @@ class _IdTokenizer:
     return 0
 
 
-def bench_tunix(model_cfg, batch, prompt_len, new_tokens):
-  """Seconds per `generate`-equivalent call of tunix's vanilla sampler, or None."""
+def tunix_fns(model_cfg, batch, prompt_len, new_tokens):
+  """(1-new-token, N-new-token) callables of tunix's vanilla sampler, or None without tunix.
+
+  Each call is the full `Sampler.__call__` (tokenize, cache init, prefill, decode while_loop,
+  detokenize). For N new tokens tunix runs the prefill plus N single-token steps (its last step
+  writes past the buffer), one more than lowrl's prefill + N - 1.
+  """
   try:
     from flax import nnx  # noqa: PLC0415
     from tunix.generate import sampler as tunix_sampler  # noqa: PLC0415
@@ -146,11 +159,13 @@ def bench_tunix(model_cfg, batch, prompt_len, new_tokens):
   prompts = ["".join(chr(97 + (i * 7 + j) % 26) for j in range(prompt_len - 1))
              for i in range(batch)]
 
-  def run():
-    return sampler(prompts, max_generation_steps=new_tokens, max_prompt_length=prompt_len,
-                   temperature=1.0, top_p=1.0, eos_tokens=[model_cfg.vocab_size - 1],
-                   seed=0).tokens
-  return _min_seconds(run, _REPEATS.value)
+  def fn(n):
+    # EOS = vocab_size: an id the model cannot sample, so every row decodes all n tokens
+    # (lowrl runs without stop tokens).
+    return lambda: sampler(prompts, max_generation_steps=n, max_prompt_length=prompt_len,
+                           temperature=1.0, top_p=1.0, eos_tokens=[model_cfg.vocab_size],
+                           seed=0).tokens
+  return fn(1), fn(new_tokens)
 
 
 def main(argv):
@@ -162,16 +177,22 @@ def main(argv):
         f"({jax.devices()[0].device_kind})")
   params = transformer.init_params(model_cfg, jax.random.key(0))
   prompts_BP = jax.random.randint(jax.random.key(2), (batch, p), 0, model_cfg.vocab_size)
-  results = bench_recipes(_RECIPES.value, model_cfg, params, prompts_BP, n, _REPEATS.value)
+  extra = None
+  if _TUNIX.value:
+    tunix = tunix_fns(model_cfg, batch, p, n)
+    extra = {"tunix": tunix} if tunix else None
+  results = bench_recipes(_RECIPES.value, model_cfg, params, prompts_BP, n, _REPEATS.value,
+                          extra_fns=extra)
   _print_table("wall clock (tokens per second)", results["wall"])
   _print_table("process CPU time (tokens per CPU-second)", results["cpu"])
-  base = results["wall"].get("bf16")
-  if _TUNIX.value:
-    t = bench_tunix(model_cfg, batch, p, n)
-    if t is not None and base:
-      ours = base[2]
-      print(f"tunix vanilla sampler (BF16): {t:.3f} s per call ({batch * n / t:.0f} new tok/s); "
-            f"lowrl bf16 {ours:.3f} s: lowrl/tunix speed ratio {t / ours:.2f}x")
+  for clock, res in results.items():
+    base, tx = res.get("bf16"), res.get("tunix")
+    if base and tx:
+      print(f"{clock}: tunix vanilla sampler (BF16) {tx[2]:.3f} s per call "
+            f"({batch * n / tx[2]:.0f} new tok/s); lowrl bf16 {base[2]:.3f} s "
+            f"({batch * n / base[2]:.0f} new tok/s): lowrl/tunix speed ratio "
+            f"{tx[2] / base[2]:.2f}x (prefill {base[0] / tx[0]:.2f}x, "
+            f"decode {base[1] / tx[1]:.2f}x)")
 
 
 if __name__ == "__main__":

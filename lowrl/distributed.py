@@ -1,15 +1,15 @@
 """Several processes, one program: `jax.distributed` set-up and the host side of a global mesh.
 
 Every process runs the same script in lockstep (JAX multi-controller): each sees all devices in
-`jax.devices()`, drives its own `jax.local_devices()`, and calls every jitted step with the same global
-arrays. Host values (prompts, rewards) are computed identically by every process from the seed, and
-`ShardingPlan.put` turns them into global arrays from each process's addressable shards; `to_host`
-brings a sharded result back to every host. Only process 0 writes logs, TensorBoard and JSON files;
-orbax coordinates checkpoint writes itself.
+`jax.devices()`, drives its own `jax.local_devices()`, and calls every jitted step with the same
+global arrays. Host values (prompts, rewards) are computed identically by every process from the
+seed, and `ShardingPlan.put` turns them into global arrays from each process's addressable shards;
+`to_host` brings a sharded result back to every host. Only process 0 writes logs, TensorBoard and
+JSON files; orbax coordinates checkpoint writes itself.
 
-Launch: call `initialize` before anything touches a device. With a coordinator address, process count
-and id it connects explicitly (any platform; CPU collectives go over gloo); with `auto=True` and no
-address JAX detects the cluster (Cloud TPU pod slices, SLURM, Open MPI, GKE/Kubernetes).
+Launch: call `initialize` before anything touches a device. With a coordinator address, process
+count and id it connects explicitly (any platform; CPU collectives go over gloo); with `auto=True`
+and no address JAX detects the cluster (Cloud TPU pod slices, SLURM, Open MPI, GKE/Kubernetes).
 """
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     missing = [n for n, v in (("num_processes", num_processes), ("process_id", process_id))
                if v is None]
     if missing:
-      raise ValueError(f"--coordinator_address needs --{' and --'.join(missing)} too (or --distributed"
-                       " for auto-detection on TPU/GPU clusters).")
+      raise ValueError(f"--coordinator_address needs --{' and --'.join(missing)} too (or "
+                       "--distributed for auto-detection on TPU/GPU clusters).")
   if coordinator_address is None and not auto:
     raise ValueError("--num_processes/--process_id need --coordinator_address=host:port of process "
                      "0 (or --distributed for auto-detection on TPU/GPU clusters).")

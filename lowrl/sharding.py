@@ -5,19 +5,19 @@ trainer: every jitted step gets explicit `in_shardings`/`out_shardings` from a `
 nothing is gathered onto one device between rollout and update. The same code runs on one CPU, on
 the 8 fake CPU devices of the tests, on one GPU node and on a multi-host pod (`lowrl.distributed`).
 
-Mesh: named axes from config (`mesh.axes`, default `("data", "model")`); `mesh.shape` gives one size
-per axis, -1 filling the remaining devices. By convention the batch is split over `batch_axes`
-(default `("data",)`), which also shard the parameters FSDP-style, and "model" is the tensor-parallel
-axis.
+Mesh: named axes from config (`mesh.axes`, default `("data", "model")`); `mesh.shape` gives one
+size per axis, -1 filling the remaining devices. By convention the batch is split over `batch_axes`
+(default `("data",)`), which also shard the parameters FSDP-style, and "model" is the
+tensor-parallel axis.
 
 Rules (big_vision style): an ordered tuple of `(regex, spec)`; a parameter's path
-("layers_3/attn/q_proj/kernel") is matched with `re.fullmatch`, the first match wins, and `spec` has
-one entry per leading dimension: None (replicated), a mesh axis name, or a tuple of axis names.
-Missing trailing entries are replicated; a path no rule matches is replicated. `DEFAULT_RULES` is the
-Megatron layout for Llama/Qwen kernels (`[in, out]`): q/k/v/gate/up are column-parallel
+("layers_3/attn/q_proj/kernel") is matched with `re.fullmatch`, the first match wins, and `spec`
+has one entry per leading dimension: None (replicated), a mesh axis name, or a tuple of axis names.
+Missing trailing entries are replicated; a path no rule matches is replicated. `DEFAULT_RULES` is
+the Megatron layout for Llama/Qwen kernels (`[in, out]`): q/k/v/gate/up are column-parallel
 (`("data", "model")`), o/down row-parallel (`("model", "data")`), the embedding vocab-parallel,
-norms replicated. A dimension that the named axes do not divide is replicated instead (and reported by
-`ShardingPlan.fallbacks`), or is an error with `strict=True`.
+norms replicated. A dimension that the named axes do not divide is replicated instead (and
+reported by `ShardingPlan.fallbacks`), or is an error with `strict=True`.
 
 Optimizer state and checkpoint trees get their shardings by matching leaves to parameters
 (`shardings_like_params`): a leaf whose dict-key path ends with a parameter's path and has that
@@ -80,7 +80,8 @@ def make_mesh(shape: Sequence[int], axes: Sequence[str],
   """
   axes, shape = tuple(axes), tuple(shape)
   if not axes or not all(isinstance(a, str) and a for a in axes) or len(set(axes)) != len(axes):
-    raise ValueError(f"mesh.axes={axes!r} must be distinct non-empty names, e.g. ('data', 'model').")
+    raise ValueError(f"mesh.axes={axes!r} must be distinct non-empty names, e.g. "
+                     "('data', 'model').")
   if len(shape) != len(axes):
     raise ValueError(f"mesh.shape={shape} has {len(shape)} sizes but mesh.axes={axes} names "
                      f"{len(axes)} axes; give one size per axis (-1 = the remaining devices).")
@@ -366,9 +367,9 @@ def single_device_plan(axes: Sequence[str] = (DATA, MODEL)) -> ShardingPlan:
 
 
 def plan_from_config(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> ShardingPlan:
-  """The plan of a `config.mesh` ConfigDict (shape, axes, and optional rules, batch_axes, strict)."""
+  """The plan of a `config.mesh` ConfigDict: shape, axes, and optional rules, batch_axes, strict."""
   mesh = make_mesh(mesh_cfg.shape, mesh_cfg.axes, devices)
-  get = lambda k, d: mesh_cfg.get(k, d) if hasattr(mesh_cfg, "get") else getattr(mesh_cfg, k, d)  # noqa: E731
+  get = lambda k, d: mesh_cfg.get(k, d)  # noqa: E731
   rules = get("rules", None)
   return ShardingPlan(mesh, rules=DEFAULT_RULES if rules is None else tuple(rules),
                       batch_axes=tuple(get("batch_axes", (DATA,))),
@@ -395,9 +396,9 @@ def check_quant_blocks(policy: precision.PrecisionPolicy, model_cfg: ModelConfig
   tensor splits alike). Activations are split along B over the batch axes, so their contracting
   axis is split by the weight's other (tensor) axes: o_proj / down_proj inputs under tensor
   parallelism. 2-D weight blocks are checked along the output axis too. With
-  backward="quantized" it also covers the backward GEMMs: the dgrad GEMM contracts the weight's output
-  axis (gradient and re-quantized weight), the wgrad GEMM the flattened batch x time axis, split over
-  the batch axes (`rows` sequences of `seq_len` tokens per optimizer step, when given).
+  backward="quantized" it also covers the backward GEMMs: the dgrad GEMM contracts the weight's
+  output axis (gradient and re-quantized weight), the wgrad GEMM the flattened batch x time axis,
+  split over the batch axes (`rows` sequences of `seq_len` tokens per optimizer step, when given).
 
   Raises:
     ValueError: naming the matmul, the per-shard width, and the fixes.

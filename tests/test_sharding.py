@@ -1,5 +1,5 @@
-"""Mesh, sharding rules and quantization blocks vs shards; the sharded sampler and update against one
-device (8 fake CPU devices, conftest.py)."""
+"""Mesh, sharding rules, quantization blocks vs shards; the sharded sampler and update against
+one device (8 fake CPU devices, conftest.py)."""
 import dataclasses
 import functools
 import re
@@ -199,8 +199,8 @@ def test_quant_blocks_that_would_straddle_shards_are_rejected():
   # Aligned blocks pass, and unquantized matmuls are never constrained.
   sharding.check_quant_blocks(_nvfp4(MODEL), MODEL, _plan((2, 4)))
   sharding.check_quant_blocks(FP32, MODEL, _plan((8, 1)))
-  sharding.check_quant_blocks(_nvfp4(MODEL, high_precision_paths=".*/(q|k|v)_proj|.*/(gate|up)_proj"),
-                              MODEL, _plan((8, 1)))
+  fsdp_free = _nvfp4(MODEL, high_precision_paths=".*/(q|k|v)_proj|.*/(gate|up)_proj")
+  sharding.check_quant_blocks(fsdp_free, MODEL, _plan((8, 1)))
 
 
 def _tiny_config(recipe, mesh_shape, **model):
@@ -390,8 +390,8 @@ def test_sharded_quantized_step_matches_one_device():
 def _collectives(jitted, *args) -> list[str]:
   """'op shape' of every cross-device collective in the compiled program."""
   text = jitted.lower(*args).compile().as_text()
-  return re.findall(r"= (\S+) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)\(",
-                    text)
+  ops = "all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter"
+  return re.findall(rf"= (\S+) ({ops})\(", text)
 
 
 def test_block_scales_are_computed_within_shards():

@@ -1,4 +1,4 @@
-"""Orbax checkpoints of sharded training state, restored onto the mesh that saved them and others."""
+"""Orbax checkpoints of sharded training state, restored onto the saving mesh and others."""
 import jax
 import jax.numpy as jnp
 import numpy as np
