@@ -68,6 +68,7 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.rl.kl_coef = 0.0
   c.rl.kl_estimator = "k3"
   c.rl.ref_reset_every = 0  # 0 = never reset pi_ref
+  c.rl.log_kl_ref = True  # keep pi_ref (the base) to log KL(pi || pi_ref) even when kl_coef = 0
   c.rl.dynamic_sampling = False  # DAPO: drop groups with identical rewards
   c.rl.overlong_buffer = 0  # DAPO overlong penalty ramp length (0 = off)
   c.rl.correction = "none"  # none | tis | mis

@@ -10,6 +10,7 @@ import json
 import os
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
@@ -43,7 +44,9 @@ def base_dir(tmp_path_factory):
 
 def tiny_config(base_dir: str, *, lag: int = 0, sampler_recipe: str = "", steps: int = STEPS):
   c = base_config.get_config("bf16")
-  c.task.kwargs.num_digits = 1
+  c.task.name = "addition"
+  c.task.name = "addition"
+  c.task.kwargs = ml_collections.ConfigDict({"num_digits": 1})  # learnt by a 150-step SFT
   c.sft.steps, c.sft.batch_size, c.sft.base_dir = 150, 64, base_dir
   c.model.update(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64)
   c.rl.update(steps=steps, num_prompts=4, group_size=4, max_new_tokens=4)
@@ -54,6 +57,7 @@ def tiny_config(base_dir: str, *, lag: int = 0, sampler_recipe: str = "", steps:
   c.num_text_samples = 0
   if "rules" in c.mesh:
     c.mesh.rules = ()  # data parallel only: tiny widths can't be split into NVFP4 blocks
+  c.rl.log_kl_ref = False  # no reference params: the checkpoint holds params and optimizer only
   c.async_rl.lag = lag
   c.sampler_precision.recipe = sampler_recipe
   return c
@@ -126,20 +130,20 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(async_run, base_dir
 
 
 def _synchronous_reference(cfg, steps: int):
-  """The synchronous trainer without the schedule: sample with the current params, update."""
+  """The synchronous trainer without the schedule: sample with the current params, update.
+
+  Mirrors `loop.run`'s per-step keys and Trainer calls, minus VersionBuffer and copies.
+  """
   setup = loop.build(cfg)
   base = sft.load_or_train_base(cfg.sft.base_dir, setup.task, cfg.task, setup.model_cfg, cfg.sft,
                                 cfg.seed, _quiet)
-  base = optimizer.to_master(base, cfg.optimizer.master_dtype)
   trainer = loop.Trainer(setup, _quiet)
-  state = {"params": base, "opt_state": optimizer.init_opt_state(trainer.tx, base)}
-  if hasattr(trainer, "place"):  # on the run's device mesh, as `run` places it
-    state = trainer.place(state)
-  params, opt_state = state["params"], state["opt_state"]
+  params = trainer.place(optimizer.to_master(base, cfg.optimizer.master_dtype))
+  opt_state = trainer.init_opt_state(params)
   base_key = jax.random.key(cfg.seed)
   rows = []
   for step in range(steps):
-    k_roll, k_upd, _ = jax.random.split(jax.random.fold_in(base_key, step), 3)
+    k_roll, k_upd = jax.random.split(jax.random.fold_in(base_key, step))
     batch, _, info = trainer.rollout(params, params, step, k_roll, stale=False)
     params, opt_state, m = trainer.update(params, opt_state, None, batch, k_upd)
     rows.append({**{k: round(float(v), 6) for k, v in m.items()},

@@ -7,9 +7,9 @@ import pytest
 from lowrl.asyncrl.schedule import AsyncSchedule, VersionBuffer
 
 STEPS = 40
+DISTRIBUTIONS = ("fixed", "uniform", "geometric")
 SCHEDULES = [AsyncSchedule(lag=lag, sync_every=s, lag_distribution=d, seed=seed)
-             for lag, s, d, seed in itertools.product((0, 1, 2, 5), (1, 2, 3), ("fixed", "uniform",
-                                                                                 "geometric"), (0, 7))
+             for lag, s, d, seed in itertools.product((0, 1, 2, 5), (1, 2, 3), DISTRIBUTIONS, (0, 7))
              if not (d != "fixed" and lag == 0)]
 
 

@@ -126,6 +126,7 @@ def test_update_mu_passes():
 def _tiny_config():
   c = base_config.get_config("fp32")
   c.model.update(dict(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64))
+  c.task.name = "addition"
   c.task.kwargs = ml_collections.ConfigDict({"num_digits": 1})
   return c
 
@@ -179,6 +180,10 @@ def test_exact_mode_rollout_and_update_agree_bitwise_under_nvfp4():
   assert float(mask.sum()) > 0
   np.testing.assert_array_equal(batch["logp_sampler_BT"] * mask, batch["logp_trainer_BT"] * mask)
   assert float(drift["drift/total/mismatch_kl"]) == 0.0
-  _, _, m = trainer.update(params, trainer.init_opt_state(params), None, batch, jax.random.key(2))
+  ref = jax.tree.map(jnp.copy, params)  # the update donates `params`
+  _, _, m = trainer.update(params, trainer.init_opt_state(params), ref, batch, jax.random.key(2))
   assert float(m["mismatch/mismatch_kl"]) == 0.0
   assert float(m["ratio_mean"]) == pytest.approx(1.0, abs=1e-5)
+  # rl.log_kl_ref: the KL to the reference is logged (here pi_ref = pi_old, so ~0) but, with
+  # kl_coef = 0, not penalised.
+  assert float(m["kl_ref"]) == pytest.approx(0.0, abs=1e-5)

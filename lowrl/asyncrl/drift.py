@@ -33,9 +33,10 @@ def drift_metrics(logp_sampler_BT: jax.Array, logp_stale_BT: jax.Array, logp_now
   return out
 
 
-def sampler_trainer_drift(logprob_fn: Callable[..., tuple[jax.Array, jax.Array]], sampler_params: Any,
-                          params: Any, batch: dict[str, jax.Array], logp_sampler_BT: jax.Array,
-                          mask_BT: jax.Array, quant_key: jax.Array | None) -> dict[str, jax.Array]:
+def sampler_trainer_drift(logprob_fn: Callable[..., tuple[jax.Array, jax.Array]],
+                          sampler_params: Any, params: Any, batch: dict[str, jax.Array],
+                          logp_sampler_BT: jax.Array, mask_BT: jax.Array,
+                          quant_key: jax.Array | None) -> dict[str, jax.Array]:
   """`drift_metrics` of a sampled batch, scoring it with the trainer's `logprob_fn`.
 
   `logprob_fn(params, batch, quant_key) -> (logp_BT, entropy_BT)` is the trainer's

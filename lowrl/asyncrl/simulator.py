@@ -196,8 +196,8 @@ class SimSetup:
     return self.num_prompts * self.group_size
 
   def make_optimizer(self) -> optax.GradientTransformation:
-    return optimizer.make_optimizer(ml_collections.ConfigDict(dict(self.optimizer)),
-                                    self.steps * self.update_cfg.mu * self.update_cfg.num_minibatches)
+    total = self.steps * self.update_cfg.mu * self.update_cfg.num_minibatches
+    return optimizer.make_optimizer(ml_collections.ConfigDict(dict(self.optimizer)), total)
 
 
 def build(cfg: ml_collections.ConfigDict) -> SimSetup:
@@ -278,8 +278,9 @@ def rollout(setup: SimSetup, sampler_params, key: jax.Array) -> tuple[dict[str, 
     out = sampler.rescore(out, sampler_params, model_cfg=setup.model_cfg, policy=policy,
                           config=setup.sampling, quant_key=_quant_key(policy, k_quant))
   reward_B, exact_B = setup.task.rewards(prompt_BL, out.tokens[:, out.prompt_width:])
+  # Raw model logprobs, as the loop: the sampling transform is not part of the trained policy.
   batch = {"tokens_BT": out.tokens, "input_mask_BT": out.attention_mask,
-           "loss_mask_BT": out.completion_mask, "logp_sampler_BT": out.logprobs,
+           "loss_mask_BT": out.completion_mask, "logp_sampler_BT": out.model_logprobs,
            "adv_B": compute_advantages(reward_B, setup.group_size, setup.advantage)}
   return batch, {"reward_B": reward_B, "exact_B": exact_B}
 

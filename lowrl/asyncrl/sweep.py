@@ -26,7 +26,6 @@ import numpy as np
 
 from lowrl.asyncrl import simulator
 from lowrl.asyncrl.drift import DRIFT_PARTS
-from lowrl.asyncrl.schedule import AsyncSchedule
 from lowrl.metrics.writer import MetricWriter
 
 Log = Callable[[str], None]
@@ -61,7 +60,7 @@ class Setting:
 
   @property
   def name(self) -> str:
-    return "_".join(f"{_SHORT[k]}={v}" for k, v in self.knobs.items())
+    return "_".join(f"{_SHORT[k]}={v}" for k, v in self.knobs.items()) or "base"
 
   @property
   def fingerprint(self) -> str:
@@ -182,7 +181,7 @@ def run_sweep(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) ->
                        f"{done[s.name]['fingerprint']} != {s.fingerprint}); use a new --workdir "
                        "or delete that file to start the sweep afresh.")
   todo = [s for s in settings if s.name not in done]
-  log(f"[sweep] {len(settings)} settings x {len(s.seeds) if settings else 0} seeds, "
+  log(f"[sweep] {len(settings)} settings x {len(settings[0].seeds)} seeds, "
       f"{len(settings) - len(todo)} already done, {len(todo)} to run -> {workdir}")
   # One ring size for the whole grid: settings differing in lag / sync share a compiled program.
   num_slots = max(simulator.schedule_of(s.cfg).max_versions for s in settings)
@@ -204,8 +203,8 @@ def run_sweep(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) ->
     elapsed = time.time() - t_start
     eta = elapsed / (i + 1) * (len(todo) - i - 1)
     log(f"[sweep] {i + 1}/{len(todo)} {s.name}: reward {row['reward_final']:.3f} "
-        f"eval {row['eval_start']:.3f}->{row['eval_end']:.3f} drift k1 q={row['quantization_k1']:.2e} "
-        f"s={row['staleness_k1']:.2e} total={row['total_k1']:.2e} ess {row['total_ess']:.3f} | "
+        f"eval {row['eval_start']:.3f}->{row['eval_end']:.3f} "
+        f"drift k1 q={row['quantization_k1']:.2e} s={row['staleness_k1']:.2e} total={row['total_k1']:.2e} ess {row['total_ess']:.3f} | "
         f"compile {result.compile_s:.0f}s run {result.run_s:.0f}s "
         f"({result.updates_per_minute:,.0f} updates/min) elapsed {elapsed:.0f}s eta {eta:.0f}s")
   rows = [done[s.name] for s in settings]

@@ -151,6 +151,11 @@ def _mesh_plan(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
   return plan
 
 
+def uses_reference(cfg: ml_collections.ConfigDict) -> bool:
+  """Whether the run keeps reference params: for the KL penalty, or to log the KL to them."""
+  return cfg.rl.kl_coef > 0 or cfg.rl.log_kl_ref
+
+
 def _quant_key(policy: precision.PrecisionPolicy, key: jax.Array) -> jax.Array | None:
   return key if policy.needs_key else None
 
@@ -175,7 +180,7 @@ class Trainer:
     o_sh = plan.shardings_like_params(jax.eval_shape(init_opt, self.param_shapes),
                                       self.param_shapes)
     self.init_opt_state = jax.jit(init_opt, in_shardings=(p_sh,), out_shardings=o_sh)
-    ref_sh = p_sh if cfg.rl.kl_coef > 0 else plan.replicated
+    ref_sh = p_sh if uses_reference(cfg) else plan.replicated
     batch, repl = plan.batch, plan.replicated
     self.update = jax.jit(update, donate_argnums=(0, 1),
                           in_shardings=(p_sh, o_sh, ref_sh, batch, repl),
@@ -328,7 +333,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> dict[
   base = optimizer.to_master(base, cfg.optimizer.master_dtype)
   trainer = Trainer(setup, log)
   rl = cfg.rl
-  use_ref = rl.kl_coef > 0
+  use_ref = uses_reference(cfg)
   versions = VersionBuffer(setup.schedule)
 
   base = trainer.place(base)

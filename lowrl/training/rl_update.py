@@ -80,8 +80,8 @@ def _tree_all_finite(tree: Any) -> jax.Array:
 def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConfig):
   """Builds `update(params, opt_state, ref_params, batch, key) -> (params, opt_state, metrics)`.
 
-  `ref_params` may be None when no KL penalty is used (kl_coef == 0): the KL to the reference is
-  then not computed at all.
+  `ref_params` None: no KL to a reference is computed (kl_coef must then be 0); given with
+  kl_coef == 0, the KL to it is logged but not penalised.
   """
 
   def update(params, opt_state, ref_params, batch: Batch, key: jax.Array):
@@ -102,7 +102,7 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
                                                cfg.correction)
     use_is = cfg.correction.mode != "none"
     logp_ref_BT = None
-    if ref_params is not None and cfg.loss.kl_coef > 0:
+    if ref_params is not None:  # penalised if kl_coef > 0, else only logged
       logp_ref_BT = jax.lax.stop_gradient(logprob_fn(ref_params, batch, key_fwd)[0])
 
     full = dict(batch, logp_old_BT=logp_old_BT, is_w_BT=is_w_BT, loss_mask_BT=mask_BT)
