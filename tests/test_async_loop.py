@@ -26,9 +26,9 @@ LAG = 2
 @pytest.fixture(scope="module", autouse=True)
 def _compile_cache(tmp_path_factory):
   """Runs rebuild their jitted functions; a persistent cache makes the rebuilds cheap."""
-  old = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
-                                         "jax_persistent_cache_min_compile_time_secs",
-                                         "jax_persistent_cache_min_entry_size_bytes")}
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+           "jax_persistent_cache_min_entry_size_bytes")
+  old = {k: getattr(jax.config, k) for k in names}
   jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -45,18 +45,15 @@ def base_dir(tmp_path_factory):
 def tiny_config(base_dir: str, *, lag: int = 0, sampler_recipe: str = "", steps: int = STEPS):
   c = base_config.get_config("bf16")
   c.task.name = "addition"
-  c.task.name = "addition"
   c.task.kwargs = ml_collections.ConfigDict({"num_digits": 1})  # learnt by a 150-step SFT
   c.sft.steps, c.sft.batch_size, c.sft.base_dir = 150, 64, base_dir
   c.model.update(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64)
   c.rl.update(steps=steps, num_prompts=4, group_size=4, max_new_tokens=4)
   c.eval_num_prompts = 8
-  if "eval_samples" in c:
-    c.eval_samples = 1
+  c.eval_samples = 1
   c.checkpoint_every = 1
   c.num_text_samples = 0
-  if "rules" in c.mesh:
-    c.mesh.rules = ()  # data parallel only: tiny widths can't be split into NVFP4 blocks
+  c.mesh.rules = ()  # data parallel only: tiny widths can't be split into NVFP4 blocks
   c.rl.log_kl_ref = False  # no reference params: the checkpoint holds params and optimizer only
   c.async_rl.lag = lag
   c.sampler_precision.recipe = sampler_recipe
@@ -162,7 +159,8 @@ def test_lag0_sync1_same_recipe_is_the_synchronous_trainer(base_dir, tmp_path):
   for r, ref in zip(rows, ref_rows, strict=True):
     assert {k: r[k] for k in ref} == ref
     assert r["sampler_version_lag"] == 0 and r["versions_held"] == 1
-    for p in DRIFT_PARTS:  # the sampler held the trainer's current weights, bit for bit
+    # Same recipe, current weights: the sampler's logprobs are the trainer's, bit for bit.
+    for p in DRIFT_PARTS:
       assert r[f"drift/{p}/mismatch_kl"] == 0.0 and r[f"drift/{p}/abs_dlogp_max"] == 0.0
       assert r[f"drift/{p}/ess"] == 1.0
 
