@@ -6,6 +6,7 @@ Override from the command line: `--config.rl.steps=100 --config.precision.bf16_l
 import ml_collections
 
 from lowrl import precision, sharding
+from lowrl.training import optimizer, rl_update
 
 
 def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
@@ -46,7 +47,9 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.sft.warmup_steps = 20
   c.sft.base_dir = ""  # "" = <workdir>/base; point several runs at one dir to share the base
 
-  c.rl = ml_collections.ConfigDict()
+  # Losses, advantages, corrections: lowrl.training.rl_update.default_rl_config (shared with the
+  # simulator); the rest is specific to this loop.
+  c.rl = rl_update.default_rl_config()
   c.rl.steps = 40
   c.rl.num_prompts = 32
   c.rl.group_size = 8
@@ -54,42 +57,15 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.rl.temperature = 1.0
   c.rl.top_k = 0  # 0 = off
   c.rl.top_p = 1.0
-  c.rl.advantage = "grpo"  # grpo | drgrpo | rloo
-  c.rl.loss = "grpo"  # grpo | dapo | gspo | cispo
-  # "" = the loss's paper default (token_mean for dapo/cispo, seq_mean_token_mean for grpo/gspo);
-  # or seq_mean_token_mean | token_mean | seq_mean_token_sum_norm (Dr.GRPO).
-  c.rl.aggregation = ""
-  c.rl.clip_eps_low = 0.2
-  c.rl.clip_eps_high = ml_collections.config_dict.placeholder(float)  # None = 0.28 dapo, else 0.2
-  c.rl.cispo_eps_max = 4.0
-  c.rl.mu = 1  # inner updates per batch against pi_old
-  c.rl.num_minibatches = 1
-  c.rl.old_logp_source = "trainer"  # trainer (recompute) | sampler (recorded)
-  c.rl.kl_coef = 0.0
-  c.rl.kl_estimator = "k3"
   c.rl.ref_reset_every = 0  # 0 = never reset pi_ref
   c.rl.log_kl_ref = True  # keep pi_ref (the base) to log KL(pi || pi_ref) even when kl_coef = 0
   c.rl.dynamic_sampling = False  # DAPO: drop groups with identical rewards
   c.rl.overlong_buffer = 0  # DAPO overlong penalty ramp length (0 = off)
-  c.rl.correction = "none"  # none | tis | mis
-  c.rl.correction_level = "token"  # token | sequence
-  c.rl.tis_cap = 2.0
-  c.rl.mis_low = 0.5
-  c.rl.mis_high = 5.0
 
-  c.optimizer = ml_collections.ConfigDict()
-  # RL moves a mid-trained base: with Adam, 1e-3 random-walks it away (reward falls); 1e-4..3e-4 is stable.
+  c.optimizer = optimizer.default_optimizer_config()
+  # RL moves a mid-trained base: with Adam, 1e-3 random-walks it away (reward falls);
+  # 1e-4..4e-4 is stable.
   c.optimizer.lr = 2e-4
-  c.optimizer.schedule = "constant"
-  c.optimizer.warmup_steps = 0
-  c.optimizer.final_lr_fraction = 0.0
-  c.optimizer.b1 = 0.9
-  c.optimizer.b2 = 0.99
-  c.optimizer.eps = 1e-8
-  c.optimizer.weight_decay = 0.0
-  c.optimizer.grad_clip = 1.0
-  c.optimizer.master_dtype = "float32"  # float32 | bfloat16
-  c.optimizer.master_rounding = "nearest"  # nearest | stochastic (bfloat16 master only)
 
   c.eval_num_prompts = 256
   c.eval_samples = 4  # samples per eval prompt for pass@1 at the rollout temperature

@@ -45,11 +45,11 @@ from lowrl.asyncrl.drift import sampler_trainer_drift
 from lowrl.asyncrl.schedule import AsyncSchedule
 from lowrl.models import transformer
 from lowrl.models.config import ModelConfig
-from lowrl.rl.advantages import ADVANTAGE_MODES, compute_advantages
+from lowrl.rl.advantages import compute_advantages
 from lowrl.rl.corrections import CorrectionConfig
 from lowrl.rl.losses import LossConfig
 from lowrl.sampling import sampler
-from lowrl.training import optimizer
+from lowrl.training import optimizer, rl_update
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, make_rl_update
 from lowrl.training.sft import sft_loss
 
@@ -135,29 +135,13 @@ def default_config() -> ml_collections.ConfigDict:
   c.trainer_recipe = "bf16"
   c.sampler_exact = True  # sampler logprobs from its full forward, as the loop's default
 
-  c.rl = ml_collections.ConfigDict()
+  c.rl = rl_update.default_rl_config()  # the loop's knobs and defaults
   c.rl.steps = 400
   c.rl.num_prompts = 8
   c.rl.group_size = 8
-  c.rl.advantage = "grpo"
-  c.rl.loss = "grpo"
-  c.rl.aggregation = ""
-  c.rl.clip_eps_low = 0.2
-  c.rl.clip_eps_high = ml_collections.config_dict.placeholder(float)
-  c.rl.cispo_eps_max = 4.0
-  c.rl.mu = 1
-  c.rl.num_minibatches = 1
-  c.rl.old_logp_source = "trainer"
-  c.rl.correction = "none"
-  c.rl.correction_level = "token"
-  c.rl.tis_cap = 2.0
-  c.rl.mis_low = 0.5
-  c.rl.mis_high = 5.0
 
-  c.optimizer = ml_collections.ConfigDict(
-      {"lr": 3e-3, "schedule": "constant", "warmup_steps": 0, "final_lr_fraction": 0.0,
-       "b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0.0, "grad_clip": 1.0,
-       "master_dtype": "float32", "master_rounding": "nearest"})
+  c.optimizer = optimizer.default_optimizer_config()
+  c.optimizer.lr = 3e-3
 
   # Supervised warm start (FP32, inside the same jit): RL starts from a base with a modest
   # reward (REFERENCE.md §5). 0 = RL from the random init.
@@ -203,17 +187,6 @@ class SimSetup:
 def build(cfg: ml_collections.ConfigDict) -> SimSetup:
   """Validates a setting and builds its static pieces; raises ValueError naming the fix."""
   rl = cfg.rl
-  for name in ("steps", "num_prompts", "group_size"):
-    if rl[name] < 1:
-      raise ValueError(f"config.rl.{name} must be >= 1, got {rl[name]}.")
-  if rl.group_size < 2:
-    raise ValueError(f"config.rl.group_size={rl.group_size}: group-relative advantages need >= 2 "
-                     "samples per prompt.")
-  if rl.advantage not in ADVANTAGE_MODES:
-    raise ValueError(f"config.rl.advantage={rl.advantage!r}; use one of {ADVANTAGE_MODES}.")
-  if (rl.num_prompts * rl.group_size) % rl.num_minibatches:
-    raise ValueError(f"rl.num_prompts * rl.group_size = {rl.num_prompts * rl.group_size} is not "
-                     f"divisible by rl.num_minibatches={rl.num_minibatches}.")
   optimizer.validate_optimizer_config(cfg.optimizer)
   task = SequenceTask(**cfg.task.to_dict())
   model_cfg = ModelConfig(vocab_size=task.vocab_size, max_seq_len=2 * task.length + 1,
@@ -223,15 +196,8 @@ def build(cfg: ml_collections.ConfigDict) -> SimSetup:
   sampling = sampler.SamplingConfig(max_new_tokens=task.length, temperature=1.0,
                                     pad_id=task.bos_id)
   sampling.check(model_cfg)
-  loss = LossConfig(loss=rl.loss, clip_eps_low=rl.clip_eps_low, clip_eps_high=rl.clip_eps_high,
-                    cispo_eps_max=rl.cispo_eps_max, aggregation=rl.aggregation or None,
-                    max_len=task.length)
-  correction = CorrectionConfig(mode=rl.correction, level=rl.correction_level, tis_cap=rl.tis_cap,
-                                mis_low=rl.mis_low, mis_high=rl.mis_high)
-  update_cfg = UpdateConfig(loss=loss, correction=correction, mu=rl.mu,
-                            num_minibatches=rl.num_minibatches,
-                            old_logp_source=rl.old_logp_source,
-                            master_rounding=cfg.optimizer.master_rounding)
+  update_cfg = rl_update.update_config_from(rl, cfg.optimizer.master_rounding,
+                                            max_len=task.length)
   return SimSetup(task, model_cfg, policies[0], policies[1], sampling, update_cfg,
                   _frozen(cfg.optimizer), _frozen(cfg.sft), rl.num_prompts, rl.group_size,
                   rl.steps, rl.advantage, cfg.sampler_exact, cfg.eval_num_prompts)

@@ -32,16 +32,15 @@ from lowrl.asyncrl.schedule import AsyncSchedule, VersionBuffer
 from lowrl.metrics.writer import create_writer
 from lowrl.models import transformer
 from lowrl.models.config import ModelConfig
-from lowrl.rl.advantages import ADVANTAGE_MODES, compute_advantages, group_has_signal, overlong_penalty
-from lowrl.rl.corrections import CorrectionConfig
-from lowrl.rl.losses import LossConfig
+from lowrl.rl.advantages import compute_advantages, group_has_signal, overlong_penalty
 from lowrl.sampling.sampler import SampleOutput, Sampler, SamplingConfig, rescore
 from lowrl.tasks.base import Task
 from lowrl.tasks.batching import decode_batch, encode_prompts
 from lowrl.tasks.registry import make_task
 from lowrl.training import diagnostics, optimizer, sft
 from lowrl.training.checkpointing import Checkpointer
-from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, make_rl_update
+from lowrl.training.rl_update import (UpdateConfig, make_logprob_fn, make_rl_update,
+                                      update_config_from)
 
 Log = Callable[[str], None]
 
@@ -82,19 +81,11 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
     _positive(name, node)
   _positive("sft.steps", cfg.sft.steps, allow_zero=True)
   _positive("eval_every", cfg.eval_every, allow_zero=True)
-  if rl.group_size < 2:
-    raise ValueError(f"config.rl.group_size={rl.group_size}: group-relative advantages need >= 2 "
-                     "samples per prompt.")
-  if rl.advantage not in ADVANTAGE_MODES:
-    raise ValueError(f"config.rl.advantage={rl.advantage!r}; use one of {ADVANTAGE_MODES}.")
   if not rl.temperature > 0:
     raise ValueError(f"config.rl.temperature={rl.temperature} must be > 0 for RL rollouts (the "
                      "importance ratios need a stochastic sampler).")
   if rl.ref_reset_every < 0:
     raise ValueError(f"config.rl.ref_reset_every={rl.ref_reset_every} must be >= 0 (0 = never).")
-  if (rl.num_prompts * rl.group_size) % rl.num_minibatches:
-    raise ValueError(f"rl.num_prompts * rl.group_size = {rl.num_prompts * rl.group_size} is not "
-                     f"divisible by rl.num_minibatches={rl.num_minibatches}.")
   optimizer.validate_optimizer_config(cfg.optimizer)
   if cfg.optimizer.master_rounding == "stochastic" and cfg.optimizer.master_dtype != "bfloat16":
     raise ValueError("optimizer.master_rounding=stochastic rounds BF16 master weights; set "
@@ -115,16 +106,7 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
                             pad_id=task.tokenizer.pad_id)
   sampling.check(model_cfg)
   eval_sampling = dataclasses.replace(sampling, temperature=0.0, top_k=0, top_p=1.0)
-  loss_cfg = LossConfig(loss=rl.loss, clip_eps_low=rl.clip_eps_low,
-                        clip_eps_high=rl.clip_eps_high, cispo_eps_max=rl.cispo_eps_max,
-                        aggregation=rl.aggregation or None, max_len=rl.max_new_tokens,
-                        kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator)
-  correction = CorrectionConfig(mode=rl.correction, level=rl.correction_level,
-                                tis_cap=rl.tis_cap, mis_low=rl.mis_low, mis_high=rl.mis_high)
-  update_cfg = UpdateConfig(loss=loss_cfg, correction=correction, mu=rl.mu,
-                            num_minibatches=rl.num_minibatches,
-                            old_logp_source=rl.old_logp_source,
-                            master_rounding=cfg.optimizer.master_rounding)
+  update_cfg = update_config_from(rl, cfg.optimizer.master_rounding, max_len=rl.max_new_tokens)
   a = cfg.async_rl
   schedule = AsyncSchedule(lag=a.lag, sync_every=a.sync_every,
                            lag_distribution=a.lag_distribution, seed=cfg.seed)

@@ -21,6 +21,16 @@ MASTER_ROUNDINGS = ("nearest", "stochastic")
 SCHEDULES = ("constant", "cosine", "linear")
 
 
+def default_optimizer_config() -> ml_collections.ConfigDict:
+  """AdamW defaults shared by the training loop and the simulator."""
+  return ml_collections.ConfigDict({
+      "lr": 2e-4, "schedule": "constant", "warmup_steps": 0, "final_lr_fraction": 0.0,
+      "b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0.0, "grad_clip": 1.0,
+      "master_dtype": "float32",  # float32 | bfloat16
+      "master_rounding": "nearest",  # nearest | stochastic (bfloat16 master only)
+  })
+
+
 def validate_optimizer_config(cfg: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the fix for out-of-range optimizer settings."""
   if not cfg.lr > 0:

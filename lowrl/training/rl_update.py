@@ -26,11 +26,13 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
 
 from lowrl.models import transformer
 from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
+from lowrl.rl.advantages import ADVANTAGE_MODES
 from lowrl.rl.corrections import CorrectionConfig, correction_weights
 from lowrl.rl.losses import LossConfig, policy_loss
 from lowrl.rl.masked import masked_mean
@@ -60,6 +62,61 @@ class UpdateConfig:
     if self.old_logp_source not in OLD_LOGP_SOURCES:
       raise ValueError(f"rl.old_logp_source={self.old_logp_source!r}; use one of "
                        f"{OLD_LOGP_SOURCES}.")
+
+
+def default_rl_config() -> ml_collections.ConfigDict:
+  """The RL knobs shared by the training loop (configs/base.py) and the fast simulator."""
+  c = ml_collections.ConfigDict()
+  c.steps = 40
+  c.num_prompts = 32
+  c.group_size = 8
+  c.advantage = "grpo"  # grpo | drgrpo | rloo
+  c.loss = "grpo"  # grpo | dapo | gspo | cispo
+  # "" = the loss's paper default (token_mean for dapo/cispo, seq_mean_token_mean for grpo/gspo);
+  # or seq_mean_token_mean | token_mean | seq_mean_token_sum_norm (Dr.GRPO).
+  c.aggregation = ""
+  c.clip_eps_low = 0.2
+  c.clip_eps_high = ml_collections.config_dict.placeholder(float)  # None = 0.28 dapo, else 0.2
+  c.cispo_eps_max = 4.0
+  c.mu = 1  # inner updates per batch against pi_old
+  c.num_minibatches = 1
+  c.old_logp_source = "trainer"  # trainer (recompute) | sampler (recorded)
+  c.kl_coef = 0.0
+  c.kl_estimator = "k3"
+  c.correction = "none"  # none | tis | mis
+  c.correction_level = "token"  # token | sequence
+  c.tis_cap = 2.0
+  c.mis_low = 0.5
+  c.mis_high = 5.0
+  return c
+
+
+def update_config_from(rl: ml_collections.ConfigDict, master_rounding: str,
+                       max_len: int) -> UpdateConfig:
+  """Validates the RL knobs of `default_rl_config` and builds the update's static config.
+
+  Raises ValueError naming the `rl.*` flag to fix. `max_len` is the Dr.GRPO normaliser (the
+  horizon).
+  """
+  for name in ("steps", "num_prompts", "group_size"):
+    if rl[name] < 1:
+      raise ValueError(f"config.rl.{name} must be >= 1, got {rl[name]}.")
+  if rl.group_size < 2:
+    raise ValueError(f"config.rl.group_size={rl.group_size}: group-relative advantages need >= 2 "
+                     "samples per prompt.")
+  if rl.advantage not in ADVANTAGE_MODES:
+    raise ValueError(f"config.rl.advantage={rl.advantage!r}; use one of {ADVANTAGE_MODES}.")
+  if (rl.num_prompts * rl.group_size) % rl.num_minibatches:
+    raise ValueError(f"rl.num_prompts * rl.group_size = {rl.num_prompts * rl.group_size} is not "
+                     f"divisible by rl.num_minibatches={rl.num_minibatches}.")
+  loss = LossConfig(loss=rl.loss, clip_eps_low=rl.clip_eps_low, clip_eps_high=rl.clip_eps_high,
+                    cispo_eps_max=rl.cispo_eps_max, aggregation=rl.aggregation or None,
+                    max_len=max_len, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator)
+  correction = CorrectionConfig(mode=rl.correction, level=rl.correction_level, tis_cap=rl.tis_cap,
+                                mis_low=rl.mis_low, mis_high=rl.mis_high)
+  return UpdateConfig(loss=loss, correction=correction, mu=rl.mu,
+                      num_minibatches=rl.num_minibatches, old_logp_source=rl.old_logp_source,
+                      master_rounding=master_rounding)
 
 
 def make_logprob_fn(model_cfg: ModelConfig, policy: PrecisionPolicy
