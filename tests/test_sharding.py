@@ -209,6 +209,7 @@ def _tiny_config(recipe, mesh_shape, **model):
                         tie_embeddings=True), **model})
   c.rl.num_prompts, c.rl.group_size, c.rl.max_new_tokens = 4, 2, 4
   c.eval_num_prompts = 8
+  c.rl.log_kl_ref = False  # no reference params: the update takes ref_params=None
   c.mesh.shape = mesh_shape
   return c
 
