@@ -182,7 +182,7 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
       b = jax.tree.map(lambda x: x[i % cfg.num_minibatches], minibatches)
       (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, b)
       ok = jnp.isfinite(loss) & _tree_all_finite(grads)
-      grad_norm = optax.global_norm(grads)
+      grad_norm = optax.tree.norm(grads)
 
       def do(args):
         return apply_update(tx, *args, master_rounding=cfg.master_rounding,
