@@ -41,11 +41,6 @@ def _seconds(fn) -> tuple[float, float]:
   return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def _min_seconds(fn, repeats: int) -> float:
-  jax.block_until_ready(fn())  # compile
-  return min(_seconds(fn)[0] for _ in range(repeats))
-
-
 def _generate_fn(model_cfg, policy, params, prompts_BP, new_tokens):
   """A no-argument callable running `generate` (reusing its donated KV cache)."""
   mask_BP = jnp.ones_like(prompts_BP)
