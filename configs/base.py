@@ -1,7 +1,9 @@
 """Base config of the RL pipeline: mid-train a tiny base on a verifiable task, then GRPO.
 
 Everything a run needs is here; recipe files (`configs/<recipe>.py`) override `precision` only.
-Override from the command line: `--config.rl.steps=100 --config.precision.bf16_last_fraction=0`.
+Override from the command line: `--config.rl.steps=100 --config.precision.bf16_last_fraction=0`;
+choose the recipe with the config file (`--config=configs/bf16.py`, or
+`--config=configs/base.py:bf16`). `--print_config` lists every knob.
 """
 import ml_collections
 
@@ -11,14 +13,18 @@ from lowrl.training import optimizer, rl_update
 
 def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.seed = 0
-  c.recipe = recipe
+  c.seed = 0  # seeds init, data order, sampling and the held-out eval set
 
   c.task = ml_collections.ConfigDict()
   # Sorting 3-6 letters: a mid-trained base makes sampling errors RL can remove, and the problem
   # space is large enough that held-out problems measure skill, not memory (2-digit addition's
   # ~12k problems get memorised: RL then raises train reward but not held-out pass@1).
   c.task.name = "sorting"
+  # task.name=jsonl only: the JSONL file and its verifier (lowrl/tasks/jsonl.py, verifiers.py).
+  c.task.path = ""
+  c.task.verifier = ""  # "" = exact; numeric, boxed, ... (lowrl.tasks.verifiers)
+  # Other constructor arguments of the task (e.g. {"num_digits": 1} for addition); set them in a
+  # config file: the command line can only override keys that exist.
   c.task.kwargs = ml_collections.ConfigDict({})
 
   # ~0.8M parameters: a forward+backward on 512x48 tokens is ~2 s on 2 CPU cores.
@@ -50,13 +56,13 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   # Losses, advantages, corrections: lowrl.training.rl_update.default_rl_config (shared with the
   # simulator); the rest is specific to this loop.
   c.rl = rl_update.default_rl_config()
-  c.rl.steps = 40
-  c.rl.num_prompts = 32
-  c.rl.group_size = 8
-  c.rl.max_new_tokens = 8
-  c.rl.temperature = 1.0
+  c.rl.steps = 40  # RL steps (one sampled batch and its update each)
+  c.rl.num_prompts = 32  # prompts per step
+  c.rl.group_size = 8  # completions per prompt (the advantage group)
+  c.rl.max_new_tokens = 8  # completion budget in tokens
+  c.rl.temperature = 1.0  # rollout temperature (> 0)
   c.rl.top_k = 0  # 0 = off
-  c.rl.top_p = 1.0
+  c.rl.top_p = 1.0  # nucleus sampling in (0, 1]; 1 = off
   c.rl.ref_reset_every = 0  # 0 = never reset pi_ref
   c.rl.log_kl_ref = True  # keep pi_ref (the base) to log KL(pi || pi_ref) even when kl_coef = 0
   c.rl.dynamic_sampling = False  # DAPO: drop groups with identical rewards
@@ -67,17 +73,20 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   # 1e-4..4e-4 is stable.
   c.optimizer.lr = 2e-4
 
-  c.eval_num_prompts = 256
+  c.eval_num_prompts = 256  # held-out eval-split prompts
   c.eval_samples = 4  # samples per eval prompt for pass@1 at the rollout temperature
   c.eval_every = 0  # 0 = only at the start and the end
-  c.log_every = 1
-  c.checkpoint_every = 10
-  c.num_text_samples = 4
+  c.log_every = 1  # steps between TensorBoard / metrics.jsonl points
+  c.checkpoint_every = 10  # steps between checkpoints (the newest 2 intact ones are kept)
+  c.num_text_samples = 4  # sample completions shown in TensorBoard per logged step
+  # Stop (with an error naming the last good checkpoint) after this many consecutive RL steps
+  # with a skipped optimizer update (non-finite loss, gradient or new parameters).
+  c.max_skipped_steps = 3
 
   # Simulated asynchrony (lowrl.asyncrl.schedule): lag 0 and sync every step = synchronous RL.
   c.async_rl = ml_collections.ConfigDict()
-  c.async_rl.lag = 0
-  c.async_rl.sync_every = 1
+  c.async_rl.lag = 0  # sampler version = trainer version - lag (>= 0)
+  c.async_rl.sync_every = 1  # steps between weight syncs to the sampler
   c.async_rl.lag_distribution = "fixed"  # fixed | uniform | geometric
 
   # Device mesh over every process's devices (lowrl/sharding.py): "data" splits the batch and

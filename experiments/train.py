@@ -1,12 +1,18 @@
 r"""The main job: mid-train a small base, then RL under a precision recipe.
 
-  python -m experiments.train                                   # configs/default.py (nvfp4_recipe)
-  python -m experiments.train --config=configs/bf16.py --workdir=/tmp/lowrl_bf16
-  python -m experiments.train --config.rl.steps=100 --config.precision.bf16_last_fraction=0
+  lowrl-train                                                   # configs/default.py (nvfp4_recipe)
+  lowrl-train --config=configs/bf16.py --workdir=/tmp/lowrl_bf16
+  lowrl-train --config.rl.steps=100 --config.precision.bf16_last_fraction=0
+  lowrl-train --print_config                                    # every --config.* knob, then exit
+(`python -m experiments.train ...` is the same.) A relative --config path is looked up in the
+working directory, then in the repository.
 
 Progress (step, reward, mismatch, ETA) goes to stdout; TensorBoard logs to <workdir>/tb,
-per-step metrics to <workdir>/metrics.jsonl, the summary to <workdir>/summary.json. Re-running
-with the same --workdir resumes from the newest checkpoint.
+per-step metrics to <workdir>/metrics.jsonl, the summary to <workdir>/summary.json, the resolved
+config to <workdir>/config.json. Re-running with the same --workdir resumes from the newest intact
+checkpoint (refused if the config changed, unless --allow_config_change); a finished run prints
+its summary and exits (--reevaluate evaluates it again). A config error is one line on stderr and
+exit status 2.
 
 Several processes (one per host, or per GPU): run the same command on each, with
   --coordinator_address=HOST0:PORT --num_processes=N --process_id=I   (explicit), or
@@ -15,15 +21,33 @@ Several processes (one per host, or per GPU): run the same command on each, with
 and a --workdir every process can reach. The mesh (--config.mesh.shape/axes/rules) spans all
 processes' devices; see README "Sharding and multi-host runs".
 """
+import os
+import sys
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from lowrl import distributed
-from lowrl.training import loop
+from lowrl.training import cli, loop, run_config
+from lowrl.training.checkpointing import CheckpointError
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py",
-                                          "Path to an ml_collections config file.")
+_DEFAULT_CONFIG = os.path.join(cli.REPO, "configs", "default.py")
+sys.argv = cli.resolve_config_paths(sys.argv)
+try:  # ml_collections loads the config file and checks the overrides right here
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", _DEFAULT_CONFIG,
+      "Path to an ml_collections config file (optionally `path:arg`, e.g. configs/base.py:bf16); "
+      "override its knobs with --config.KEY=VALUE (see --print_config).")
+except Exception as e:  # noqa: BLE001 - any failure here is a usage error
+  cli.config_error(e, sys.argv, _DEFAULT_CONFIG)
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/lowrl_run", "Run directory (checkpoints, logs).")
+_PRINT_CONFIG = flags.DEFINE_bool("print_config", False,
+                                  "Print every --config.* knob with its value and exit.")
+_ALLOW_CHANGE = flags.DEFINE_bool(
+    "allow_config_change", False, "Resume a run in --workdir even though the config differs from "
+    "the one it was started with (the changed keys are printed).")
+_REEVALUATE = flags.DEFINE_bool("reevaluate", False,
+                                "On a finished run: evaluate it again and rewrite summary.json.")
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Initialize jax.distributed from the cluster environment (Cloud TPU pod "
     "slices, SLURM, Open MPI, Kubernetes); explicit flags below override what it detects.")
@@ -38,7 +62,11 @@ _LOCAL_DEVICES = flags.DEFINE_list(
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    cli.fail(f"unexpected arguments {argv[1:]}; flags look like --workdir=DIR.")
+  cfg = cli.config_value(_CONFIG, sys.argv, _DEFAULT_CONFIG)
+  if _PRINT_CONFIG.value:
+    print(run_config.describe(cfg))
+    return
   if not flags.FLAGS["verbosity"].present:
     # Orbax logs every save at INFO; progress lines are printed, so keep the log to warnings.
     logging.set_verbosity(logging.WARNING)
@@ -47,8 +75,20 @@ def main(argv):
       _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, auto=_DISTRIBUTED.value,
       local_device_ids=None if _LOCAL_DEVICES.value is None else
       [int(i) for i in _LOCAL_DEVICES.value])
-  loop.run(_CONFIG.value, _WORKDIR.value, log=lambda s: print(s, flush=True))
+  try:
+    loop.run(cfg, _WORKDIR.value, log=lambda s: print(s, flush=True), allow_config_change=_ALLOW_CHANGE.value,
+             reevaluate=_REEVALUATE.value)
+  except run_config.ConfigError as e:  # raised before any compile
+    cli.fail(str(e))
+  except (CheckpointError, loop.NonFiniteError) as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def run_main():
+  """Console entry point (`lowrl-train`)."""
+  app.run(main, flags_parser=cli.make_flags_parser(_DEFAULT_CONFIG))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  run_main()

@@ -93,11 +93,47 @@ class PrecisionPolicy:
     raise ValueError(f"No precision rule matches matmul {full!r}; end the rules with a "
                      "catch-all ('.*', QDotConfig(...)).")
 
+  def tensor_scaled_act_paths(self, model_cfg: ModelConfig) -> tuple[str, ...]:
+    """Full paths of the matmuls whose activation (lhs) scale spans the whole tensor
+    (`activation_scaling(cfg) == "tensor"`), in execution order: the keys a static calibrated
+    `act_amax` tree must hold for this policy to decode row-locally."""
+    return tuple(matmul_path(layer, path) for layer, path in matmul_paths(model_cfg.n_layers)
+                 if activation_scaling(self.qdot_config(layer, path)) == "tensor")
+
+  def tile_scaled_act_paths(self, model_cfg: ModelConfig) -> tuple[str, ...]:
+    """Full paths whose activation quantizer uses 2-D blocks (spanning 16 tokens): no sampler
+    can reproduce those token by token, with or without static scales."""
+    return tuple(matmul_path(layer, path) for layer, path in matmul_paths(model_cfg.n_layers)
+                 if activation_scaling(self.qdot_config(layer, path)) == "tile")
+
   @property
   def needs_key(self) -> bool:
     """True when some quantizer rounds stochastically (the forward then needs a quant_key)."""
     return any(q is not None and q.stochastic_rounding
                for _, c in self.rules for q in (c.lhs, c.rhs, c.grad))
+
+
+ACT_SCALINGS = ("none", "row", "tensor", "tile")
+
+
+def activation_scaling(cfg: QDotConfig) -> str:
+  """What the activation (lhs) scale of a matmul depends on (REFERENCE.md §2, per-tensor scales).
+
+  "none": activations unquantized. "row": every scale is computed within one token's row (MX
+  blocks or NVFP4 blocks along the contracting axis with a per-token outer scale): causal and
+  independent of the other rows, so a decoder reproduces it token by token. "tensor": one scale
+  over the whole tensor (per-tensor FP8, NVFP4 without per_token): non-causal and batch-dependent
+  when computed from the data; row-local only with a static (calibrated) amax. "tile": 2-D blocks
+  spanning several tokens: never row-local.
+  """
+  q = cfg.lhs
+  if q is None:
+    return "none"
+  if q.block_2d:
+    return "tile"
+  if q.kind == "mx" or q.per_token:
+    return "row"
+  return "tensor"
 
 
 # ----------------------------------------------------------------------------------------------

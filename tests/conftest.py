@@ -1,9 +1,13 @@
-"""Test setup: 8 fake CPU devices for multi-device tests, deterministic, FP32 matmuls.
+"""Test setup: 8 fake CPU devices for multi-device tests, deterministic, one compilation cache.
 
 XLA_FLAGS must be set before jax is imported anywhere, so it lives here (pytest imports
 conftest.py first).
+
+Matmul precision is left at JAX's default, as production runs it: tests whose reference is a
+closed form in FP32 or float64 derive their tolerance from that (see each test).
 """
 import os
+import pathlib
 
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
@@ -12,8 +16,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-# Tests compare against closed forms in FP32: don't let XLA pick a lower-precision dot.
-jax.config.update("jax_default_matmul_precision", "highest")
+# One persistent compilation cache for the whole test run: test modules that build the same tiny
+# model, sampler or update compile it once. It lives in the (git-ignored) pytest cache folder, so a
+# second local run reuses it too; LOWRL_TEST_JAX_CACHE overrides the folder ("" disables it).
+_cache_dir = os.environ.get(
+    "LOWRL_TEST_JAX_CACHE",
+    str(pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax"))
+if _cache_dir:
+  jax.config.update("jax_compilation_cache_dir", _cache_dir)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 from hypothesis import settings  # noqa: E402
 

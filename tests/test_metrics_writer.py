@@ -73,3 +73,28 @@ def test_null_writer_writes_nothing(tmp_path):
   real = create_writer(str(tmp_path / "run"))
   assert isinstance(real, MetricWriter)
   real.close()
+
+
+def test_purge_step_replaces_points_logged_before_an_interruption(tmp_path):
+  with MetricWriter(tmp_path) as w:  # the first attempt logged steps 1..3, then stopped
+    for step in (1, 2, 3):
+      w.scalars(step, {"r": float(step)})
+  with MetricWriter(tmp_path, purge_step=3) as w:  # resumed from a checkpoint at step 2
+    for step in (3, 4):
+      w.scalars(step, {"r": 10.0 * step})
+  assert [(e.step, e.value) for e in _read(tmp_path).Scalars("r")] == [
+      (1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+
+def test_hparams_go_to_the_runs_own_event_file(tmp_path):
+  from tensorboard.plugins.hparams import plugin_data_pb2
+  with MetricWriter(tmp_path) as w:
+    w.hparams({"optimizer.lr": 2e-4, "rl.loss": "grpo", "mesh.shape": (-1, 1), "x": None},
+              ["eval/pass_at_1"])
+    w.scalars(0, {"eval/pass_at_1": 0.5})
+  assert len(os.listdir(tmp_path)) == 1  # no extra run directory
+  content = _read(tmp_path).SummaryMetadata("_hparams_/session_start_info").plugin_data.content
+  info = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+  assert info.hparams["optimizer.lr"].number_value == pytest.approx(2e-4)
+  assert info.hparams["rl.loss"].string_value == "grpo"
+  assert info.hparams["mesh.shape"].string_value == "(-1, 1)"

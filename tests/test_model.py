@@ -272,9 +272,10 @@ def test_every_linear_layer_goes_through_qdot_with_the_policy_config(monkeypatch
   calls = []
   real = transformer.quantized_dot_general
 
-  def spy(lhs, rhs, dims, qcfg, key=None, preferred_element_type=None):
+  def spy(lhs, rhs, dims, qcfg, key=None, preferred_element_type=None, lhs_amax=None):
     calls.append((qcfg, lhs.dtype, rhs.shape))
-    return real(lhs, rhs, dims, qcfg, key=key, preferred_element_type=preferred_element_type)
+    return real(lhs, rhs, dims, qcfg, key=key, preferred_element_type=preferred_element_type,
+                lhs_amax=lhs_amax)
 
   params = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.key(0)))
   monkeypatch.setattr(transformer, "quantized_dot_general", spy)

@@ -1,6 +1,7 @@
 """Stochastic rounding: unbiasedness as a statistical test with bounds from the Bernoulli variance,
 support (only the two neighbouring grid points), saturation, determinism; sr_cast_bf16."""
 import dataclasses
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import pytest
 from lowrl.quant import (E2M1, E4M3, E5M2, QuantConfig, dequantize, fake_quant, quantize,
                          sr_cast_bf16)
 from lowrl.quant.rounding import random_bits, stochastic_round_to_grid
-from quant_reference import grid_neighbours
+from quant_reference import grid_neighbours, rne_f32, sr_nvfp4_scales
 
 f32 = np.float32
 N_DRAWS = 4096
@@ -69,14 +70,13 @@ SR_CONFIGS = [QuantConfig("fp8_e4m3", stochastic_rounding=True),
 def test_fake_quant_with_sr_is_unbiased(cfg):
   """Rows are identical copies of one 32-vector, so every row gets the same scales (amax is the
   same) and independent rounding draws: the mean over rows estimates E[fake_quant(x)] = x, in the
-  element domain y = x * fl(1/S) (saturated at max_normal, where SR is clipped by design)."""
+  element domain y = x * fl(1/S) (clipped at max_normal: only per-tensor FP8's x * fl(1/s) can exceed it, by 1 ulp)."""
   row = np.asarray(jax.random.normal(jax.random.key(5), (32,)), f32)
   row = row * np.exp2(np.arange(32) % 5 - 2).astype(f32)
   q_sr = quantize(np.broadcast_to(row, (N_DRAWS, 32)), cfg, jax.random.key(6))
   codes = np.asarray(q_sr.codes.astype(jnp.float32), np.float64)  # exact grid values
-  # Decode scale S per element: dequantize the (scale-identical) RNE QTensor with every code 1.
-  q = quantize(row[None], dataclasses.replace(cfg, stochastic_rounding=False))
-  s = np.asarray(dequantize(dataclasses.replace(q, codes=jnp.ones_like(q.codes))))[0]
+  # Decode scale S per element: dequantize the SR QTensor with every code 1 (rows share scales).
+  s = np.asarray(dequantize(dataclasses.replace(q_sr, codes=jnp.ones_like(q_sr.codes))))[0]
   fmt = {"mxfp4": E2M1, "nvfp4": E2M1}.get(cfg.fmt, E5M2 if "e5m2" in cfg.fmt else E4M3)
   y = np.clip(row * (f32(1) / s), -fmt.max_normal, fmt.max_normal)
   lo, hi = grid_neighbours(y, fmt)
@@ -150,3 +150,83 @@ def test_sr_cast_bf16_specials():
   # A signalling-NaN bit pattern must stay NaN (adding noise to it could reach the inf pattern).
   snan = jax.lax.bitcast_convert_type(jnp.uint32(0x7F800001), jnp.float32)
   assert np.isnan(float(sr_cast_bf16(snan, jax.random.key(0))))
+
+
+# ---------------------------------------------------------------------------------------------
+# Unbiased on every element: the SR scales leave every element inside the grid (no saturation).
+
+
+
+def _sr_row():
+  """One 64-element row, 4 NVFP4 blocks, with the element classes SR used to bias:
+  block 0 pins amax = 2688 (s_global = 1); block 1's max / 6 lies just above the E4M3 value 16 (an
+  RNE scale rounds down to 16 and the max saturates: 96.09 -> 96) and holds elements near
+  saturation (5.5 and 5.9 times 16); block 2 is tiny (an RNE scale 2**-12 flushes to 0); block 3 is
+  ordinary (random normals, an on-grid value, a zero)."""
+  rng = np.random.default_rng(21)
+  b0 = rng.standard_normal(16) * 300
+  b0[3] = 2688.0
+  b1 = rng.standard_normal(16) * 16
+  b1[:3] = [6 * 16 * (1 + 2.0**-10), 5.5 * 16, -5.9 * 16]
+  b2 = rng.uniform(-1, 1, 16) * 6 * 2.0**-12
+  b2[0] = 6 * 2.0**-12
+  b3 = rng.standard_normal(16) * 40
+  b3[:2] = [0.0, 48.0]
+  return np.concatenate([b0, b1, b2, b3]).astype(f32)
+
+
+def _grid_frac(fmt):
+  return [Fraction(float(g)) for g in fmt.grid()]
+
+
+def _check_unbiased_exact(draws, x, scale_of):
+  """draws [N, n]; x [n] FP32; scale_of(j): the element scale S (Fraction) of element j. Every
+  draw must be one of the two FP32 dequantized grid neighbours of x / S and the mean within Z
+  standard errors (Bernoulli variance of that pair) of x, plus 2**-21 |x|: the FP32 rounding of
+  the dequantized values (<= 2**-24 relative) and SR's probability taken from the FP32 quotient
+  x * fl(1 / S) (relative error <= 3 * 2**-24) bound the remaining bias."""
+  grid = _grid_frac(E2M1)
+  n = draws.shape[0]
+  for j, v in enumerate(x):
+    s = scale_of(j)
+    y = abs(Fraction(float(v))) / s
+    assert y <= grid[-1], f"element {j}: x / S = {float(y)} > 6 saturates"
+    lo = max(g for g in grid if g <= y)
+    hi = min(g for g in grid if g >= y)
+    sign = -1.0 if v < 0 else 1.0
+    dq_lo, dq_hi = (sign * float(rne_f32(g * s)) for g in (lo, hi))
+    col = np.asarray(draws[:, j], np.float64)
+    assert np.all((col == dq_lo) | (col == dq_hi)), (j, float(v), np.unique(col)[:4], dq_lo, dq_hi)
+    p = float((y - lo) / (hi - lo)) if hi > lo else 0.0
+    se = abs(dq_hi - dq_lo) * np.sqrt(p * (1 - p) / n)
+    assert abs(col.mean() - v) <= Z * se + 2.0**-21 * abs(v), (j, float(v), col.mean(), se)
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["tensor", "per_token"])
+def test_nvfp4_sr_unbiased_per_element_class(per_token):
+  cfg = QuantConfig("nvfp4", stochastic_rounding=True, per_token=per_token)
+  row = _sr_row()
+  # Power check: round-to-nearest scales do bias these classes (saturated max, flushed block).
+  rne = np.asarray(fake_quant(row[None], QuantConfig("nvfp4", per_token=per_token)))[0]
+  assert rne[16] < row[16] * (1 - 2.0**-12) and np.all(rne[32:48] == 0)
+  x = np.broadcast_to(row, (N_DRAWS, 64))
+  draws = np.asarray(fake_quant(x, cfg, jax.random.key(22)))
+  scales = sr_nvfp4_scales(row[None], cfg)[0]
+  _check_unbiased_exact(draws, row, lambda j: scales[j // 16][0] * scales[j // 16][1])
+
+
+def test_mxfp4_sr_unbiased_per_element_class():
+  """rceil MX scales: a block max of mantissa 1.875 (floor would put it at 7.5 > 6, saturating),
+  elements near the top, ordinary ones. S = 2**e, e the smallest with amax / 2**e <= 6."""
+  rng = np.random.default_rng(23)
+  row = (rng.standard_normal(32) * 4).astype(f32)
+  row[:3] = [7.5 * 4, 5.9 * 4, -6.9 * 4]
+  e = int(np.ceil(np.log2(np.max(np.abs(row)) / 6.0)))
+  draws = np.asarray(fake_quant(np.broadcast_to(row, (N_DRAWS, 32)),
+                                QuantConfig("mxfp4", stochastic_rounding=True), jax.random.key(24)))
+  _check_unbiased_exact(draws, row, lambda j: Fraction(2) ** e)
+
+
+def test_sr_with_floor_mx_scales_is_rejected():
+  with pytest.raises(ValueError, match="rceil"):
+    QuantConfig("mxfp4", scale_rounding="floor", stochastic_rounding=True)

@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6
@@ -61,3 +62,8 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
   with open(os.path.join(full, "summary.json")) as f, open(os.path.join(killed,
                                                                          "summary.json")) as g:
     assert json.load(f)["eval_end"] == json.load(g)["eval_end"]
+  # TensorBoard: one point per step (those flushed before the kill were replaced on resume).
+  acc = EventAccumulator(os.path.join(killed, "tb"), size_guidance={"scalars": 0})
+  acc.Reload()
+  assert [e.step for e in acc.Scalars("reward/mean")] == list(range(1, STEPS + 1))
+  assert [e.step for e in acc.Scalars("eval/pass_at_1")] == [0, STEPS]

@@ -16,13 +16,13 @@ def rewards():
   return np.array([1, 0, 0, 1,  3, 3, 3, 3,  0.5, 2, -1, 0], np.float32)
 
 
-def _np_reference(r, g, mode, eps=1e-6):
+def _np_reference(r, g, mode, eps=1e-6, ddof=0):
   out = np.zeros_like(r, dtype=np.float64)
   for start in range(0, len(r), g):
     grp = r[start:start + g].astype(np.float64)
     for j in range(g):
       if mode == "grpo":
-        out[start + j] = (grp[j] - grp.mean()) / (grp.std() + eps)
+        out[start + j] = (grp[j] - grp.mean()) / (grp.std(ddof=ddof) + eps)
       elif mode == "drgrpo":
         out[start + j] = grp[j] - grp.mean()
       else:  # leave-one-out baseline, written literally
@@ -32,10 +32,53 @@ def _np_reference(r, g, mode, eps=1e-6):
 
 
 @pytest.mark.parametrize("mode", ["grpo", "drgrpo", "rloo"])
-def test_matches_numpy(rewards, mode):
-  adv = compute_advantages(jnp.asarray(rewards), G, mode)
+@pytest.mark.parametrize("ddof", [0, 1])
+def test_matches_numpy(rewards, mode, ddof):
+  adv = compute_advantages(jnp.asarray(rewards), G, mode, std_ddof=ddof)
   assert adv.shape == rewards.shape and adv.dtype == jnp.float32
-  np.testing.assert_allclose(adv, _np_reference(rewards, G, mode), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(adv, _np_reference(rewards, G, mode, ddof=ddof), rtol=1e-5,
+                             atol=1e-6)
+
+
+def test_std_ddof_closed_form():
+  # [1, 0, 0, 0]: mean 1/4, squared deviations sum to 3/4. Population std sqrt(3/16), sample std
+  # sqrt(1/4) = 1/2: A_0 = (3/4) / std = sqrt(3) = 1.732 (ddof 0, the GRPO paper) vs 1.5 (ddof 1,
+  # TRL / verl / tunix).
+  r = jnp.array([1.0, 0.0, 0.0, 0.0])
+  np.testing.assert_allclose(compute_advantages(r, 4, "grpo", eps=0.0, std_ddof=0),
+                             np.array([3, -1, -1, -1]) / np.sqrt(3), rtol=1e-6)
+  np.testing.assert_allclose(compute_advantages(r, 4, "grpo", eps=0.0, std_ddof=1),
+                             [1.5, -0.5, -0.5, -0.5], rtol=1e-6)
+  # The std only scales GRPO: Dr.GRPO and RLOO ignore the knob.
+  for mode in ("drgrpo", "rloo"):
+    np.testing.assert_array_equal(compute_advantages(r, 4, mode, std_ddof=1),
+                                  compute_advantages(r, 4, mode, std_ddof=0))
+
+
+# Rewards that are not exact in float32; the float32 mean of G copies of them is not always the
+# value itself (e.g. 3 x 2.9, 6 x 4/6), which used to leave same-sign advantages like -0.19.
+INEXACT_REWARDS = [2.9, 4 / 6, 0.1, 1 / 3, 0.7, 1e7 + 0.3, -0.3]
+
+
+@pytest.mark.parametrize("group_size", [3, 6, 8])
+@pytest.mark.parametrize("mode", ["grpo", "drgrpo", "rloo"])
+@pytest.mark.parametrize("ddof", [0, 1])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_equal_inexact_rewards_give_exactly_zero(group_size, mode, ddof, jit):
+  # One group per value, plus a group with signal that must keep its usual advantages.
+  signal = np.linspace(0.0, 1.0, group_size, dtype=np.float32)
+  r = np.concatenate([np.full(group_size, v, np.float32) for v in INEXACT_REWARDS] + [signal])
+  f = functools.partial(compute_advantages, group_size=group_size, mode=mode, std_ddof=ddof)
+  adv = np.asarray((jax.jit(f) if jit else f)(jnp.asarray(r)))
+  n_equal = len(INEXACT_REWARDS) * group_size
+  np.testing.assert_array_equal(adv[:n_equal], 0.0)
+  np.testing.assert_allclose(adv[n_equal:], _np_reference(signal, group_size, mode, ddof=ddof),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_equal_rewards_with_zero_eps_are_zero_not_nan():
+  adv = compute_advantages(jnp.full((4,), 2.9), 4, "grpo", eps=0.0)
+  np.testing.assert_array_equal(adv, 0.0)
 
 
 def test_grpo_hand_values():
@@ -69,6 +112,11 @@ def test_bad_inputs(rewards):
     compute_advantages(jnp.asarray(rewards), G, "ppo")
   with pytest.raises(ValueError, match="positive int"):
     compute_advantages(jnp.asarray(rewards), 0, "grpo")
+  for bad in (2, -1, 0.5, True):
+    with pytest.raises(ValueError, match="rl.std_ddof"):
+      compute_advantages(jnp.asarray(rewards), G, "grpo", std_ddof=bad)
+  with pytest.raises(ValueError, match="std_ddof=1 .* group_size >= 2"):
+    compute_advantages(jnp.asarray(rewards), 1, "grpo", std_ddof=1)
 
 
 def test_group_has_signal(rewards):

@@ -285,9 +285,55 @@ def test_sharded_sampler_matches_one_device(shape):
   # The compiled sampler takes the params exactly as the trainer holds them: no resharding.
   fns = sampling._sharded_fns(MODEL, FP32, SAMPLING, plan, sampling._params_key(params))
   compiled = fns.generate.lower(params, PROMPTS.astype(jnp.int32), PMASK, jax.random.key(2),
-                                cache, None).compile()
+                                cache, None, None).compile()
   for x, got in zip(jax.tree.leaves(params), jax.tree.leaves(compiled.input_shardings[0][0])):
     assert got.is_equivalent_to(x.sharding, x.ndim)
+
+
+def _logprob_bound_of_split_logit_sums(params, cfg) -> float:
+  """Largest |dlogp| that reassociating the logits' FP32 dot products can cause.
+
+  z_v = sum_i h_i W_iv over D terms. Any summation order (split across devices or not, FMA or
+  not) is within gamma_D * S_v of the exact sum, gamma_n = n u / (1 - n u), u = 2^-24,
+  S_v = sum_i |h_i W_iv| <= ||h||_2 ||W_:v||_2 <= max|s| sqrt(D) ||W_:v||_2 (h is the final
+  RMSNorm's output: RMS <= 1 times its scale s). Two orders: |dz_v| <= 2 gamma_D S_v.
+  logp = z_y - logsumexp(z) is 2-Lipschitz in max|dz| (logsumexp is 1-Lipschitz), and each side
+  computes it with its own rounding, at most (V + 8) u (1 + 2 max|z|): the V-term sum of exp
+  (gamma_V relative), exp/log/subtractions a few ulps each; |z_v| <= S_v.
+  """
+  u = 2.0**-24
+  gamma = lambda n: n * u / (1 - n * u)  # noqa: E731
+  w_DV = np.asarray(params["lm_head"]["kernel"], np.float64)
+  scale = np.abs(np.asarray(params["final_norm"]["scale"], np.float64)).max()
+  s_max = (scale * np.sqrt(cfg.d_model) * np.linalg.norm(w_DV, axis=0)).max()
+  dz = 2 * gamma(cfg.d_model) * s_max
+  return 2 * dz + 2 * (cfg.vocab_size + 8) * u * (1 + 2 * s_max)
+
+
+def test_split_logit_sums_keep_tokens_exact_and_logprobs_within_the_fp32_bound():
+  """What holds exactly and what to rounding when a contraction is split over devices.
+
+  Only the logits' dot products are split (lm_head rows over 4 "model" shards: partial sums,
+  then a cross-device sum); the body is replicated, the same program as on one device. Sampled
+  tokens, masks and lengths are discrete and come out bit for bit (a token could only differ
+  if its draw fell within the bound below of a decision boundary); logprobs are FP32 values and
+  move by reassociation, within the bound derived from the summation-order error of the dots.
+  """
+  cfg = MODEL  # untied: lm_head is its own [D, V] kernel
+  assert not cfg.tie_embeddings
+  rules = (("lm_head/kernel", ("model", None)), (".*", ()))
+  plan = _plan((1, 4), rules=rules, devices=jax.devices()[:4])
+  params = plan.put(_params(), plan.param_shardings(_params()))
+  assert params["lm_head"]["kernel"].sharding.spec == P("model")
+  out, _ = sampling.generate(params, PROMPTS, PMASK, jax.random.key(2), model_cfg=cfg,
+                             policy=FP32, config=SAMPLING, plan=plan)
+  got, ref = _host(out), _reference_rollout()
+  for k in ("tokens", "prompt_mask", "completion_mask", "prompt_lengths", "completion_lengths"):
+    np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
+  bound = _logprob_bound_of_split_logit_sums(_params(), cfg)
+  assert bound < 1e-3  # the bound says something: logprobs here are O(1)
+  for k in ("logprobs", "model_logprobs"):
+    np.testing.assert_array_less(np.abs(got[k] - ref[k]), bound, err_msg=k)
 
 
 def _batch(setup, key):

@@ -4,6 +4,8 @@ Every run uses one of two tiny setups (bf16 and an NVFP4 sampler; one compile ea
 decoder, 2 prompts x 4 samples, horizon 4. Runs of the bf16 setup share one ring size (SLOTS) and
 the seeds, so they share one compiled program.
 """
+import collections
+import itertools
 import json
 import os
 
@@ -14,9 +16,8 @@ import numpy as np
 import pytest
 
 from lowrl.asyncrl import simulator, sweep
-from lowrl.asyncrl.drift import DRIFT_PARTS, sampler_trainer_drift
+from lowrl.asyncrl.drift import DRIFT_PARTS
 from lowrl.asyncrl.schedule import AsyncSchedule
-from lowrl.training.rl_update import make_logprob_fn, make_rl_update
 
 STEPS = 8
 SEEDS = (0, 1)
@@ -61,9 +62,47 @@ def test_task_targets_and_rewards():
   assert p.shape == (64, 5) and bool(jnp.all(p[:, 0] == 5)) and int(p[:, 1:].max()) < 5
 
 
+def _multisets(prompts):
+  return {tuple(sorted(row)) for row in np.asarray(prompts)[:, 1:].tolist()}
+
+
+def test_default_task_eval_split_is_disjoint_from_training():
+  # Sorting 6 of 8 symbols: C(8 + 6 - 1, 6) = 1716 problems (multisets), all of which random
+  # draws used to reach. Now the held-out ones are never drawn for training (or the warm start).
+  task = simulator.SequenceTask(**simulator.default_config().task.to_dict())
+  train = task.prompts(jax.random.key(0), 100_000, "train")
+  held_out = task.prompts(jax.random.key(1), 20_000, "eval")
+  assert int(train[:, 0].min()) == int(held_out[:, 0].max()) == task.bos_id
+  train_sets, eval_sets = _multisets(train), _multisets(held_out)
+  assert not train_sets & eval_sets
+  # The rule, from the spec: held out iff the symbols sum to 0 mod num_symbols.
+  assert all(sum(m) % 8 == 0 for m in eval_sets) and all(sum(m) % 8 for m in train_sets)
+  n_eval = sum(1 for m in itertools.combinations_with_replacement(range(8), 6) if sum(m) % 8 == 0)
+  # Both sides are covered (a few multisets, e.g. six equal symbols, have probability ~8^-5).
+  assert len(eval_sets) > 0.95 * n_eval and len(train_sets) > 0.95 * (1716 - n_eval)
+  with pytest.raises(ValueError, match="split"):
+    task.prompts(jax.random.key(0), 4, "test")
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_split_prompts_are_uniform_over_their_sequences(split):
+  # 3 symbols, length 3: 27 sequences, 9 with sum = 0 mod 3. Each split's draws are uniform over
+  # its sequences: every count within 6 binomial standard deviations of n / size.
+  task = simulator.SequenceTask(num_symbols=3, length=3)
+  n = 60_000
+  rows = np.asarray(task.prompts(jax.random.key(7), n, split))[:, 1:]
+  seqs = [s for s in itertools.product(range(3), repeat=3) if (sum(s) % 3 == 0) == (split == "eval")]
+  counts = collections.Counter(map(tuple, rows.tolist()))
+  assert set(counts) == set(seqs)
+  p = 1 / len(seqs)
+  sigma = np.sqrt(n * p * (1 - p))
+  assert all(abs(c - n * p) < 6 * sigma for c in counts.values())
+
+
 @pytest.mark.parametrize("path, value, match", [
     ("sampler_recipe", "fp8", "Unknown precision recipe"), ("task.kind", "add", "task.kind"),
     ("rl.group_size", 1, "group_size"), ("rl.correction", "is", "correction mode"),
+    ("rl.std_ddof", 2, "rl.std_ddof"),
     ("model.d_ff", 24, "multiple of the nvfp4 block"),
 ])
 def test_build_rejects_bad_settings(path, value, match):
@@ -105,43 +144,27 @@ def test_same_seed_replays_and_other_seeds_differ(bf16_setup):
   assert not np.array_equal(a["reward/mean"][0], a["reward/mean"][1])
 
 
-def _synchronous_reference(setup: simulator.SimSetup, seed: int):
-  """The synchronous trainer, step by step in Python: sample with the current params, update."""
-  tx = setup.make_optimizer()
-  logprob_fn = make_logprob_fn(setup.model_cfg, setup.trainer_policy)
-  update = make_rl_update(logprob_fn, tx, setup.update_cfg)
-
-  @jax.jit
-  def step(params, opt_state, key):
-    k_roll, k_drift, k_upd = jax.random.split(key, 3)
-    batch, info = simulator.rollout(setup, params, k_roll)
-    drift = sampler_trainer_drift(logprob_fn, params, params, batch, batch["logp_sampler_BT"],
-                                  batch["loss_mask_BT"], None)
-    params, opt_state, m = update(params, opt_state, None, batch, k_upd)
-    return params, opt_state, {**m, **drift, "reward/mean": jnp.mean(info["reward_B"])}
-
-  params = simulator.initial_params(setup, jax.random.key(seed))
-  _, k_steps = jax.random.split(jax.random.key(seed))
-  opt_state = tx.init(params)
-  rows = []
-  for t in range(setup.steps):
-    params, opt_state, m = step(params, opt_state, jax.random.fold_in(k_steps, t))
-    rows.append(m)
-  return {k: np.array([float(r[k]) for r in rows]) for k in rows[0]}
-
-
 def test_lag0_sync1_same_recipe_is_the_synchronous_trainer(bf16_setup):
-  sim = simulator.simulate(bf16_setup, AsyncSchedule(), SEEDS, num_slots=SLOTS).metrics
-  ref = _synchronous_reference(bf16_setup, SEEDS[0])
-  assert np.any(ref["grad_norm"] > 0)
-  # Same samples and rewards; continuous metrics up to XLA's fusion differences (scan/vmap vs a
-  # plain jit).
-  np.testing.assert_array_equal(sim["reward/mean"][0], ref["reward/mean"])
-  for k in ("loss", "grad_norm", "entropy", "mismatch/mismatch_kl", "clip_frac"):
-    np.testing.assert_allclose(sim[k][0], ref[k], rtol=1e-4, atol=1e-6, err_msg=k)
+  """At lag 0 with sync every step the ring hands the rollout the trainer's current weights, bit
+  for bit, at every step; the step body is then rollout(params) -> update, the synchronous trainer.
+
+  Compared within the one compiled program (no hand-written copy of the step: two different XLA
+  programs round differently from one CPU to another, so only identical programs compare exactly).
+  """
+  m = simulator.simulate(bf16_setup, AsyncSchedule(), SEEDS, num_slots=SLOTS).metrics
+  lagged = simulator.simulate(bf16_setup, AsyncSchedule(lag=2), SEEDS, num_slots=SLOTS).metrics
+  assert np.mean(m["grad_norm"] > 0) > 0.5  # the runs move: the comparison is not between no-ops
+  np.testing.assert_array_equal(m["sampler_version"], np.broadcast_to(np.arange(STEPS),
+                                                                      (len(SEEDS), STEPS)))
+  assert np.all(m["drift/staleness/version_distance"] == 0.0)  # bit-identical weights
   for p in DRIFT_PARTS:
-    assert np.all(sim[f"drift/{p}/mismatch_kl"] == 0.0)
-    assert np.all(sim[f"drift/{p}/ess"] == 1.0)
+    assert np.all(m[f"drift/{p}/mismatch_kl"] == 0.0)
+    assert np.all(m[f"drift/{p}/abs_dlogp_max"] == 0.0)
+    assert np.all(m[f"drift/{p}/ess"] == 1.0)
+  # The metric sees staleness when there is some (first steps: version 0 = the start, no lag yet).
+  lag_BT = lagged["sampler_version_lag"]
+  assert np.all(lagged["drift/staleness/version_distance"][lag_BT > 0] > 0)
+  assert np.all(lagged["drift/staleness/version_distance"][lag_BT == 0] == 0)
 
 
 def test_drift_parts_add_up_with_a_quantized_stale_sampler():
@@ -154,6 +177,11 @@ def test_drift_parts_add_up_with_a_quantized_stale_sampler():
   assert np.all(m["drift/staleness/abs_dlogp_max"][0, 1:] > 0)
   assert m["drift/staleness/abs_dlogp_max"][0, 0] == 0.0
   assert np.all(m["drift/total/ess"] < 1.0)
+  # The NVFP4 sampler samples with static calibrated scales and records that distribution: the
+  # mean weight pi_now / pi_sampler is 1 within 5 standard errors (see test_act_scales.py).
+  s = sweep.summarize(m)
+  assert 0 < s["total_is_weight_se"] and \
+      abs(s["total_is_weight_mean"] - 1) < 5 * s["total_is_weight_se"], s
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,6 +214,10 @@ def test_sweep_writes_runs_summary_and_resumes(tmp_path):
   full = sweep.run_sweep(cfg, str(tmp_path / "full"), log=lambda _: None)
   assert [r["lag"] for r in full] == [0, 2, 3]
   assert all(r["finite"] for r in full)
+  # Temperature 1: the sampler's recorded logprobs are those it sampled from, so the mean weight
+  # pi_now / pi_sampler is 1 up to sampling noise (see test_act_scales.py for the 5-SE argument).
+  for r in full:
+    assert abs(r["total_is_weight_mean"] - 1) <= 5 * r["total_is_weight_se"], r  # lag 0: w = 1
 
   def crash_after_first(msg: str) -> None:
     if msg.startswith("[sweep] 1/"):
@@ -223,10 +255,18 @@ def test_summary_numbers_come_from_the_metrics():
   metrics = {k: rng.random((2, steps)) for k in (
       "reward/mean", "reward/exact", "sampler_version_lag", "correction/is_truncated_frac",
       "skipped_updates", *[f"drift/{p}/{m}" for p in DRIFT_PARTS
-                           for m in ("mismatch_kl", "mismatch_kl_k3", "abs_dlogp_max", "ess")])}
+                           for m in ("mismatch_kl", "mismatch_kl_k3", "abs_dlogp_max", "ess",
+                                     "is_weight_mean", "is_weight_std")])}
   metrics.update({f"eval/{w}/{k}": rng.random(2) for w in ("start", "end")
                   for k in ("reward", "exact")})
+  metrics["drift/tokens"] = rng.integers(1, 50, (2, steps)).astype(np.float32)
   s = sweep.summarize(metrics)
+  # The mean weight over every token of the run: per-step means weighted by their token counts;
+  # its standard error from the per-token variances (sum of n * std^2 over steps).
+  n, w, sd = (metrics[k] for k in ("drift/tokens", "drift/total/is_weight_mean",
+                                   "drift/total/is_weight_std"))
+  assert s["total_is_weight_mean"] == pytest.approx((w * n).sum() / n.sum())
+  assert s["total_is_weight_se"] == pytest.approx(np.sqrt((n * sd ** 2).sum()) / n.sum())
   assert s["reward_final"] == pytest.approx(metrics["reward/mean"][:, -2:].mean())
   assert s["reward_final_std"] == pytest.approx(np.std(metrics["reward/mean"][:, -2:].mean(1)))
   assert s["staleness_k1"] == pytest.approx(metrics["drift/staleness/mismatch_kl"].mean())

@@ -1,10 +1,10 @@
 """Optimizer / master weights, the pure RL update and config validation of the training loop."""
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 import pytest
+import tiny
 
 from configs import base as base_config
 from lowrl import precision
@@ -12,6 +12,7 @@ from lowrl.models import transformer
 from lowrl.models.config import ModelConfig
 from lowrl.rl.corrections import CorrectionConfig
 from lowrl.rl.losses import LossConfig
+from lowrl.sampling.sampler import SamplingConfig
 from lowrl.training import loop, optimizer
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, make_rl_update
 
@@ -124,11 +125,7 @@ def test_update_mu_passes():
 
 
 def _tiny_config():
-  c = base_config.get_config("fp32")
-  c.model.update(dict(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64))
-  c.task.name = "addition"
-  c.task.kwargs = ml_collections.ConfigDict({"num_digits": 1})
-  return c
+  return tiny.loop_config("fp32")
 
 
 @pytest.mark.parametrize("path, value, match", [
@@ -187,3 +184,169 @@ def test_exact_mode_rollout_and_update_agree_bitwise_under_nvfp4():
   # rl.log_kl_ref: the KL to the reference is logged (here pi_ref = pi_old, so ~0) but, with
   # kl_coef = 0, not penalised.
   assert float(m["kl_ref"]) == pytest.approx(0.0, abs=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoupled PPO, the sampled distribution, exact statistics.
+
+
+def test_build_rejects_double_correction_and_bad_ddof():
+  c = _tiny_config()
+  c.rl.std_ddof = 2
+  with pytest.raises(ValueError, match="rl.std_ddof"):
+    loop.build(c)
+  for correction in ("tis", "mis"):
+    c = _tiny_config()
+    c.rl.old_logp_source, c.rl.correction = "sampler", correction
+    with pytest.raises(ValueError, match="rl.correction=.* rl.old_logp_source=sampler"):
+      loop.build(c)
+
+
+def _np_decoupled_ppo(logp_new, logp_prox, logp_behav, adv, mask, c_fn, eps=0.2):
+  """Decoupled PPO (Hilton et al. 2021), float64: mean_i (1/|o_i|) sum_t of
+  -min(r A, clip(r) A) * c(pi_prox / pi_behav), r = pi_theta / pi_prox."""
+  logp_new, logp_prox, logp_behav = (np.asarray(x, np.float64) for x in
+                                     (logp_new, logp_prox, logp_behav))
+  r = np.exp(logp_new - logp_prox)
+  a = np.asarray(adv, np.float64)[:, None]
+  per_tok = -np.minimum(r * a, np.clip(r, 1 - eps, 1 + eps) * a)
+  per_tok = per_tok * c_fn(np.exp(logp_prox - logp_behav))
+  m = np.asarray(mask, np.float64)
+  return np.mean((per_tok * m).sum(1) / m.sum(1))
+
+
+@pytest.mark.parametrize("source, correction", [("trainer", "tis"), ("trainer", "none"),
+                                                ("sampler", "none")])
+def test_update_loss_is_decoupled_ppo(source, correction):
+  policy = precision.policy_for("fp32", MODEL)
+  logprob_fn = make_logprob_fn(MODEL, policy)
+  cfg = UpdateConfig(loss=LossConfig(), correction=CorrectionConfig(mode=correction, tis_cap=1.5),
+                     old_logp_source=source)
+  update = jax.jit(make_rl_update(logprob_fn, optax.sgd(0.0), cfg))
+  params = transformer.init_params(MODEL, jax.random.key(0))
+  batch = _batch(jax.random.key(1))
+  logp_new, _ = logprob_fn(params, batch, None)
+  mask = batch["loss_mask_BT"]
+  # pi_prox and pi_behav: the model's logprobs shifted per token, far enough that both the PPO
+  # clip and the TIS cap are active on some tokens.
+  k1, k2 = jax.random.split(jax.random.key(3))
+  logp_prox = (logp_new + 0.3 * jax.random.normal(k1, mask.shape)) * mask
+  logp_behav = (logp_new + 0.6 * jax.random.normal(k2, mask.shape)) * mask
+  batch.update(logp_trainer_BT=logp_prox, logp_sampler_BT=logp_behav)
+  _, _, m = update(params, optax.sgd(0.0).init(params), None, batch, jax.random.key(2))
+  if source == "sampler":  # pi_prox = pi_behav: the correction is 1 by definition
+    ref = _np_decoupled_ppo(logp_new, logp_behav, logp_behav, batch["adv_B"], mask,
+                            lambda w: 1.0)
+  else:
+    c_fn = (lambda w: np.minimum(w, 1.5)) if correction == "tis" else (lambda w: 1.0)
+    ref = _np_decoupled_ppo(logp_new, logp_prox, logp_behav, batch["adv_B"], mask, c_fn)
+  # float32 terms of size O(1), 40 tokens summed: relative error well below 1e-5.
+  assert float(m["loss"]) == pytest.approx(ref, rel=1e-5)
+  if correction == "tis":  # the fixture exercises the cap
+    w = np.exp(np.asarray(logp_prox - logp_behav))[np.asarray(mask) > 0]
+    assert 0 < np.mean(w > 1.5) < 1
+
+
+def _np_sampling_logq(logits, tokens, temperature, top_k, top_p):
+  """log q(token) with q = softmax(logits / T) restricted to top-k then top-p, float64; also the
+  distance of the support from a tie: the smallest gap between a kept and a dropped logit, and
+  between top_p and a cumulative mass, per position."""
+  x = np.asarray(logits, np.float64) / temperature
+  out = np.zeros(tokens.shape)
+  margin = np.full(tokens.shape, np.inf)
+  for idx in np.ndindex(tokens.shape):
+    row = x[idx]
+    order = np.argsort(-row, kind="stable")
+    keep = np.zeros(row.shape, bool)
+    keep[order[:top_k or len(row)]] = True
+    srt = row[order][keep[order]]
+    p = np.exp(srt - srt.max())
+    p /= p.sum()
+    mass_before = np.cumsum(p) - p
+    kept = order[:len(srt)][mass_before < top_p]
+    if top_p < 1:
+      margin[idx] = min(margin[idx], np.abs(mass_before - top_p).min())
+    keep[:] = False
+    keep[kept] = True
+    if not keep.all():
+      margin[idx] = min(margin[idx], row[keep].min() - row[~keep].max())
+    z = np.log(np.sum(np.exp(row[keep] - row.max()))) + row.max()
+    out[idx] = row[tokens[idx]] - z if keep[tokens[idx]] else -np.inf
+  return out, margin
+
+
+def test_logprob_fn_uses_the_sampled_distribution():
+  policy = precision.policy_for("fp32", MODEL)
+  params = transformer.init_params(MODEL, jax.random.key(0))
+  batch = _batch(jax.random.key(1))
+  logits = np.asarray(jax.jit(transformer.forward, static_argnums=(2, 3))(
+      params, batch["tokens_BT"], MODEL, policy))
+  tokens = np.asarray(batch["tokens_BT"])
+  for t, k, p in ((0.5, 0, 1.0), (0.7, 6, 1.0), (1.3, 0, 0.6), (0.8, 9, 0.7)):
+    sampling = SamplingConfig(max_new_tokens=4, temperature=t, top_k=k, top_p=p)
+    logp, ent = jax.jit(make_logprob_fn(MODEL, policy, sampling))(params, batch, None)
+    ref, margin = _np_sampling_logq(logits[:, :-1], tokens[:, 1:], t, k, p)
+    # Two fp32 programs' logits (O(0.1) at init, sums of 32 terms) agree to ~1e-6, and so do the
+    # masses: where the support is at least 1e-4 from a tie it is the same in both, and log q
+    # agrees to 1e-4. Positions nearer a tie are left out.
+    clear = margin > 1e-4
+    assert clear.mean() > 0.8
+    got = np.asarray(logp[:, 1:])
+    inside = np.isfinite(ref)
+    if k or p < 1:
+      assert not inside[clear].all()  # some sampled tokens fall outside the support
+    np.testing.assert_allclose(got[inside & clear], ref[inside & clear], atol=1e-4)
+    np.testing.assert_array_equal(got[~inside & clear] < -1e29, True)  # probability exactly 0
+    assert np.all(np.isfinite(np.asarray(ent)))
+
+
+def test_loop_rollout_scores_the_sampled_distribution():
+  # Stale sampler (other params) at temperature 0.5: the batch's logprobs and the TIS weights are
+  # those of q = softmax(logits / 0.5), not of the raw model.
+  c = _tiny_config()
+  c.rl.update(dict(num_prompts=2, group_size=4, max_new_tokens=4, temperature=0.5,
+                   correction="tis", tis_cap=1.2))
+  setup = loop.build(c)
+  trainer = loop.Trainer(setup, log=lambda _: None)
+  sampler_params = transformer.init_params(setup.model_cfg, jax.random.key(0))
+  params = transformer.init_params(setup.model_cfg, jax.random.key(5))
+  batch, _, _ = trainer.rollout(sampler_params, params, 0, jax.random.key(1), stale=True)
+  mask = np.asarray(batch["loss_mask_BT"]) > 0
+  tokens = np.asarray(batch["tokens_BT"])
+  fwd = jax.jit(transformer.forward, static_argnums=(2, 3), static_argnames=())
+  logq = {}
+  for name, p in (("sampler", sampler_params), ("trainer", params)):
+    logits = np.asarray(fwd(p, batch["tokens_BT"], setup.model_cfg, setup.trainer_policy,
+                            mask_BT=batch["input_mask_BT"]))
+    ref, _ = _np_sampling_logq(logits[:, :-1], tokens[:, 1:], 0.5, 0, 1.0)
+    logq[name] = np.pad(ref, ((0, 0), (1, 0)))
+    # fp32 forwards in two programs: logits agree to ~1e-6, log q to 1e-4.
+    np.testing.assert_allclose(np.asarray(batch[f"logp_{name}_BT"])[mask], logq[name][mask],
+                               atol=1e-4)
+  ref_params = jax.tree.map(jnp.copy, params)
+  _, _, m = trainer.update(params, trainer.init_opt_state(params), ref_params, batch,
+                           jax.random.key(2))
+  w = np.exp(logq["trainer"] - logq["sampler"])[mask]
+  assert 0 < np.mean(w > 1.2) < 1
+  assert float(m["correction/is_weight_mean"]) == pytest.approx(np.mean(np.minimum(w, 1.2)),
+                                                                rel=1e-4)
+
+
+def test_tokens_outside_pi_old_support_leave_the_loss():
+  policy = precision.policy_for("fp32", MODEL)
+  sampling = SamplingConfig(max_new_tokens=4, temperature=0.7, top_k=3)
+  logprob_fn = make_logprob_fn(MODEL, policy, sampling)
+  cfg = UpdateConfig(loss=LossConfig(loss="cispo"), correction=CorrectionConfig(mode="tis"))
+  update = jax.jit(make_rl_update(logprob_fn, optax.adam(1e-2), cfg))
+  params = transformer.init_params(MODEL, jax.random.key(0))
+  batch = _batch(jax.random.key(1))
+  logp, _ = logprob_fn(params, batch, None)
+  mask = np.asarray(batch["loss_mask_BT"])
+  outside = (np.asarray(logp) < -1e29) & (mask > 0)
+  assert 0 < outside.sum() < mask.sum()
+  # The sampler (other weights) had every token in its support; the trainer's pi_old did not.
+  batch["logp_sampler_BT"] = jnp.where(mask > 0, jnp.where(outside, -1.0, logp), 0.0)
+  batch["logp_trainer_BT"] = jnp.where(jnp.asarray(outside), -jnp.inf, logp)
+  _, _, m = update(params, optax.adam(1e-2).init(params), None, batch, jax.random.key(2))
+  assert float(m["skipped_updates"]) == 0.0 and np.isfinite(float(m["loss"]))
+  assert float(m["correction/outside_support_frac"]) == pytest.approx(outside.sum() / mask.sum())

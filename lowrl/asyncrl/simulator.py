@@ -16,8 +16,8 @@ with each slot is logged (`sampler_version`), so a test can check that the scan 
 exactly `AsyncSchedule.sampler_version(t)`.
 
 A run (`simulate`, vmapped over seeds): `initial_params` (random init + optional supervised warm
-start), greedy `evaluate` in the trainer's precision, the training scan (`make_train`), `evaluate`
-again. Step t of the scan (its keys from fold_in(k_steps, t)):
+start), greedy `evaluate` in the trainer's precision on the held-out split (`SequenceTask.prompts`:
+problems training never draws), the training scan (`make_train`), `evaluate` again. Step t of the scan (its keys from fold_in(k_steps, t)):
   1. sync: if t % sync_every == 0, params (version t) go into their ring slot;
   2. sample: the ring's version sampler_version(t), in the sampler's precision, generates
      group_size completions for each of num_prompts prompts (temperature 1);
@@ -41,7 +41,7 @@ import numpy as np
 import optax
 
 from lowrl import precision
-from lowrl.asyncrl.drift import sampler_trainer_drift
+from lowrl.asyncrl.drift import sampler_trainer_drift, version_distance
 from lowrl.asyncrl.schedule import AsyncSchedule
 from lowrl.models import transformer
 from lowrl.models.config import ModelConfig
@@ -55,6 +55,8 @@ from lowrl.training.sft import sft_loss
 
 TASK_KINDS = ("sort", "reverse", "copy")
 REWARD_KINDS = ("per_token", "exact")
+SPLITS = ("train", "eval")
+ACT_CALIBRATIONS = ("sync", "base")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,9 +96,27 @@ class SequenceTask:
   def vocab_size(self) -> int:
     return self.num_symbols + 1
 
-  def prompts(self, key: jax.Array, n: int) -> jax.Array:
-    """[n, L + 1] int32 prompts (bos first)."""
-    x_NL = jax.random.randint(key, (n, self.length), 0, self.num_symbols, jnp.int32)
+  def prompts(self, key: jax.Array, n: int, split: str = "train") -> jax.Array:
+    """[n, L + 1] int32 prompts (bos first), uniform over the problems of `split`.
+
+    The split is disjoint by construction: a problem is held out ("eval") iff the sum of its
+    symbols is 0 mod num_symbols (a property of the multiset, so the permutations of one sort
+    problem share a split; about 1 / num_symbols of the problems). Sampling stays uniform on each
+    side: the first L - 1 symbols are free, the last is the one value that puts the sum in the
+    eval class, or uniform over the num_symbols - 1 values that keep it out.
+    """
+    if split not in SPLITS:
+      raise ValueError(f"split={split!r}; use one of {SPLITS}.")
+    k_head, k_last = jax.random.split(key)
+    s = self.num_symbols
+    head_NL = jax.random.randint(k_head, (n, self.length - 1), 0, s, jnp.int32)
+    eval_last_N = (-jnp.sum(head_NL, axis=1)) % s
+    if split == "eval":
+      last_N = eval_last_N
+    else:  # skip the eval value: uniform over the other s - 1 symbols
+      offset_N = jax.random.randint(k_last, (n,), 1, s, jnp.int32)
+      last_N = (eval_last_N + offset_N) % s
+    x_NL = jnp.concatenate([head_NL, last_N[:, None]], axis=1)
     return jnp.concatenate([jnp.full((n, 1), self.bos_id, jnp.int32), x_NL], axis=1)
 
   def targets(self, prompt_BP: jax.Array) -> jax.Array:
@@ -134,6 +154,13 @@ def default_config() -> ml_collections.ConfigDict:
   c.sampler_recipe = "bf16"
   c.trainer_recipe = "bf16"
   c.sampler_exact = True  # sampler logprobs from its full forward, as the loop's default
+  # Static activation scales of a sampler (or greedy eval) whose recipe scales activations per
+  # tensor (nvfp4_naive): max |input| per matmul over `calib_num_prompts` fixed train prompts +
+  # their targets, in the trainer's forward, as an inference engine calibrates. "sync":
+  # recalibrated from the weights at every weight sync (stored with them in the version ring);
+  # "base": once, from the run's starting weights.
+  c.act_calibration = "sync"
+  c.calib_num_prompts = 64
 
   c.rl = rl_update.default_rl_config()  # the loop's knobs and defaults
   c.rl.steps = 400
@@ -174,6 +201,9 @@ class SimSetup:
   advantage: str
   sampler_exact: bool
   eval_num_prompts: int
+  std_ddof: int = 0
+  act_calibration: str = "sync"
+  calib_num_prompts: int = 64
 
   @property
   def batch_size(self) -> int:
@@ -196,11 +226,22 @@ def build(cfg: ml_collections.ConfigDict) -> SimSetup:
   sampling = sampler.SamplingConfig(max_new_tokens=task.length, temperature=1.0,
                                     pad_id=task.bos_id)
   sampling.check(model_cfg)
+  if cfg.act_calibration not in ACT_CALIBRATIONS:
+    raise ValueError(f"act_calibration={cfg.act_calibration!r}; use one of {ACT_CALIBRATIONS}.")
+  if cfg.calib_num_prompts < 1:
+    raise ValueError(f"calib_num_prompts={cfg.calib_num_prompts} must be >= 1.")
+  # Both policies sample (the trainer's in greedy eval), with static scales calibrated for every
+  # tensor-scaled path: only activation tiles (2-D blocks) can fail here.
+  for policy in policies:
+    sampler.check_row_local(policy, model_cfg, dict.fromkeys(
+        policy.tensor_scaled_act_paths(model_cfg), 0.0))
   update_cfg = rl_update.update_config_from(rl, cfg.optimizer.master_rounding,
                                             max_len=task.length)
   return SimSetup(task, model_cfg, policies[0], policies[1], sampling, update_cfg,
                   _frozen(cfg.optimizer), _frozen(cfg.sft), rl.num_prompts, rl.group_size,
-                  rl.steps, rl.advantage, cfg.sampler_exact, cfg.eval_num_prompts)
+                  rl.steps, rl.advantage, cfg.sampler_exact, cfg.eval_num_prompts,
+                  std_ddof=rl.std_ddof, act_calibration=cfg.act_calibration,
+                  calib_num_prompts=cfg.calib_num_prompts)
 
 
 def schedule_of(cfg: ml_collections.ConfigDict, seed: int | None = None) -> AsyncSchedule:
@@ -219,44 +260,77 @@ def _quant_key(policy: precision.PrecisionPolicy, key: jax.Array) -> jax.Array |
 
 
 def _generate(setup: SimSetup, policy: precision.PrecisionPolicy, config: sampler.SamplingConfig,
-              params, prompt_BP: jax.Array, key: jax.Array, quant_key) -> sampler.SampleOutput:
-  """The sampler's jitted prefill + decode, called inside the scan (no host-side checks)."""
+              params, prompt_BP: jax.Array, key: jax.Array, quant_key,
+              act_amax=None) -> sampler.SampleOutput:
+  """The sampler's jitted prefill + decode, called inside the scan (the host-side checks ran in
+  `build`)."""
   batch, p = prompt_BP.shape
   cache = transformer.init_cache(setup.model_cfg, batch, p + config.max_new_tokens, policy.dtype)
   out, _ = sampler._generate(params, prompt_BP, jnp.ones(prompt_BP.shape, bool), key, cache,
-                             quant_key, model_cfg=setup.model_cfg, policy=policy, config=config)
+                             quant_key, act_amax, model_cfg=setup.model_cfg, policy=policy,
+                             config=config)
   return out
 
 
-def rollout(setup: SimSetup, sampler_params, key: jax.Array) -> tuple[dict[str, jax.Array],
-                                                                     dict[str, jax.Array]]:
+def calib_key(key: jax.Array) -> jax.Array:
+  """The key of a run's calibration prompts (fixed for the run)."""
+  return jax.random.fold_in(key, 2**31 - 2)  # outside the range of step indices
+
+
+def calibrate(setup: SimSetup, policy: precision.PrecisionPolicy, params,
+              key: jax.Array) -> dict[str, jax.Array] | None:
+  """Static activation amaxes for sampling `params` under `policy` (None if it needs none).
+
+  `transformer.calibrate_act_amax` in the trainer's precision over `calib_num_prompts` train
+  prompts from `key` with their target completions.
+  """
+  paths = policy.tensor_scaled_act_paths(setup.model_cfg)
+  if not paths:
+    return None
+  prompt_BP = setup.task.prompts(key, setup.calib_num_prompts)
+  tokens_BT = jnp.concatenate([prompt_BP, setup.task.targets(prompt_BP)], axis=1)
+  return transformer.calibrate_act_amax(
+      params, tokens_BT, setup.model_cfg, setup.trainer_policy, paths,
+      quant_key=_quant_key(setup.trainer_policy, key))
+
+
+def rollout(setup: SimSetup, sampler_params, key: jax.Array, act_amax=None
+            ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
   """One step's batch sampled by `sampler_params` in the sampler's precision, with rewards.
 
-  Returns (batch for the update, {"reward_B", "exact_B"}).
+  `act_amax`: the static activation scales stored with `sampler_params` (`calibrate`), for a
+  sampler recipe that scales activations per tensor. Returns (batch for the update,
+  {"reward_B", "exact_B"}).
   """
   k_prompt, k_sample, k_quant = jax.random.split(key, 3)
   prompt_PL = setup.task.prompts(k_prompt, setup.num_prompts)
   prompt_BL = jnp.repeat(prompt_PL, setup.group_size, axis=0)  # group-contiguous
   policy = setup.sampler_policy
   out = _generate(setup, policy, setup.sampling, sampler_params, prompt_BL, k_sample,
-                  _quant_key(policy, k_quant))
+                  _quant_key(policy, k_quant), act_amax)
   if setup.sampler_exact:
     out = sampler.rescore(out, sampler_params, model_cfg=setup.model_cfg, policy=policy,
-                          config=setup.sampling, quant_key=_quant_key(policy, k_quant))
+                          config=setup.sampling, quant_key=_quant_key(policy, k_quant),
+                          act_amax=act_amax)
   reward_B, exact_B = setup.task.rewards(prompt_BL, out.tokens[:, out.prompt_width:])
-  # Raw model logprobs, as the loop: the sampling transform is not part of the trained policy.
+  # log q of the sampled distribution, as the loop (identical to model_logprobs at temperature 1).
   batch = {"tokens_BT": out.tokens, "input_mask_BT": out.attention_mask,
-           "loss_mask_BT": out.completion_mask, "logp_sampler_BT": out.model_logprobs,
-           "adv_B": compute_advantages(reward_B, setup.group_size, setup.advantage)}
+           "loss_mask_BT": out.completion_mask, "logp_sampler_BT": out.logprobs,
+           "adv_B": compute_advantages(reward_B, setup.group_size, setup.advantage,
+                                       std_ddof=setup.std_ddof)}
   return batch, {"reward_B": reward_B, "exact_B": exact_B}
 
 
 def evaluate(setup: SimSetup, params, key: jax.Array) -> dict[str, jax.Array]:
-  """Greedy reward of the trainer's policy (trainer precision) on held-out random prompts."""
-  prompt_BP = setup.task.prompts(key, setup.eval_num_prompts)
+  """Greedy reward of the trainer's policy (trainer precision) on held-out prompts (the eval
+  split: problems never drawn for training)."""
+  prompt_BP = setup.task.prompts(key, setup.eval_num_prompts, "eval")
   greedy = dataclasses.replace(setup.sampling, temperature=0.0)
+  # A trainer recipe with per-tensor activation scales decodes as deployed: static scales
+  # calibrated from the evaluated weights.
+  act_amax = calibrate(setup, setup.trainer_policy, params, calib_key(key))
   out = _generate(setup, setup.trainer_policy, greedy, params, prompt_BP, key,
-                  _quant_key(setup.trainer_policy, key))
+                  _quant_key(setup.trainer_policy, key), act_amax)
   reward_B, exact_B = setup.task.rewards(prompt_BP, out.tokens[:, out.prompt_width:])
   return {"reward": jnp.mean(reward_B), "exact": jnp.mean(exact_B)}
 
@@ -305,7 +379,17 @@ def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict
   def train(params, key, plan):
     _, k_steps = jax.random.split(key)
     opt_state = optimizer.init_opt_state(tx, params)
-    ring = jax.tree.map(lambda p: jnp.zeros((num_slots,) + p.shape, p.dtype), params)
+    k_calib = calib_key(key)
+    base_amax = calibrate(setup, setup.sampler_policy, params, k_calib)
+
+    def rollout_weights(p):
+      """What a sync ships to the samplers: the weights and their static activation scales."""
+      if setup.act_calibration == "sync":
+        return p, calibrate(setup, setup.sampler_policy, p, k_calib)
+      return p, base_amax
+
+    ring = jax.tree.map(lambda p: jnp.zeros((num_slots,) + p.shape, p.dtype),
+                        rollout_weights(params))
     ring_version = jnp.full((num_slots,), -1, jnp.int32)
 
     def step(carry, xs):
@@ -313,19 +397,23 @@ def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict
       t, write, write_slot, read_slot = xs
       # Sync: version t (params after t updates) reaches the samplers' slot.
       ring = jax.tree.map(
-          lambda r, p: r.at[write_slot].set(jnp.where(write, p, r[write_slot])), ring, params)
+          lambda r, p: r.at[write_slot].set(jnp.where(write, p, r[write_slot])), ring,
+          rollout_weights(params))
       ring_version = ring_version.at[write_slot].set(
           jnp.where(write, t, ring_version[write_slot]))
-      sampler_params = jax.tree.map(lambda r: r[read_slot], ring)
+      sampler_params, sampler_amax = jax.tree.map(lambda r: r[read_slot], ring)
       k_roll, k_drift, k_upd = jax.random.split(jax.random.fold_in(k_steps, t), 3)
-      batch, info = rollout(setup, sampler_params, k_roll)
+      batch, info = rollout(setup, sampler_params, k_roll, sampler_amax)
       drift = sampler_trainer_drift(logprob_fn, sampler_params, params, batch,
                                     batch["logp_sampler_BT"], batch["loss_mask_BT"],
                                     _quant_key(setup.trainer_policy, k_drift))
+      params_before = params
       params, opt_state, m = update(params, opt_state, None, batch, k_upd)
       version = ring_version[read_slot]
       m = {**m, **drift, "reward/mean": jnp.mean(info["reward_B"]),
            "reward/exact": jnp.mean(info["exact_B"]), "sampler_version": version,
+           "drift/tokens": jnp.sum(batch["loss_mask_BT"]),
+           "drift/staleness/version_distance": version_distance(sampler_params, params_before),
            "sampler_version_lag": t - version}
       return (params, opt_state, ring, ring_version), m
 
@@ -368,7 +456,8 @@ def _eval_view(setup: SimSetup) -> SimSetup:
   settings differing only there share those compiled programs."""
   return dataclasses.replace(setup, sampler_policy=setup.trainer_policy,
                              update_cfg=UpdateConfig(LossConfig(), CorrectionConfig()), steps=1,
-                             num_prompts=1, group_size=2, advantage="grpo", sampler_exact=False)
+                             num_prompts=1, group_size=2, advantage="grpo", sampler_exact=False,
+                             std_ddof=0)
 
 
 @functools.lru_cache(maxsize=32)

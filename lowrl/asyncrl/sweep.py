@@ -133,6 +133,14 @@ def summarize(metrics: dict[str, np.ndarray], tail_frac: float = SUMMARY_TAIL) -
     out[f"{part}_k3"] = float(metrics[f"drift/{part}/mismatch_kl_k3"].mean())
     out[f"{part}_max"] = float(metrics[f"drift/{part}/abs_dlogp_max"].mean())
     out[f"{part}_ess"] = float(metrics[f"drift/{part}/ess"].mean())
+  # Mean importance weight pi_now / pi_sampler over every sampled token of the run (1 in
+  # expectation at temperature 1, see lowrl.asyncrl.drift) and its standard error: the weights
+  # minus 1 are martingale differences (mean 0 given everything sampled before), hence
+  # uncorrelated, so the variance of their sum is the sum of the per-step variances std^2 * n.
+  w_mean, w_std = metrics["drift/total/is_weight_mean"], metrics["drift/total/is_weight_std"]
+  n = metrics["drift/tokens"]
+  out["total_is_weight_mean"] = float(np.sum(w_mean * n) / np.sum(n))
+  out["total_is_weight_se"] = float(np.sqrt(np.sum(np.square(w_std) * n)) / np.sum(n))
   out["lag_mean"] = float(metrics["sampler_version_lag"].mean())
   out["truncated_frac"] = float(metrics["correction/is_truncated_frac"].mean())
   out["skipped_updates"] = float(metrics["skipped_updates"].sum())
@@ -204,7 +212,9 @@ def run_sweep(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) ->
     eta = elapsed / (i + 1) * (len(todo) - i - 1)
     log(f"[sweep] {i + 1}/{len(todo)} {s.name}: reward {row['reward_final']:.3f} "
         f"eval {row['eval_start']:.3f}->{row['eval_end']:.3f} "
-        f"drift k1 q={row['quantization_k1']:.2e} s={row['staleness_k1']:.2e} total={row['total_k1']:.2e} ess {row['total_ess']:.3f} | "
+        f"drift k1 q={row['quantization_k1']:.2e} s={row['staleness_k1']:.2e} "
+        f"total={row['total_k1']:.2e} ess {row['total_ess']:.3f} "
+        f"E[w] {row['total_is_weight_mean']:.3f}±{row['total_is_weight_se']:.3f} | "
         f"compile {result.compile_s:.0f}s run {result.run_s:.0f}s "
         f"({result.updates_per_minute:,.0f} updates/min) elapsed {elapsed:.0f}s eta {eta:.0f}s")
   rows = [done[s.name] for s in settings]
@@ -220,7 +230,8 @@ def run_sweep(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) ->
 _COLUMNS = (("reward_final", "final reward"), ("eval_end", "greedy eval (end)"),
             ("quantization_k1", "quant k1"), ("staleness_k1", "stale k1"),
             ("total_k1", "total k1"), ("total_k3", "total k3"), ("total_max", "total max|Δ|"),
-            ("total_ess", "ESS"), ("truncated_frac", "TIS trunc."))
+            ("total_ess", "ESS"), ("total_is_weight_mean", "E[w]"),
+            ("truncated_frac", "TIS trunc."))
 
 
 def _fmt(x: float) -> str:

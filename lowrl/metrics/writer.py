@@ -5,7 +5,8 @@ same interface and does nothing: use it in tests and on non-zero processes (`cre
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -18,6 +19,7 @@ class Writer(Protocol):
   def histograms(self, step: int, arrays: Mapping[str, Any]) -> None: ...
   def texts(self, step: int, texts: Mapping[str, str]) -> None: ...
   def image(self, step: int, name: str, image_HWC: Any) -> None: ...
+  def hparams(self, values: Mapping[str, Any], metric_tags: Sequence[str]) -> None: ...
   def flush(self) -> None: ...
   def close(self) -> None: ...
 
@@ -40,10 +42,16 @@ def _check_image(name: str, image_HWC: Any) -> np.ndarray:
 class MetricWriter:
   """Writes scalars, histograms, texts and images to TensorBoard event files under `logdir`."""
 
-  def __init__(self, logdir: str, flush_secs: int = 30):
+  def __init__(self, logdir: str, flush_secs: int = 30, purge_step: int | None = None):
+    """`purge_step`: a resumed run's first new step; TensorBoard then drops the points at
+    steps >= purge_step that earlier event files hold (logged before an interruption)."""
     # Imported here so NullWriter users never pay for (or need) tensorboardX.
     from tensorboardX import SummaryWriter
-    self._writer = SummaryWriter(logdir=str(logdir), flush_secs=flush_secs)
+    # Event files are named by the second they were opened in: a count suffix keeps a writer
+    # opened in the same second as an earlier one (a quick resume) from truncating its file.
+    existing = len(os.listdir(logdir)) if os.path.isdir(logdir) else 0
+    self._writer = SummaryWriter(logdir=str(logdir), flush_secs=flush_secs, purge_step=purge_step,
+                                 filename_suffix=f".{existing}")
 
   @property
   def logdir(self) -> str:
@@ -76,6 +84,19 @@ class MetricWriter:
       if not isinstance(text, str):
         raise ValueError(f"Text {name!r} must be a str, got {type(text).__name__}.")
       self._writer.add_text(name, text, global_step=step)
+
+  def hparams(self, values: Mapping[str, Any], metric_tags: Sequence[str]) -> None:
+    """The run's hyperparameters (TensorBoard's HPARAMS tab) in this run's own event file.
+
+    Values that are not bool/int/float/str (tuples, None) are written as their repr;
+    `metric_tags` are scalar tags the tab shows against them.
+    """
+    from tensorboardX.summary import hparams
+    plain = {k: v if isinstance(v, (bool, int, float, str)) else repr(v)
+             for k, v in values.items()}
+    file_writer = self._writer._get_file_writer()  # pylint: disable=protected-access
+    for summary in hparams(plain, {tag: 0.0 for tag in metric_tags}):
+      file_writer.add_summary(summary)
 
   def image(self, step: int, name: str, image_HWC: Any) -> None:
     """A uint8 [H, W, C] image (C = 1, 3 or 4)."""
@@ -116,6 +137,10 @@ class NullWriter:
     """No-op."""
     del step, name, image_HWC
 
+  def hparams(self, values: Mapping[str, Any], metric_tags: Sequence[str]) -> None:
+    """No-op."""
+    del values, metric_tags
+
   def flush(self) -> None:
     """No-op."""
 
@@ -129,8 +154,9 @@ class NullWriter:
     self.close()
 
 
-def create_writer(logdir: str | None, enabled: bool = True) -> MetricWriter | NullWriter:
+def create_writer(logdir: str | None, enabled: bool = True,
+                  purge_step: int | None = None) -> MetricWriter | NullWriter:
   """A MetricWriter, or a NullWriter when disabled (e.g. `jax.process_index() != 0`) or no logdir."""
   if not enabled or logdir is None:
     return NullWriter()
-  return MetricWriter(logdir)
+  return MetricWriter(logdir, purge_step=purge_step)

@@ -9,6 +9,11 @@ Precision: every linear layer goes through `quantized_dot_general` with the QDot
 gives for its (layer, path). Everything else runs in `policy.compute_dtype`, except RMSNorm,
 RoPE and softmax (FP32), and the logits and log-softmax (always FP32).
 
+Per-tensor activation scales: a matmul whose activation quantizer takes one scale over the whole
+tensor (`precision.activation_scaling(cfg) == "tensor"`) uses the amax of its [B, T, D] input by
+default (the trainer's current scaling: non-causal, batch-dependent) or, given `act_amax`, a
+static calibrated amax per matmul (`calibrate_act_amax`), which makes it causal and row-local.
+
 Masks and positions: `mask_BT` marks real tokens (1) and padding (0). Padding never serves as a
 key; padded query rows produce finite garbage that callers mask out. Positions default to
 `cumsum(mask) - 1`, so left-padded rows start at position 0 like unpadded ones.
@@ -21,19 +26,25 @@ columns, not positions: left-pad prompts so that every row's next token lands in
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Mapping
 
+from flax import traverse_util
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from lowrl.models.config import ModelConfig
-from lowrl.precision import BLOCK_MATMULS, LM_HEAD, PrecisionPolicy
+from lowrl.precision import (BLOCK_MATMULS, LM_HEAD, PrecisionPolicy, activation_scaling,
+                             matmul_path)
 from lowrl.quant.qdot import quantized_dot_general
 
 Params = Any
 Cache = dict[str, Any]
+# Static activation amaxes: full matmul path ("layers_0/attn/q_proj", "lm_head") -> FP32 scalar.
+ActAmax = Mapping[str, jax.Array]
+# Flax collection the calibration forward records per-token activation amaxes in.
+_CALIB = "act_amax"
 
 # Masked attention scores: finite so that a fully masked (padding) query row gives a uniform,
 # finite softmax instead of NaN.
@@ -95,16 +106,24 @@ class RMSNorm(nn.Module):
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def _qdot(x: jax.Array, w: jax.Array, contract_w: int, policy: PrecisionPolicy,
-          layer: int | None, path: str, quant_key: jax.Array | None) -> jax.Array:
+def _qdot(module: nn.Module, x: jax.Array, w: jax.Array, contract_w: int,
+          policy: PrecisionPolicy, layer: int | None, path: str, quant_key: jax.Array | None,
+          act_amax: ActAmax | None, record_name: str) -> jax.Array:
   """x[..., in] . w over x's last axis and w's axis `contract_w`, through the policy's quantizer.
 
-  Returns FP32.
+  A matmul whose activation scale spans the whole tensor takes its amax from `act_amax` (static,
+  calibrated) when given, else from the data. Under a calibration apply (`_CALIB` mutable) the
+  per-token max |x| is recorded in `module`'s scope as `record_name`. Returns FP32.
   """
   cfg = policy.qdot_config(layer, path)
+  if module.is_mutable_collection(_CALIB):
+    module.sow(_CALIB, record_name, jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1))
+  lhs_amax = None
+  if act_amax is not None and activation_scaling(cfg) == "tensor":
+    lhs_amax = act_amax[matmul_path(layer, path)]  # completeness checked in Transformer
   dims = (((x.ndim - 1,), (contract_w,)), ((), ()))
   return quantized_dot_general(x, w, dims, cfg, key=_fold(quant_key, _PATH_IDS[path]),
-                               preferred_element_type=jnp.float32)
+                               preferred_element_type=jnp.float32, lhs_amax=lhs_amax)
 
 
 class QDense(nn.Module):
@@ -122,11 +141,13 @@ class QDense(nn.Module):
   out_dtype: Any = None
 
   @nn.compact
-  def __call__(self, x: jax.Array, quant_key: jax.Array | None) -> jax.Array:
+  def __call__(self, x: jax.Array, quant_key: jax.Array | None,
+               act_amax: ActAmax | None = None) -> jax.Array:
     # Initializers here only give shapes: `init_params` draws the values.
     kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
                         self.param_dtype)
-    y = _qdot(x, kernel, 0, self.policy, self.layer, self.matmul, quant_key)
+    y = _qdot(self, x, kernel, 0, self.policy, self.layer, self.matmul, quant_key, act_amax,
+              "amax")
     if self.use_bias:
       bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
       y = y + bias.astype(jnp.float32)
@@ -156,18 +177,19 @@ class Attention(nn.Module):
   param_dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, cache_layer, cache_index, key_mask_BS, quant_key):
+  def __call__(self, x_BTD, positions_BT, cache_layer, cache_index, key_mask_BS, quant_key,
+               act_amax):
     cfg, dtype = self.cfg, self.policy.dtype
     batch, steps = x_BTD.shape[:2]
     h, k, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     dense = functools.partial(QDense, layer=self.layer, policy=self.policy,
                               param_dtype=self.param_dtype)
     q_BTNH = dense(h * hd, "attn/q_proj", use_bias=cfg.qkv_bias, name="q_proj")(
-        x_BTD, quant_key).reshape(batch, steps, h, hd)
+        x_BTD, quant_key, act_amax).reshape(batch, steps, h, hd)
     k_BTKH = dense(k * hd, "attn/k_proj", use_bias=cfg.qkv_bias, name="k_proj")(
-        x_BTD, quant_key).reshape(batch, steps, k, hd)
+        x_BTD, quant_key, act_amax).reshape(batch, steps, k, hd)
     v_BTKH = dense(k * hd, "attn/v_proj", use_bias=cfg.qkv_bias, name="v_proj")(
-        x_BTD, quant_key).reshape(batch, steps, k, hd)
+        x_BTD, quant_key, act_amax).reshape(batch, steps, k, hd)
     if cfg.qk_norm:
       q_BTNH = RMSNorm(cfg.rms_eps, self.param_dtype, name="q_norm")(q_BTNH)
       k_BTKH = RMSNorm(cfg.rms_eps, self.param_dtype, name="k_norm")(k_BTKH)
@@ -196,7 +218,7 @@ class Attention(nn.Module):
     out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS.astype(dtype),
                            values_BSKH.astype(dtype), preferred_element_type=jnp.float32)
     out_BTF = out_BTKGH.astype(dtype).reshape(batch, steps, h * hd)
-    y_BTD = dense(cfg.d_model, "attn/o_proj", name="o_proj")(out_BTF, quant_key)
+    y_BTD = dense(cfg.d_model, "attn/o_proj", name="o_proj")(out_BTF, quant_key, act_amax)
     return y_BTD, new_cache
 
 
@@ -209,15 +231,15 @@ class Mlp(nn.Module):
   param_dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x_BTD, quant_key):
+  def __call__(self, x_BTD, quant_key, act_amax):
     dense = functools.partial(QDense, layer=self.layer, policy=self.policy,
                               param_dtype=self.param_dtype)
-    gate_BTF = dense(self.cfg.d_ff, "mlp/gate_proj", name="gate_proj")(x_BTD, quant_key)
-    up_BTF = dense(self.cfg.d_ff, "mlp/up_proj", name="up_proj")(x_BTD, quant_key)
+    gate_BTF = dense(self.cfg.d_ff, "mlp/gate_proj", name="gate_proj")(x_BTD, quant_key, act_amax)
+    up_BTF = dense(self.cfg.d_ff, "mlp/up_proj", name="up_proj")(x_BTD, quant_key, act_amax)
     # SiLU in FP32: its output feeds a (possibly quantized) GEMM, round once.
     h_BTF = (jax.nn.silu(gate_BTF.astype(jnp.float32)) * up_BTF.astype(jnp.float32))
     return dense(self.cfg.d_model, "mlp/down_proj", name="down_proj")(
-        h_BTF.astype(self.policy.dtype), quant_key)
+        h_BTF.astype(self.policy.dtype), quant_key, act_amax)
 
 
 class Block(nn.Module):
@@ -229,15 +251,16 @@ class Block(nn.Module):
   param_dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, cache_layer, cache_index, key_mask_BS, quant_key):
+  def __call__(self, x_BTD, positions_BT, cache_layer, cache_index, key_mask_BS, quant_key,
+               act_amax):
     kw = dict(cfg=self.cfg, layer=self.layer, policy=self.policy, param_dtype=self.param_dtype)
     layer_key = _fold(quant_key, self.layer)
     h = RMSNorm(self.cfg.rms_eps, self.param_dtype, name="attn_norm")(x_BTD)
     attn_BTD, new_cache = Attention(**kw, name="attn")(
-        h, positions_BT, cache_layer, cache_index, key_mask_BS, layer_key)
+        h, positions_BT, cache_layer, cache_index, key_mask_BS, layer_key, act_amax)
     x_BTD = x_BTD + attn_BTD
     h = RMSNorm(self.cfg.rms_eps, self.param_dtype, name="mlp_norm")(x_BTD)
-    x_BTD = x_BTD + Mlp(**kw, name="mlp")(h, layer_key)
+    x_BTD = x_BTD + Mlp(**kw, name="mlp")(h, layer_key, act_amax)
     return x_BTD, new_cache
 
 
@@ -250,8 +273,9 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_BT, positions_BT, mask_BT, cache=None, quant_key=None,
-               last_only=False):
+               last_only=False, act_amax=None):
     cfg, dtype = self.cfg, self.policy.dtype
+    check_act_amax(self.policy, cfg, act_amax)
     embed = Embedder(cfg, self.param_dtype, name="embed")
     x_BTD = embed(tokens_BT, dtype)
 
@@ -264,7 +288,7 @@ class Transformer(nn.Module):
     for i in range(cfg.n_layers):
       cache_layer = None if cache is None else cache["layers"][i]
       x_BTD, new_layer = Block(cfg, i, self.policy, self.param_dtype, name=f"layers_{i}")(
-          x_BTD, positions_BT, cache_layer, cache_index, key_mask_BS, quant_key)
+          x_BTD, positions_BT, cache_layer, cache_index, key_mask_BS, quant_key, act_amax)
       new_layers.append(new_layer)
 
     if last_only:
@@ -273,10 +297,11 @@ class Transformer(nn.Module):
     h_BTD = RMSNorm(cfg.rms_eps, self.param_dtype, name="final_norm")(x_BTD.astype(jnp.float32))
     head_key = _fold(quant_key, cfg.n_layers)
     if cfg.tie_embeddings:
-      logits_BTV = _qdot(h_BTD, embed.embedding, 1, self.policy, None, LM_HEAD, head_key)
+      logits_BTV = _qdot(self, h_BTD, embed.embedding, 1, self.policy, None, LM_HEAD, head_key,
+                         act_amax, LM_HEAD)
     else:
       logits_BTV = QDense(cfg.vocab_size, LM_HEAD, None, self.policy, param_dtype=self.param_dtype,
-                          out_dtype=jnp.float32, name="lm_head")(h_BTD, head_key)
+                          out_dtype=jnp.float32, name="lm_head")(h_BTD, head_key, act_amax)
     new_cache = None if cache is None else {
         "index": cache_index + tokens_BT.shape[1], "mask": key_mask_BS,
         "layers": tuple(new_layers)}
@@ -349,10 +374,50 @@ def _check_key(policy: PrecisionPolicy, quant_key) -> None:
                      "identical quantization), or set precision.stochastic_rounding=none.")
 
 
+def check_act_amax(policy: PrecisionPolicy, model_cfg: ModelConfig,
+                   act_amax: ActAmax | None) -> None:
+  """Raises ValueError unless `act_amax` is None or holds every tensor-scaled activation path."""
+  if act_amax is None:
+    return
+  missing = [p for p in policy.tensor_scaled_act_paths(model_cfg) if p not in act_amax]
+  if missing:
+    raise ValueError(f"act_amax lacks the static activation amax of {missing} (policy "
+                     f"{policy.name!r} scales them per tensor); calibrate them with "
+                     "transformer.calibrate_act_amax(..., paths=policy.tensor_scaled_act_paths"
+                     "(model_cfg)).")
+
+
+def calibrate_act_amax(params: Params, tokens_BT: jax.Array, model_cfg: ModelConfig,
+                       policy: PrecisionPolicy, paths: tuple[str, ...], *,
+                       mask_BT: jax.Array | None = None, positions_BT: jax.Array | None = None,
+                       quant_key: jax.Array | None = None) -> dict[str, jax.Array]:
+  """Static activation amaxes: {path: max |input| of that matmul over the real tokens} (FP32).
+
+  One full forward of a calibration batch under `policy` (the trainer's precision: an inference
+  engine's calibration pass on the rollout weights); padding positions (mask 0) are excluded, as
+  their activations are garbage. `paths` are full matmul paths, e.g. a sampler policy's
+  `tensor_scaled_act_paths(model_cfg)`. Jittable; no gradient.
+  """
+  _check_key(policy, quant_key)
+  mask_BT, positions_BT = _inputs(tokens_BT, mask_BT, positions_BT)
+  _, state = Transformer(model_cfg, policy).apply(
+      {"params": jax.lax.stop_gradient(params)}, tokens_BT, positions_BT, mask_BT,
+      quant_key=quant_key, mutable=[_CALIB])
+  # Flattened names: ".../q_proj/amax" for a QDense, "lm_head" for a tied head.
+  recorded = {k.removesuffix("/amax"): v[0] for k, v in
+              traverse_util.flatten_dict(state[_CALIB], sep="/").items()}
+  unknown = [p for p in paths if p not in recorded]
+  if unknown:
+    raise ValueError(f"calibrate_act_amax: no matmul {unknown}; paths are "
+                     f"{sorted(recorded)}.")
+  return {p: jnp.max(jnp.where(mask_BT, recorded[p], 0.0)) for p in paths}
+
+
 def forward(params: Params, tokens_BT: jax.Array, model_cfg: ModelConfig,
             policy: PrecisionPolicy, *, mask_BT: jax.Array | None = None,
             positions_BT: jax.Array | None = None,
-            quant_key: jax.Array | None = None) -> jax.Array:
+            quant_key: jax.Array | None = None,
+            act_amax: ActAmax | None = None) -> jax.Array:
   """FP32 logits [B, T, V]; logits[:, t] predicts token t + 1.
 
   Args:
@@ -362,12 +427,15 @@ def forward(params: Params, tokens_BT: jax.Array, model_cfg: ModelConfig,
     mask_BT: 1 for real tokens, 0 for padding (default all ones).
     positions_BT: RoPE positions (default cumsum(mask) - 1).
     quant_key: PRNG key for stochastic-rounding quantizers (required iff policy.needs_key).
+    act_amax: static amaxes of the tensor-scaled activations (`calibrate_act_amax`): the
+      scales an inference engine uses, causal and independent of the other rows. None: each
+      such scale is the amax of the whole [B, T, D] input (the trainer's current scaling).
   """
   _check_key(policy, quant_key)
   mask_BT, positions_BT = _inputs(tokens_BT, mask_BT, positions_BT)
   logits_BTV, _ = Transformer(model_cfg, policy).apply(
       {"params": params}, tokens_BT, positions_BT, mask_BT,
-      quant_key=quant_key)
+      quant_key=quant_key, act_amax=act_amax)
   return logits_BTV
 
 
@@ -386,19 +454,20 @@ def init_cache(model_cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloa
 def forward_with_cache(params: Params, tokens_BT: jax.Array, cache: Cache,
                        model_cfg: ModelConfig, policy: PrecisionPolicy, *,
                        mask_BT: jax.Array | None = None, positions_BT: jax.Array | None = None,
-                       quant_key: jax.Array | None = None,
-                       last_only: bool = False) -> tuple[jax.Array, Cache]:
+                       quant_key: jax.Array | None = None, last_only: bool = False,
+                       act_amax: ActAmax | None = None) -> tuple[jax.Array, Cache]:
   """Appends T tokens to the cache (columns [index, index + T)) and returns their logits.
 
   `positions_BT` should be given for decode steps (each row's absolute position); the default
   `cumsum(mask) - 1` is only right for a prefill into an empty cache. `last_only` computes the LM
-  head for the last column only ([B, 1, V]), which is all a prefill needs.
+  head for the last column only ([B, 1, V]), which is all a prefill needs. `act_amax`: as in
+  `forward`.
   """
   _check_key(policy, quant_key)
   mask_BT, positions_BT = _inputs(tokens_BT, mask_BT, positions_BT)
   return Transformer(model_cfg, policy).apply(
       {"params": params}, tokens_BT, positions_BT, mask_BT, cache=cache,
-      quant_key=quant_key, last_only=last_only)
+      quant_key=quant_key, last_only=last_only, act_amax=act_amax)
 
 
 def logprobs_from_logits(logits_BTV: jax.Array, tokens_BT: jax.Array,
@@ -424,18 +493,21 @@ def logprobs_from_logits(logits_BTV: jax.Array, tokens_BT: jax.Array,
 def token_logprobs_and_entropy(params: Params, tokens_BT: jax.Array, model_cfg: ModelConfig,
                                policy: PrecisionPolicy, *, mask_BT: jax.Array | None = None,
                                positions_BT: jax.Array | None = None,
-                               quant_key: jax.Array | None = None
+                               quant_key: jax.Array | None = None,
+                               act_amax: ActAmax | None = None
                                ) -> tuple[jax.Array, jax.Array]:
   """(logp_BT, entropy_BT): see `logprobs_from_logits` for the alignment."""
   logits_BTV = forward(params, tokens_BT, model_cfg, policy, mask_BT=mask_BT,
-                       positions_BT=positions_BT, quant_key=quant_key)
+                       positions_BT=positions_BT, quant_key=quant_key, act_amax=act_amax)
   return logprobs_from_logits(logits_BTV, tokens_BT, mask_BT)
 
 
 def token_logprobs(params: Params, tokens_BT: jax.Array, model_cfg: ModelConfig,
                    policy: PrecisionPolicy, *, mask_BT: jax.Array | None = None,
                    positions_BT: jax.Array | None = None,
-                   quant_key: jax.Array | None = None) -> jax.Array:
+                   quant_key: jax.Array | None = None,
+                   act_amax: ActAmax | None = None) -> jax.Array:
   """logp_BT[:, t] = log p(tokens[:, t] | tokens[:, :t]) in FP32; 0 at t = 0 and on padding."""
   return token_logprobs_and_entropy(params, tokens_BT, model_cfg, policy, mask_BT=mask_BT,
-                                    positions_BT=positions_BT, quant_key=quant_key)[0]
+                                    positions_BT=positions_BT, quant_key=quant_key,
+                                    act_amax=act_amax)[0]

@@ -18,7 +18,9 @@ FORMATS: dict[str, tuple[int | None, str]] = {
 }
 SCALE_ROUNDINGS = ("floor", "rceil")
 FOUR_OVER_SIX_METRICS = ("mse", "mae")
+SCALE_CONVENTIONS = ("exact", "te")
 BACKWARD_MODES = ("high_precision", "dequantized", "quantized")
+REQUANTIZE_SOURCES = ("original", "dequantized")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -38,7 +40,12 @@ class QuantConfig:
     four_over_six: NVFP4 only. Per block, map the block max to 6 or to 4, whichever gives lower error;
       the outer-scale denominator uses 256 instead of 448.
     four_over_six_metric: "mse" or "mae", the error that selects between 6 and 4.
-    stochastic_rounding: round elements stochastically (needs a PRNG key).
+    stochastic_rounding: round elements stochastically (needs a PRNG key). NVFP4 then rounds its
+      outer and block scales up (exactly) instead of to nearest, and MX needs rceil, so that no
+      element saturates: SR is unbiased on every element.
+    scale_convention: NVFP4 only. "exact": every quotient rounded once, to nearest even
+      (REFERENCE.md §2). "te": TransformerEngine's FP32 scale arithmetic, bit for bit (see
+      quantize.py; per-tensor scale, round to nearest, no 4/6).
   """
 
   fmt: str
@@ -50,6 +57,7 @@ class QuantConfig:
   four_over_six: bool = False
   four_over_six_metric: str = "mse"
   stochastic_rounding: bool = False
+  scale_convention: str = "exact"
 
   def __post_init__(self):
     if self.fmt not in FORMATS:
@@ -69,8 +77,19 @@ class QuantConfig:
     if kind != "nvfp4" and (self.per_token or self.block_2d or self.four_over_six):
       raise ValueError(f"per_token, block_2d and four_over_six are NVFP4 options; got fmt={self.fmt!r}.")
     if self.four_over_six and (self.block or 0) ** (2 if self.block_2d else 1) > 1024:
-      raise ValueError("four_over_six sums per-block errors in int32 fixed point: use blocks of at "
+      raise ValueError("four_over_six sums per-block errors in int32 limbs: use blocks of at "
                        "most 1024 elements.")
+    if kind == "mx" and self.stochastic_rounding and self.scale_rounding == "floor":
+      raise ValueError(f"{self.fmt}: stochastic_rounding with scale_rounding='floor' saturates "
+                       "block maxima above max_normal * 2**e (biased); use scale_rounding='rceil'.")
+    if self.scale_convention not in SCALE_CONVENTIONS:
+      raise ValueError(f"scale_convention={self.scale_convention!r}; use one of "
+                       f"{SCALE_CONVENTIONS}.")
+    if self.scale_convention == "te" and (kind != "nvfp4" or self.per_token or self.four_over_six
+                                          or self.stochastic_rounding):
+      raise ValueError("scale_convention='te' reproduces TransformerEngine's per-tensor NVFP4 "
+                       "round-to-nearest quantizer: use fmt='nvfp4' without per_token, "
+                       "four_over_six or stochastic_rounding (or scale_convention='exact').")
     if self.per_token and self.block_2d:
       raise ValueError("per_token and block_2d don't combine: 16x16 tiles span 16 rows, so one outer "
                        "scale per row is not defined; choose one.")
@@ -79,6 +98,11 @@ class QuantConfig:
   def kind(self) -> str:
     """"tensor" (per-tensor FP8), "mx" or "nvfp4"."""
     return FORMATS[self.fmt][1]
+
+  @property
+  def scheme(self) -> str:
+    """The scale arithmetic: kind, or "nvfp4_te" for NVFP4 with scale_convention="te"."""
+    return "nvfp4_te" if self.scale_convention == "te" else self.kind
 
   @property
   def block(self) -> int | None:
@@ -97,6 +121,11 @@ class QDotConfig:
       "dequantized" (backward GEMMs on the dequantized forward operands, in compute_dtype),
       "quantized" (the incoming gradient is quantized too, with `grad`).
     grad: quantizer of the incoming gradient when backward == "quantized".
+    requantize_from: backward == "quantized" only: the operand tensor the backward GEMMs quantize
+      along their own contracting axes. "original" (default) quantizes the original operand, as
+      TransformerEngine quantizes its input column-wise for the transposed GEMMs: one quantization
+      error. "dequantized" requantizes the dequantized forward operand, compounding the forward's
+      error with a second one (the backward then sees values the forward saw, re-blocked).
     rht_wgrad: apply the random Hadamard transform to both weight-gradient operands
       (backward == "quantized" only).
     compute_dtype: dtype the GEMM operands are cast to after (de)quantization.
@@ -106,6 +135,7 @@ class QDotConfig:
   rhs: QuantConfig | None = None
   backward: str = "high_precision"
   grad: QuantConfig | None = None
+  requantize_from: str = "original"
   rht_wgrad: bool = False
   compute_dtype: str = "float32"
 
@@ -116,6 +146,9 @@ class QDotConfig:
       raise ValueError(f"compute_dtype={self.compute_dtype!r}; use one of {COMPUTE_DTYPES}.")
     if self.backward == "quantized" and self.grad is None:
       raise ValueError("backward='quantized' needs a gradient quantizer: set grad=QuantConfig(...).")
+    if self.requantize_from not in REQUANTIZE_SOURCES:
+      raise ValueError(f"requantize_from={self.requantize_from!r}; use one of "
+                       f"{REQUANTIZE_SOURCES}.")
     if self.rht_wgrad and self.backward != "quantized":
       raise ValueError("rht_wgrad only applies to backward='quantized'.")
 

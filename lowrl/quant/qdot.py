@@ -11,11 +11,13 @@ to the primal dtypes):
                   (the values the forward used) — the 4-bitter recipe.
   quantized       g is quantized with cfg.grad along the contracting axes of each backward GEMM
                   (separately for dgrad and wgrad, with stochastic rounding keys split from `key`).
-                  The other operand is its *dequantized forward value* requantized with its own
-                  forward config (round-to-nearest, no SR) along the new contracting axes, so the
-                  backward sees the forward's values, re-blocked for the transposed GEMM (as a
-                  kernel would after quantizing the transpose). An operand that is not quantized in
-                  the forward stays unquantized. Optional RHT (cfg.rht_wgrad) transforms both wgrad
+                  The other operand is quantized with its own forward config (round-to-nearest, no
+                  SR) along the new contracting axes, from cfg.requantize_from: "original" (the
+                  default) the original operand, as TransformerEngine quantizes its input
+                  column-wise, one quantization error; "dequantized" its dequantized forward
+                  value, re-blocked for the transposed GEMM (two compounded errors, but the
+                  backward sees values the forward saw). An operand that is not quantized in the
+                  forward stays unquantized. Optional RHT (cfg.rht_wgrad) transforms both wgrad
                   operands along their contracting axes before quantizing; it cancels in the
                   product.
 
@@ -41,7 +43,7 @@ from jax import lax
 
 from lowrl.quant.config import QDotConfig, QuantConfig
 from lowrl.quant.hadamard import rht
-from lowrl.quant.quantize import fake_quant
+from lowrl.quant.quantize import check_tensor_amax, fake_quant
 
 _Axes = tuple[int, ...]
 DimensionNumbers = tuple[tuple[_Axes, _Axes], tuple[_Axes, _Axes]]
@@ -70,17 +72,20 @@ def _along(x: jax.Array, axes: tuple[int, ...], fn: Callable[[jax.Array, int], j
   return jnp.transpose(out, np.argsort(perm))
 
 
-def _fq_axes(x, axes, cfg: QuantConfig | None, key, what: str) -> jax.Array:
-  """Fake-quantizes x for a GEMM contracting `axes` (cfg.axis overridden); cfg None = identity."""
+def _fq_axes(x, axes, cfg: QuantConfig | None, key, what: str, amax=None) -> jax.Array:
+  """Fake-quantizes x for a GEMM contracting `axes` (cfg.axis overridden); cfg None = identity.
+  amax: optional static per-tensor amax (fake_quant's tensor_amax)."""
   if cfg is None:
     return x
   if cfg.kind == "tensor" or cfg.block_2d:
-    return fake_quant(x, cfg, key)  # blocking does not depend on the contracting axis
+    # blocking does not depend on the contracting axis
+    return fake_quant(x, cfg, key, tensor_amax=amax)
   if not axes:
     raise ValueError(f"{what}: {cfg.fmt} blocks along the contracting axis, but this GEMM "
                      "contracts no axis; use a per-tensor format (fp8_e4m3 / fp8_e5m2).")
   try:
-    return _along(x, axes, lambda xm, a: fake_quant(xm, dataclasses.replace(cfg, axis=a), key))
+    return _along(x, axes, lambda xm, a: fake_quant(xm, dataclasses.replace(cfg, axis=a), key,
+                                                    tensor_amax=amax))
   except ValueError as e:
     where = f"contracting axes {tuple(axes)} of shape {tuple(x.shape)}"
     raise ValueError(f"{what} ({where}): {e}") from None
@@ -126,12 +131,13 @@ class _Dims:
     return jnp.transpose(out, np.argsort(src))
 
 
-def _forward_operands(lhs, rhs, key, dn, cfg: QDotConfig):
+def _forward_operands(lhs, rhs, key, amaxes, dn, cfg: QDotConfig):
   compute = jnp.dtype(cfg.compute_dtype)
   (lc, rc), _ = dn
   k_lhs, k_rhs, _, _ = _split_key(key)
-  lhs_q = _fq_axes(lhs, lc, cfg.lhs, k_lhs, "lhs").astype(compute)
-  rhs_q = _fq_axes(rhs, rc, cfg.rhs, k_rhs, "rhs").astype(compute)
+  lhs_amax, rhs_amax = amaxes
+  lhs_q = _fq_axes(lhs, lc, cfg.lhs, k_lhs, "lhs", lhs_amax).astype(compute)
+  rhs_q = _fq_axes(rhs, rc, cfg.rhs, k_rhs, "rhs", rhs_amax).astype(compute)
   # Defensive: a simplifier may move a per-tensor scale across the dot (dot(c * s, w) ->
   # s * dot(c, w)), which would round differently from the fake-quant operands. (On XLA CPU
   # the barrier does not constrain fusion and no such rewrite happens; the forward-equality test
@@ -140,7 +146,8 @@ def _forward_operands(lhs, rhs, key, dn, cfg: QDotConfig):
 
 
 def _backward(dn, cfg: QDotConfig, precision, lhs_op, rhs_op, key, g):
-  """(dlhs, drhs) in FP32 from the saved operands (original or dequantized, compute dtype)."""
+  """(dlhs, drhs) in FP32 from the saved operands: original (compute dtype; backward="quantized"
+  with requantize_from="original": primal dtype) or dequantized (compute dtype)."""
   compute = jnp.dtype(cfg.compute_dtype)
   dims = _Dims(dn, lhs_op.ndim, rhs_op.ndim)
   if cfg.backward != "quantized":
@@ -160,20 +167,22 @@ def _backward(dn, cfg: QDotConfig, precision, lhs_op, rhs_op, key, g):
   return dims.dgrad(g_d, rhs_d, precision), dims.wgrad(lhs_w, g_w, precision)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _qdot(lhs, rhs, key, dn, cfg, precision, preferred_element_type):
-  lhs_q, rhs_q = _forward_operands(lhs, rhs, key, dn, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _qdot(lhs, rhs, key, amaxes, dn, cfg, precision, preferred_element_type):
+  lhs_q, rhs_q = _forward_operands(lhs, rhs, key, amaxes, dn, cfg)
   return lax.dot_general(lhs_q, rhs_q, dn, precision=precision,
                          preferred_element_type=preferred_element_type)
 
 
-def _qdot_fwd(lhs, rhs, key, dn, cfg, precision, preferred_element_type):
-  lhs_q, rhs_q = _forward_operands(lhs, rhs, key, dn, cfg)
+def _qdot_fwd(lhs, rhs, key, amaxes, dn, cfg, precision, preferred_element_type):
+  lhs_q, rhs_q = _forward_operands(lhs, rhs, key, amaxes, dn, cfg)
   out = lax.dot_general(lhs_q, rhs_q, dn, precision=precision,
                         preferred_element_type=preferred_element_type)
   if cfg.backward == "high_precision":
     compute = jnp.dtype(cfg.compute_dtype)
     lhs_q, rhs_q = lhs.astype(compute), rhs.astype(compute)
+  elif cfg.backward == "quantized" and cfg.requantize_from == "original":
+    lhs_q, rhs_q = lhs, rhs  # quantized along the backward GEMMs' axes in _backward
   # Zero-size arrays carry the primal dtypes to the backward (cotangents must match them).
   dtypes = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
   return out, (lhs_q, rhs_q, key, dtypes)
@@ -183,13 +192,28 @@ def _qdot_bwd(dn, cfg, precision, preferred_element_type, res, g):
   del preferred_element_type
   lhs_op, rhs_op, key, (lhs_dt, rhs_dt) = res
   dlhs, drhs = _backward(dn, cfg, precision, lhs_op, rhs_op, key, g)
-  return dlhs.astype(lhs_dt.dtype), drhs.astype(rhs_dt.dtype), None
+  # The key and the static amaxes get zero cotangents (None).
+  return dlhs.astype(lhs_dt.dtype), drhs.astype(rhs_dt.dtype), None, None
 
 
 _qdot.defvjp(_qdot_fwd, _qdot_bwd)
 
 
-def _check(lhs, rhs, dn: DimensionNumbers, cfg: QDotConfig, key) -> None:
+def _check_amaxes(cfg: QDotConfig | None, lhs_amax, rhs_amax):
+  """Validates the static amaxes (trace time); returns them as FP32 scalars (or None)."""
+  out = []
+  for name, qc, amax in (("lhs", cfg and cfg.lhs, lhs_amax), ("rhs", cfg and cfg.rhs, rhs_amax)):
+    if amax is not None and qc is None:
+      raise ValueError(f"{name}_amax is given but the {name} operand is not quantized: pass "
+                       f"{name}_amax=None or quantize {name} with a per-tensor-scaled format.")
+    try:
+      out.append(check_tensor_amax(qc, amax) if qc is not None else None)
+    except ValueError as e:
+      raise ValueError(f"{name}_amax: {e}") from None
+  return tuple(out)
+
+
+def _check(lhs, rhs, dn: DimensionNumbers, cfg: QDotConfig, key, amaxes) -> None:
   """Trace-time validation of everything the forward and backward will need."""
   (lc, rc), _ = dn
   for name, qc, axes in (("lhs", cfg.lhs, lc), ("rhs", cfg.rhs, rc)):
@@ -209,7 +233,8 @@ def _check(lhs, rhs, dn: DimensionNumbers, cfg: QDotConfig, key) -> None:
   # Shape checks of forward and backward quantizers, abstractly (raises before any compile).
   lhs_s = jax.ShapeDtypeStruct(lhs.shape, lhs.dtype)
   rhs_s = jax.ShapeDtypeStruct(rhs.shape, rhs.dtype)
-  out_s = jax.eval_shape(lambda a, b, k: _forward_operands(a, b, k, dn, cfg), lhs_s, rhs_s, key)
+  out_s = jax.eval_shape(lambda a, b, k, m: _forward_operands(a, b, k, m, dn, cfg), lhs_s, rhs_s,
+                         key, amaxes)
   if cfg.backward == "quantized":
     y_s = jax.eval_shape(lambda a, b: lax.dot_general(a, b, dn), *out_s)
     g_s = jax.ShapeDtypeStruct(y_s.shape, jnp.float32)
@@ -219,7 +244,8 @@ def _check(lhs, rhs, dn: DimensionNumbers, cfg: QDotConfig, key) -> None:
 def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
                           cfg: QDotConfig | None, key: jax.Array | None = None,
                           preferred_element_type: Any = jnp.float32,
-                          precision: Any = None) -> jax.Array:
+                          precision: Any = None, *, lhs_amax: jax.Array | None = None,
+                          rhs_amax: jax.Array | None = None) -> jax.Array:
   """`lax.dot_general` with quantized operands and the backward selected by cfg.backward.
 
   Args:
@@ -231,34 +257,42 @@ def quantized_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
     key: PRNG key, required when any quantizer uses stochastic rounding; not differentiated.
     preferred_element_type: output/accumulation dtype; None = lax's default (the compute dtype).
     precision: passed to every GEMM, forward and backward.
+    lhs_amax, rhs_amax: optional static per-tensor amax of an operand (fake_quant's tensor_amax:
+      per-tensor FP8 or NVFP4 without per_token), e.g. an inference engine's calibrated
+      activation scale. Used by the forward quantizer only (backward requantizations compute their
+      own scales); zero cotangent. None = the data's amax.
   Returns:
     The product, in preferred_element_type.
   """
   dn = _normalize_dn(dimension_numbers, lhs.ndim, rhs.ndim)
   pet = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
+  if cfg is not None and not isinstance(cfg, QDotConfig):
+    raise ValueError(f"cfg must be a QDotConfig or None, got {type(cfg).__name__}.")
+  amaxes = _check_amaxes(cfg, lhs_amax, rhs_amax)
   if cfg is None:
     return lax.dot_general(lhs, rhs, dn, precision=precision, preferred_element_type=pet)
-  if not isinstance(cfg, QDotConfig):
-    raise ValueError(f"cfg must be a QDotConfig or None, got {type(cfg).__name__}.")
   if not cfg.quantized:
     compute = jnp.dtype(cfg.compute_dtype)
     return lax.dot_general(lhs.astype(compute), rhs.astype(compute), dn, precision=precision,
                            preferred_element_type=pet)
-  _check(lhs, rhs, dn, cfg, key)
-  return _qdot(lhs, rhs, key, dn, cfg, precision, pet)
+  _check(lhs, rhs, dn, cfg, key, amaxes)
+  return _qdot(lhs, rhs, key, amaxes, dn, cfg, precision, pet)
 
 
-def make_dot_general(cfg: QDotConfig | None, key: jax.Array | None = None) -> Callable:
+def make_dot_general(cfg: QDotConfig | None, key: jax.Array | None = None, *,
+                     lhs_amax: jax.Array | None = None,
+                     rhs_amax: jax.Array | None = None) -> Callable:
   """A drop-in `dot_general` (lax signature) for Flax layers, e.g. nn.Dense(dot_general=...).
 
   The returned callable is
   `(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None) -> jax.Array`;
   preferred_element_type None gives the compute dtype, like lax.dot_general on cast operands.
+  lhs_amax / rhs_amax: static per-tensor amaxes, as in quantized_dot_general.
   """
 
   def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
     return quantized_dot_general(lhs, rhs, dimension_numbers, cfg, key,
                                  preferred_element_type=preferred_element_type,
-                                 precision=precision)
+                                 precision=precision, lhs_amax=lhs_amax, rhs_amax=rhs_amax)
 
   return dot_general

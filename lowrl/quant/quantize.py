@@ -4,7 +4,7 @@ All formats share one pipeline, written once in FP32 on a *blocked view* of the 
 axis split into (n_blocks, block) so block reductions are plain keepdims reductions):
 
   amax per block -> scale(s) -> elements y = x * fl(1/scale) -> saturate + round onto the element
-  grid -> dequantized = grid * scale.
+  grid -> dequantized = grid * scale (NVFP4 rounds the exact quotients instead, below).
 
 Scale formulas (FP32; fl(.) = rounded to FP32). They are written so that XLA's algebraic rewrites
 (division by a constant or a broadcast -> multiplication by the reciprocal; reassociating products
@@ -12,9 +12,14 @@ with broadcast operands) leave them unchanged, so jitted and eager results are b
   per-tensor FP8  s = amax * fl(1/max_normal); y = x * fl(1/s); dq = code * s.
   MX              s = 2**e (E8M0), e by the floor or rceil rule; y = x * 2**-e; dq = code * 2**e
                   (both exact).
-  NVFP4           s_outer = amax * fl(1/(6*448))  (fl(1/(6*256)) with four_over_six);
-                  s_block = e4m3(amax_block * fl(fl(1/6) * fl(1/s_outer))); S = s_block * s_outer;
-                  y = x * fl(1/S); dq = code * S.
+  NVFP4           spec-exact (REFERENCE.md §2; every rounding one RNE of the exact value, see
+                  exact.py): s_outer = RNE_f32(amax / (6*448)) (6*256 with four_over_six);
+                  s_block = RNE_e4m3(amax_block / (6 * s_outer)); code = RNE_e2m1(x / (s_block *
+                  s_outer)); dq = fl(code * s_block) * s_outer (the first product exact).
+                  Stochastic rounding rounds both scales up instead (exact ceilings, so no
+                  element saturates) and draws from the quotient x * fl(1/fl(s_block*s_outer)).
+                  4/6 keeps 4 iff its exact squared (mse) or absolute (mae) error sum of the
+                  dequantized values is strictly smaller (four_over_six.py; a tie keeps 6).
 
 `quantize` stores the grid values in their ml_dtypes type and the scales in theirs (E8M0, E4M3,
 FP32); `fake_quant` skips the storage casts and applies the same scales to the FP32 grid values, so
@@ -28,8 +33,18 @@ Special values (REFERENCE.md §2):
     an all-zero tensor (row) has scale 0 and dequantizes to exactly 0.
   * NVFP4 block scales are E4M3: they saturate at 448 and flush to 0 below 2**-10 (half the smallest
     E4M3 subnormal), in which case the block dequantizes to 0.
-  * XLA on CPU flushes FP32 subnormals to zero: dequantized values below 2**-126 become 0, and
-    per-tensor / NVFP4 tensors with amax below ~2**-115 (subnormal FP32 scale) quantize to 0.
+  * XLA on CPU flushes FP32 subnormals to zero (inputs and results of float arithmetic). MX
+    handles them exactly anyway (scales and dequantization are exponent/bit arithmetic, subnormal
+    inputs are scaled from their integer mantissa): an FP32 input 1.14e-38 dequantizes to 2**-126
+    under mxfp8_e4m3, and FP32 outputs below 2**-126 are FP32 subnormals (a BF16 output goes
+    through XLA's conversion, which may flush them). Per-tensor FP8 and NVFP4 read subnormal
+    inputs as (signed) 0, flush dequantized values below 2**-126 to 0, and quantize tensors with
+    amax below ~2**-115 (subnormal FP32 scale) to 0; the exact NVFP4 reference
+    (tests/quant_reference.py) models the same flush.
+  * `tensor_amax` (quantize / fake_quant keyword) replaces the data's amax in the per-tensor scale
+    of fp8_e4m3 / fp8_e5m2 / nvfp4 (not per_token): a static, calibrated scale. Elements beyond it
+    saturate (at amax; at 1.75 amax for nvfp4 four_over_six, whose outer scale leaves headroom),
+    Inf elements saturate too, NaN elements make their block (NVFP4) or themselves (FP8) NaN.
 """
 from __future__ import annotations
 
@@ -43,11 +58,10 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from lowrl.quant import formats
+from lowrl.quant import exact, formats, four_over_six
 from lowrl.quant.config import QuantConfig
 from lowrl.quant.formats import E4M3, ElementFormat
-from lowrl.quant.rounding import (f32_exponent, pow2, round_to_grid, saturate,
-                                  stochastic_round_to_grid)
+from lowrl.quant.rounding import f32_exponent, pow2, round_to_grid, stochastic_round_to_grid
 
 
 @struct.dataclass
@@ -61,7 +75,8 @@ class QTensor:
       scales; block scales have the input's shape with the block axis divided by the block size
       (both of the last two axes for NVFP4 block_2d).
     outer: NVFP4 only: FP32 outer scale, shape () per tensor, or the input's shape with the block
-      axis set to 1 for per_token. None for the other formats.
+      axis set to 1 for per_token (scale_convention="te": the FP32 tensor amax, which TE's
+      dequantization reads). None for the other formats.
     cfg: the QuantConfig used, with `axis` normalized to a non-negative index.
   """
 
@@ -113,6 +128,26 @@ def _layout(shape: tuple[int, ...], cfg: QuantConfig) -> _Layout:
                      f"{bs}; pad axis {a} to a multiple of {bs} or quantize along another axis.")
   blocked = shape[:a] + (shape[a] // bs, bs) + shape[a + 1:]
   return _Layout(shape, blocked, (a + 1,), a)
+
+
+def check_tensor_amax(cfg: QuantConfig, tensor_amax) -> jax.Array | None:
+  """Validates a static per-tensor amax for cfg (trace time); returns it as an FP32 scalar."""
+  if tensor_amax is None:
+    return None
+  if cfg.kind == "mx" or cfg.per_token:
+    raise ValueError(f"tensor_amax sets a per-tensor scale, but {cfg.fmt}"
+                     f"{' per_token' if cfg.per_token else ''} has none: pass tensor_amax=None or "
+                     "use fp8_e4m3 / fp8_e5m2 / nvfp4 without per_token.")
+  tensor_amax = jnp.asarray(tensor_amax)
+  if tensor_amax.shape != () or not jnp.issubdtype(tensor_amax.dtype, jnp.floating):
+    raise ValueError(f"tensor_amax must be a floating-point scalar, got shape {tensor_amax.shape} "
+                     f"dtype {tensor_amax.dtype}.")
+  return tensor_amax.astype(jnp.float32)
+
+
+def _static_amax(tensor_amax: jax.Array) -> jax.Array:
+  """A given amax; negative (invalid) values become NaN, so the tensor dequantizes to NaN."""
+  return jnp.where(tensor_amax >= 0, tensor_amax, jnp.nan)
 
 
 def _check(x: jax.Array, cfg: QuantConfig, key: jax.Array | None) -> tuple[QuantConfig, _Layout]:
@@ -177,8 +212,12 @@ def _inv_const(c: float) -> np.float32:
 # scales. quantize, dequantize and fake_quant all go through the same functions.
 
 
-def _tensor_scales(x_b: jax.Array, cfg: QuantConfig, fmt: ElementFormat, layout: _Layout):
-  amax = _abs_max(x_b, None, keepdims=False)
+def _tensor_scales(x_b: jax.Array, cfg: QuantConfig, fmt: ElementFormat, layout: _Layout,
+                   tensor_amax: jax.Array | None):
+  if tensor_amax is None:
+    amax = _abs_max(x_b, None, keepdims=False)
+  else:
+    amax = _static_amax(tensor_amax)
   scale = jnp.where(jnp.isfinite(amax), amax * _inv_const(fmt.max_normal), jnp.nan)
   return scale, None
 
@@ -207,7 +246,8 @@ def _mx_shared_exp(amax_b: jax.Array, cfg: QuantConfig, fmt: ElementFormat) -> j
   return jnp.clip(e, formats.E8M0_MIN_EXP, formats.E8M0_MAX_EXP)
 
 
-def _mx_scales(x_b, cfg, fmt, layout):
+def _mx_scales(x_b, cfg, fmt, layout, tensor_amax):
+  del tensor_amax  # rejected by check_tensor_amax
   amax_b = _abs_max(x_b, layout.reduce_axes)
   e = _mx_shared_exp(amax_b, cfg, fmt)
   bits = jnp.where(jnp.isfinite(amax_b), e + formats.E8M0_BIAS, formats.E8M0_NAN_BITS)
@@ -229,121 +269,256 @@ def _mx_params(scale, outer, layout):
   return pow2(jnp.clip(-e, -126, 127)), (e, is_nan)
 
 
+def _mx_encode(x_f32: jax.Array, e_and_nan) -> jax.Array:
+  """x * 2**-e exactly, FP32 subnormal x included.
+
+  XLA CPU reads subnormal operands of float arithmetic as 0, so a subnormal x = m * 2**-149 is
+  scaled from its integer mantissa m instead: float(m) * 2**(-149 - e) (exact). That is only
+  normal for e <= -23; for larger e the result is below 2**-126 * 2**-(e+23), far under any
+  element grid's smallest subnormal, and 0 is its round-to-nearest value (and SR's up-probability
+  would be below 2**-100).
+  """
+  e, _ = e_and_nan
+  normal = x_f32 * pow2(jnp.clip(-e, -126, 127))  # -e >= -126 except for NaN blocks (any value)
+  bits = lax.bitcast_convert_type(x_f32, jnp.int32)
+  mant = (bits & 0x7FFFFF).astype(jnp.float32)
+  sub = jnp.where(e <= -23, mant * pow2(jnp.clip(-149 - e, -126, 127)), 0.0)
+  is_sub = (bits & 0x7F800000) == 0
+  return jnp.where(is_sub, _with_sign_of(sub, x_f32), normal)
+
+
 def _mx_apply(grid_b, e_and_nan):
-  """grid * 2**e by adding e to the FP32 exponent field (exact for normal results).
+  """grid * 2**e by adding e to the FP32 exponent field (exact), or, for results below 2**-126,
+  by writing the FP32 subnormal's mantissa field grid * 2**(e + 149) (an exact integer: grid
+  values are multiples of 2**-16 and e >= -127).
 
   Not a multiplication: 2**-127 is an FP32 subnormal, which XLA CPU reads as 0, and a split into two
-  normal factors is undone by XLA's reassociation of multiplications. Results below 2**-126 flush
-  to signed zero, as FP32 arithmetic does on this backend; results beyond FP32 become ±inf.
+  normal factors is undone by XLA's reassociation of multiplications. Results beyond FP32 become
+  ±inf.
   """
   e, is_nan = e_and_nan
   g_bits = lax.bitcast_convert_type(grid_b, jnp.int32)
   sign = g_bits & jnp.int32(-0x80000000)
   new_exp = ((g_bits >> 23) & 0xFF) + e
   out_bits = jnp.where(new_exp >= 255, sign | 0x7F800000, g_bits + (e << 23))
-  out_bits = jnp.where((new_exp <= 0) | (grid_b == 0), sign, out_bits)
+  # Subnormal results (new_exp <= 0 implies e <= -23, so 2**(e + 149) is a normal FP32 number).
+  sub_mant = (jnp.abs(grid_b) * pow2(jnp.clip(e + 149, -126, 127))).astype(jnp.int32)
+  out_bits = jnp.where(new_exp <= 0, sign | sub_mant, out_bits)
+  out_bits = jnp.where(grid_b == 0, sign, out_bits)
   out = lax.bitcast_convert_type(out_bits, jnp.float32)
   return jnp.where(is_nan | jnp.isnan(grid_b), jnp.nan, out)
 
 
-def _nvfp4_outer(amax_b: jax.Array, cfg: QuantConfig, layout: _Layout) -> jax.Array:
-  """FP32 outer scale (blocked view's rank): amax * fl(1/(6*448)), or fl(1/(6*256)) for 4/6."""
-  if cfg.per_token:
+def _nvfp4_outer(amax_b: jax.Array, cfg: QuantConfig, layout: _Layout,
+                 tensor_amax: jax.Array | None) -> jax.Array:
+  """FP32 outer scale (blocked view's rank): RNE_fp32(amax / (6*448)) of the exact quotient
+  (6*256 with four_over_six); NaN when amax is not finite."""
+  if tensor_amax is not None:
+    amax = _static_amax(tensor_amax)
+  elif cfg.per_token:
     amax = jnp.max(amax_b, axis=layout.index_axis, keepdims=True)
   else:
     amax = jnp.max(amax_b)
   denom = 6.0 * (formats.NVFP4_SCALE_MAX_FOUR_OVER_SIX if cfg.four_over_six
                  else formats.NVFP4_SCALE_MAX)
-  return jnp.where(jnp.isfinite(amax), amax * _inv_const(denom), jnp.nan)
+  finite = jnp.isfinite(amax)
+  # Stochastic rounding rounds the scales up (exactly): then no element quotient exceeds 6, so no
+  # element saturates and SR stays unbiased on every element (RNE scales that round down clip the
+  # block max; RNE also flushes tiny blocks to 0).
+  q = exact.div_rn(jnp.where(finite, amax, 0.0), denom, round_up=cfg.stochastic_rounding)
+  return jnp.where(finite, q, jnp.nan)
 
 
-def _nvfp4_block_scale(amax_b, outer, target: float) -> jax.Array:
-  """E4M3 block scale (FP32 value) mapping the block max to `target`:
-  e4m3(amax_b * fl(fl(1/target) * fl(1/outer))), saturating at 448, 0 where outer is 0 or NaN.
+class _OuterParts(NamedTuple):
+  """The outer scale s = G * 2**e (G in [1, 2), split G = G_hi + G_lo) for exact comparisons."""
 
-  The encode factor is formed on the outer scale's (small) shape first: XLA reassociates
-  (amax_b * c) * broadcast(r) into amax_b * broadcast(c * r) under jit, so that is the only
-  association that is the same with and without jit.
-  """
-  ratio = saturate(amax_b * (_inv_const(target) * _recip(outer)), E4M3)
-  # round_to_grid(ratio, E4M3), written with an (exact) division by the power of two instead of a
-  # multiplication: XLA treats division as expensive and then keeps this per-block result
-  # materialized instead of recomputing it inside the elementwise pass for every element.
-  k = E4M3.mantissa_bits - jnp.maximum(f32_exponent(ratio), E4M3.emin)
-  return jnp.round(ratio * pow2(k)) / pow2(k)
+  e: jax.Array
+  g: jax.Array
+  g_hi: jax.Array
+  g_lo: jax.Array
+  valid: jax.Array  # s > 0 (normal) and not NaN
+
+
+def _outer_parts(outer: jax.Array) -> _OuterParts:
+  outer = _materialize(outer)  # a scalar (or per row): keeps its exact division out of the loops
+  e, g = exact.normalize(outer)
+  g_hi, g_lo = exact.split12(g)
+  return _OuterParts(e, g, g_hi, g_lo, outer > 0)
+
+
+def _scaled_by_outer(v: jax.Array, parts: _OuterParts) -> jax.Array:
+  """v * 2**-e (exact; inf where it overflows, which rounds like any value above the grid)."""
+  return v * pow2(jnp.clip(-parts.e, -126, 127))
+
+
+def _nvfp4_block_scale(amax_b, outer, parts: _OuterParts, target: float,
+                       round_up: bool = False) -> jax.Array:
+  """E4M3 block scale (FP32 value) RNE_e4m3(amax_b / (target * outer)) of the exact quotient
+  (its exact ceiling with round_up), saturating at 448 (RNE values below 2**-10 flush to 0); 0
+  where outer is 0, NaN where it or amax_b is NaN."""
+  a_b = _scaled_by_outer(amax_b, parts)
+  approx = a_b * _recip(target * parts.g)
+  rnd = exact.ceil_quotient if round_up else exact.round_quotient
+  s_block = rnd(a_b, target, parts.g_hi, parts.g_lo, approx, E4M3)
+  s_block = jnp.where(parts.valid, s_block, 0.0)
+  return jnp.where(jnp.isnan(amax_b) | jnp.isnan(outer), jnp.nan, s_block)
+
+
+def _nvfp4_elements(x_f32, s_block, parts: _OuterParts, cfg: QuantConfig, key) -> jax.Array:
+  """E2M1 grid values RNE_e2m1(x / (s_block * outer)) of the exact quotient (signed), or
+  stochastically rounded; 0 in blocks whose scale is 0 (for finite x)."""
+  ax = _scaled_by_outer(jnp.abs(x_f32), parts)
+  # Per block, computed once (a division ends XLA's fusion, see _materialize): the approximate
+  # reciprocal only picks the grid interval; s_hi + s_lo = s_block * G exactly.
+  inv = _recip(s_block * parts.g)
+  if cfg.stochastic_rounding:
+    return stochastic_round_to_grid(jnp.copysign(ax, x_f32) * inv, formats.E2M1, key)
+  # Blocks whose scale is 0 (or NaN: dequantized through the NaN scale) get s_hi = inf: code 0.
+  s_hi = _materialize(jnp.where(s_block > 0, s_block * parts.g_hi, jnp.inf))
+  s_lo = _materialize(jnp.where(s_block > 0, s_block * parts.g_lo, 0.0))
+  code = exact.round_e2m1_quotient(ax, s_hi, s_lo, ax * inv)
+  return _with_sign_of(code, x_f32)
+
+
+def _with_sign_of(mag_f32: jax.Array, x_f32: jax.Array) -> jax.Array:
+  """copysign for mag >= 0 as one bit OR (jnp.copysign lowers to abs/negate/select on XLA CPU)."""
+  sign = lax.bitcast_convert_type(x_f32, jnp.int32) & jnp.int32(-0x80000000)
+  return lax.bitcast_convert_type(lax.bitcast_convert_type(mag_f32, jnp.int32) | sign, jnp.float32)
+
+
+def _nvfp4_apply(grid_b, scales):
+  """(code * s_block) * outer: the first product is exact (<= 7 bits); `_opaque` keeps XLA from
+  reassociating it into code * (s_block * outer), which rounds differently."""
+  s_block, outer = scales
+  return _opaque(grid_b * s_block) * outer
 
 
 def _opaque(v: jax.Array) -> jax.Array:
-  """Clamp to ±FP32 max: a no-op on finite values that LLVM cannot see through.
-
-  XLA CPU lets LLVM contract a multiply feeding an add into one FMA (a*b - c rounded once), and
-  whether it does depends on the surrounding fusion; passing the product through a clamp first
-  pins the two-rounding result in every program.
-  """
-  big = np.float32(np.finfo(np.float32).max)
-  return jnp.clip(v, -big, big)
+  """min(v, FP32 max): a no-op on the finite products it is applied to (code * s_block, never
+  +inf) that neither XLA nor LLVM can see through, so the product is rounded (exactly) on its own
+  and not reassociated with, or contracted (FMA) into, the next operation in any program."""
+  return jnp.minimum(v, np.float32(np.finfo(np.float32).max))
 
 
-# 4/6 error units: per-element errors relative to the block max, in fixed point with 2**-20
-# resolution, summed as int32: exact, so the comparison cannot depend on the compiler's FP32
-# reduction order, which differs between programs. Blocks of <= 1024 elements keep the sums below
-# 2**31 (config.py checks).
-_ERR_FRAC_BITS = 20
+def _rne_dequantized_scaled(x_f32, s_block, parts) -> jax.Array:
+  """FP32 dequantized values of x with block scale s_block, divided by 2**e of the outer scale:
+  fl(code * s_block * G) (round to nearest: 4/6 compares round-to-nearest errors)."""
+  code = _nvfp4_elements(x_f32, s_block, parts, _NO_SR, None)
+  return _opaque(code * s_block) * parts.g
 
 
-def _error_units(x_f32, inv_amax_b, dec_b, enc_b, metric: str) -> jax.Array:
-  """Per-element reconstruction error with decode scale S = dec_b (fl(1/S) = enc_b) in int32
-  fixed point: round(2**20 * r**2) (mse) or round(2**20 * |r|) (mae),
-  r = (e2m1(x * fl(1/S)) * S - x) * fl(1/amax_block)."""
-  dq = _opaque(round_to_grid(x_f32 * enc_b, formats.E2M1) * dec_b)
-  r = jnp.abs(dq - x_f32) * inv_amax_b
-  r = r * r if metric == "mse" else r
-  return jnp.round(r * np.float32(2**_ERR_FRAC_BITS)).astype(jnp.int32)
+_NO_SR = QuantConfig("nvfp4")
 
 
-def _nvfp4_scales(x_b, cfg, fmt, layout):
+def _nvfp4_scales(x_b, cfg, fmt, layout, tensor_amax):
   amax_b = _abs_max(x_b, layout.reduce_axes)
-  outer = _nvfp4_outer(amax_b, cfg, layout)
-  s_block = _nvfp4_block_scale(amax_b, outer, 6.0)
+  outer = _nvfp4_outer(amax_b, cfg, layout, tensor_amax)
+  parts = _outer_parts(outer)
+  sr = cfg.stochastic_rounding
+  s_block = _materialize(_nvfp4_block_scale(amax_b, outer, parts, 6.0, sr))
   if cfg.four_over_six:
     # Four over six: also try mapping the block max to 4 (finer steps near the top of the block),
     # keep whichever reconstructs the block better; ties keep 6.
-    s_block4 = _nvfp4_block_scale(amax_b, outer, 4.0)
-    dec6, dec4 = s_block * outer, s_block4 * outer
-    inv_amax, enc6, enc4 = _recip(amax_b), _recip(dec6), _recip(dec4)
+    s_block4 = _materialize(_nvfp4_block_scale(amax_b, outer, parts, 4.0, sr))
     x_f32 = x_b.astype(jnp.float32)
-    metric = cfg.four_over_six_metric
-    # err4 < err6 as one exact integer sum (one pass over x instead of two).
-    diff = (_error_units(x_f32, inv_amax, dec4, enc4, metric)
-            - _error_units(x_f32, inv_amax, dec6, enc6, metric))
-    use4 = jnp.sum(diff, axis=layout.reduce_axes, keepdims=True) < 0
+    use4 = four_over_six.four_wins(
+        _scaled_by_outer(x_f32, parts), _rne_dequantized_scaled(x_f32, s_block4, parts),
+        _rne_dequantized_scaled(x_f32, s_block, parts), _scaled_by_outer(amax_b, parts),
+        layout.reduce_axes, cfg.four_over_six_metric)
     s_block = jnp.where(use4, s_block4, s_block)
   scale = _squeeze(s_block, layout).astype(E4M3.dtype)
   outer_stored = _squeeze(outer, layout) if cfg.per_token else outer
   return scale, outer_stored
 
 
+def _materialize(v: jax.Array) -> jax.Array:
+  """v, computed once into a buffer instead of inside every consumer.
+
+  XLA CPU fuses cheap elementwise producers into their consumers, so a per-block value that feeds a
+  per-element loop through a broadcast is recomputed for every element (16x the block-scale
+  rounding for NVFP4), but it never duplicates an "expensive" op (a division) that way. Dividing by
+  a runtime 1 (2 for NaN, so XLA cannot fold it) is an exact identity that ends the fusion here.
+  """
+  return v / jnp.where(jnp.isnan(v), 2.0, 1.0).astype(v.dtype)
+
+
 def _nvfp4_params(scale, outer, layout):
-  """(encode multiplier fl(1/S), decode scale S = s_block * s_outer) per block."""
+  """(no encode multiplier: elements round exactly in _nvfp4_elements, (s_block, outer))."""
   outer = _unsqueeze(outer, layout) if outer.ndim else outer
-  dec = _unsqueeze(scale.astype(jnp.float32), layout) * outer
-  return _recip(dec), dec
+  return None, (_materialize(_unsqueeze(scale.astype(jnp.float32), layout)), outer)
 
 
-_SCALES = {"tensor": _tensor_scales, "mx": _mx_scales, "nvfp4": _nvfp4_scales}
+# TransformerEngine's NVFP4 scale convention (QuantConfig(scale_convention="te")), from
+# transformer_engine/common/cast/nvfp4/core_nvfp4.cuh (compute_global_encode_scaling_factor_FP4;
+# quantization_and_transposition_SF::compute_decoding_scaling_factor, the variant its quantize +
+# transpose kernel and its C++ reference tests use), the non-fast-math `compute_scaling_coefficient`
+# of tests/cpp/operator/test_cast_nvfp4_transpose.cu, and dequantize_nvfp4.cuh
+# (dequantize_fp4_kernel). FP32 arithmetic, each step rounded:
+#   S_enc  = fl(2688 / amax), clamped to FLT_MAX; 1 where amax == 0 or S_enc == 0 (amax = inf)
+#   s_b    = e4m3_satfinite(fl(fl(amax_b / 6) * S_enc))   (RNE, saturating at 448)
+#   coeff  = min(fl(1 / fl(s_b * fl(1 / S_enc))), FLT_MAX)
+#   code   = e2m1_satfinite(fl(x * coeff))                (RNE, saturating at 6)
+#   dq     = fl(code * fl(fl(s_b * amax) * fl(1 / 2688)))  (TE dequantizes from the amax)
+# The stored `outer` is the FP32 tensor amax (what TE's dequantization reads). Divisions by
+# constants go through exact.div_rn (XLA would turn them into reciprocal multiplies under jit);
+# per-block values are materialized, so XLA cannot reassociate them into the element products.
+_F32_MAX = np.float32(np.finfo(np.float32).max)
+
+
+def _te_scales(x_b, cfg, fmt, layout, tensor_amax):
+  del fmt
+  amax_b = _abs_max(x_b, layout.reduce_axes)
+  amax = _abs_max(x_b, None, keepdims=False) if tensor_amax is None else _static_amax(tensor_amax)
+  s_enc = _te_encode_scale(amax)
+  finite_b = jnp.isfinite(amax_b)
+  q = exact.div_rn(jnp.where(finite_b, amax_b, 0.0), 6.0)  # fl(amax_b / 6)
+  q = jnp.where(finite_b, q, amax_b)
+  s_dec_b = jnp.minimum(q * s_enc, _F32_MAX)
+  s_block = round_to_grid(s_dec_b, E4M3)  # satfinite RNE cast (NaN stays NaN)
+  return _squeeze(s_block, layout).astype(E4M3.dtype), amax
+
+
+def _te_encode_scale(amax: jax.Array) -> jax.Array:
+  s_enc = jnp.minimum(np.float32(6.0 * 448.0) / amax, _F32_MAX)
+  return _materialize(jnp.where((amax == 0) | (s_enc == 0), np.float32(1.0), s_enc))
+
+
+def _te_params(scale, amax, layout):
+  """(per-block element multiplier coeff, per-block decode scale)."""
+  s_block = _unsqueeze(scale.astype(jnp.float32), layout)
+  s_dec = _materialize(np.float32(1.0) / _te_encode_scale(amax))
+  coeff = _materialize(jnp.minimum(np.float32(1.0) / (s_block * s_dec), _F32_MAX))
+  final = _materialize(_materialize(s_block * amax) * _inv_const(6.0 * 448.0))
+  return coeff, final
+
+
+def _te_apply(grid_b, final_scale):
+  return grid_b * final_scale
+
+
+_SCALES = {"tensor": _tensor_scales, "mx": _mx_scales, "nvfp4": _nvfp4_scales,
+           "nvfp4_te": _te_scales}
 # Per-block (encode, decode) parameters from the stored scales, and the elementwise decode.
 # quantize, dequantize and fake_quant all go through these.
-_PARAMS = {"tensor": _tensor_params, "mx": _mx_params, "nvfp4": _nvfp4_params}
-_APPLY = {"tensor": _tensor_apply, "mx": _mx_apply, "nvfp4": _tensor_apply}
+_PARAMS = {"tensor": _tensor_params, "mx": _mx_params, "nvfp4": _nvfp4_params,
+           "nvfp4_te": _te_params}
+_APPLY = {"tensor": _tensor_apply, "mx": _mx_apply, "nvfp4": _nvfp4_apply,
+          "nvfp4_te": _te_apply}
 
 
-def _quantize_blocked(x, cfg, layout, key):
+def _quantize_blocked(x, cfg, layout, key, tensor_amax):
   """(FP32 grid values in the blocked view, stored scale, stored outer, decode parameters)."""
   fmt = formats.element_format(cfg.fmt)
   x_b = x.reshape(layout.blocked_shape)  # scales read the input dtype, elements work in FP32
-  scale, outer = _SCALES[cfg.kind](x_b, cfg, fmt, layout)
-  enc, dec = _PARAMS[cfg.kind](scale, outer, layout)
-  grid_b = _round(x_b.astype(jnp.float32) * enc, fmt, cfg, key)
+  scale, outer = _SCALES[cfg.scheme](x_b, cfg, fmt, layout, tensor_amax)
+  enc, dec = _PARAMS[cfg.scheme](scale, outer, layout)
+  if cfg.scheme == "nvfp4":
+    s_block, outer_b = dec
+    grid_b = _nvfp4_elements(x_b.astype(jnp.float32), s_block, _outer_parts(outer_b), cfg, key)
+  elif cfg.kind == "mx":
+    grid_b = _round(_mx_encode(x_b.astype(jnp.float32), dec), fmt, cfg, key)
+  else:
+    grid_b = _round(x_b.astype(jnp.float32) * enc, fmt, cfg, key)
   return grid_b, scale, outer, dec
 
 
@@ -353,8 +528,8 @@ def _quantize_blocked(x, cfg, layout, key):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layout"))
-def _quantize_jit(x, key, *, cfg, layout):
-  grid_b, scale, outer, _ = _quantize_blocked(x, cfg, layout, key)
+def _quantize_jit(x, key, tensor_amax, *, cfg, layout):
+  grid_b, scale, outer, _ = _quantize_blocked(x, cfg, layout, key, tensor_amax)
   codes = grid_b.reshape(layout.shape).astype(formats.element_format(cfg.fmt).dtype)
   return QTensor(codes=codes, scale=scale, outer=outer, cfg=cfg)
 
@@ -362,23 +537,32 @@ def _quantize_jit(x, key, *, cfg, layout):
 @functools.partial(jax.jit, static_argnames=("dtype", "layout"))
 def _dequantize_jit(q, *, dtype, layout):
   grid_b = q.codes.astype(jnp.float32).reshape(layout.blocked_shape)
-  _, dec = _PARAMS[q.cfg.kind](q.scale, q.outer, layout)
-  out = _APPLY[q.cfg.kind](grid_b, dec)
+  _, dec = _PARAMS[q.cfg.scheme](q.scale, q.outer, layout)
+  out = _APPLY[q.cfg.scheme](grid_b, dec)
   return out.reshape(layout.shape).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layout"))
-def _fake_quant_jit(x, key, *, cfg, layout):
-  grid_b, _, _, dec = _quantize_blocked(x, cfg, layout, key)
-  out = _APPLY[cfg.kind](grid_b, dec)
+def _fake_quant_jit(x, key, tensor_amax, *, cfg, layout):
+  grid_b, _, _, dec = _quantize_blocked(x, cfg, layout, key, tensor_amax)
+  out = _APPLY[cfg.scheme](grid_b, dec)
   return out.reshape(layout.shape).astype(x.dtype)
 
 
-def quantize(x: jax.Array, cfg: QuantConfig, key: jax.Array | None = None) -> QTensor:
-  """Quantizes x (f32/bf16/f16) to cfg's format; key is required iff cfg.stochastic_rounding."""
+def quantize(x: jax.Array, cfg: QuantConfig, key: jax.Array | None = None, *,
+             tensor_amax: jax.Array | None = None) -> QTensor:
+  """Quantizes x (f32/bf16/f16) to cfg's format; key is required iff cfg.stochastic_rounding.
+
+  tensor_amax: optional (traced) scalar used instead of max|x| for the per-tensor scale of
+    fp8_e4m3 / fp8_e5m2 / nvfp4 (not per_token), like an inference engine's static, calibrated
+    activation scale; elements beyond it saturate to the format max. Block scales (NVFP4) still
+    come from the data. A ValueError for formats without a per-tensor scale.
+  """
   x = jnp.asarray(x)
   cfg, layout = _check(x, cfg, key)
-  return _quantize_jit(x, key if cfg.stochastic_rounding else None, cfg=cfg, layout=layout)
+  tensor_amax = check_tensor_amax(cfg, tensor_amax)
+  return _quantize_jit(x, key if cfg.stochastic_rounding else None, tensor_amax, cfg=cfg,
+                       layout=layout)
 
 
 def dequantize(q: QTensor, dtype=jnp.float32) -> jax.Array:
@@ -386,8 +570,12 @@ def dequantize(q: QTensor, dtype=jnp.float32) -> jax.Array:
   return _dequantize_jit(q, dtype=jnp.dtype(dtype), layout=_layout(tuple(q.codes.shape), q.cfg))
 
 
-def fake_quant(x: jax.Array, cfg: QuantConfig, key: jax.Array | None = None) -> jax.Array:
-  """dequantize(quantize(x, cfg, key)) in x.dtype, without materializing the low-precision codes."""
+def fake_quant(x: jax.Array, cfg: QuantConfig, key: jax.Array | None = None, *,
+               tensor_amax: jax.Array | None = None) -> jax.Array:
+  """dequantize(quantize(x, cfg, key, tensor_amax=...)) in x.dtype, without materializing the
+  low-precision codes."""
   x = jnp.asarray(x)
   cfg, layout = _check(x, cfg, key)
-  return _fake_quant_jit(x, key if cfg.stochastic_rounding else None, cfg=cfg, layout=layout)
+  tensor_amax = check_tensor_amax(cfg, tensor_amax)
+  return _fake_quant_jit(x, key if cfg.stochastic_rounding else None, tensor_amax, cfg=cfg,
+                         layout=layout)

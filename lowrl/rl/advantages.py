@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 ADVANTAGE_MODES = ("grpo", "drgrpo", "rloo")
+STD_DDOFS = (0, 1)  # GRPO group std: population (0) or sample (1) standard deviation
 
 
 def _grouped(x_B: jax.Array, group_size: int) -> jax.Array:
@@ -24,13 +25,15 @@ def _grouped(x_B: jax.Array, group_size: int) -> jax.Array:
 
 
 def compute_advantages(rewards_B: jax.Array, group_size: int, mode: str = "grpo",
-                       eps: float = 1e-6) -> jax.Array:
+                       eps: float = 1e-6, std_ddof: int = 0) -> jax.Array:
   """Per-sequence advantages [B] from per-sequence rewards [B].
 
-  grpo:    (R_i - mean_g R) / (std_g R + eps), std the population std (ddof=0) of the group.
+  grpo:    (R_i - mean_g R) / (std_g R + eps); std_ddof 0 = the population std (the GRPO paper's
+           formula as written), 1 = the sample std (Bessel-corrected, as TRL, verl and tunix).
   drgrpo:  R_i - mean_g R (Dr.GRPO drops the std division).
   rloo:    R_i - mean of the other G-1 rewards of the group (= G/(G-1) * (R_i - mean_g R)).
-  A group with identical rewards gets advantage 0 in every mode.
+  A group whose rewards are all equal gets advantage exactly 0 in every mode (also when the
+  reward, e.g. 2.9 or 4/6, is not exact in float32 and the float32 mean would leave a residual).
   """
   if mode not in ADVANTAGE_MODES:
     raise ValueError(f"Unknown advantage mode {mode!r}; use one of {ADVANTAGE_MODES}.")
@@ -38,16 +41,30 @@ def compute_advantages(rewards_B: jax.Array, group_size: int, mode: str = "grpo"
     raise ValueError("RLOO needs group_size >= 2 (the baseline is the mean of the *other* samples).")
   if eps < 0:
     raise ValueError(f"eps must be >= 0, got {eps}.")
+  validate_std_ddof(std_ddof)
+  if mode == "grpo" and std_ddof == 1 and group_size < 2:
+    raise ValueError("std_ddof=1 (sample std) needs group_size >= 2; use std_ddof=0.")
   r_PG = _grouped(jnp.asarray(rewards_B, jnp.float32), group_size)
-  centered_PG = r_PG - jnp.mean(r_PG, axis=1, keepdims=True)
+  # Structural zero for groups without signal: mean() of G equal float32 values is not always that
+  # value (sum rounding), so R_i - mean would be a same-sign residual amplified by 1/(std + eps).
+  signal_P1 = jnp.max(r_PG, axis=1, keepdims=True) > jnp.min(r_PG, axis=1, keepdims=True)
+  centered_PG = jnp.where(signal_P1, r_PG - jnp.mean(r_PG, axis=1, keepdims=True), 0.0)
   if mode == "grpo":
-    adv_PG = centered_PG / (jnp.std(r_PG, axis=1, keepdims=True) + eps)
+    std_P1 = jnp.std(r_PG, axis=1, keepdims=True, ddof=std_ddof)
+    # `where` keeps eps=0 well defined: 0 / 0 would be NaN for a group without signal.
+    adv_PG = jnp.where(signal_P1, centered_PG / (std_P1 + eps), 0.0)
   elif mode == "drgrpo":
     adv_PG = centered_PG
   else:
-    # R_i - (sum - R_i)/(G-1) rewritten so it is exact for identical rewards.
+    # R_i - (sum - R_i)/(G-1) rewritten as a multiple of the centred reward.
     adv_PG = centered_PG * (group_size / (group_size - 1))
   return adv_PG.reshape(-1)
+
+
+def validate_std_ddof(std_ddof: int) -> None:
+  """Raise ValueError unless `std_ddof` is one of STD_DDOFS."""
+  if std_ddof not in STD_DDOFS or isinstance(std_ddof, bool):
+    raise ValueError(f"rl.std_ddof={std_ddof!r}; use 0 (population std) or 1 (sample std).")
 
 
 def group_has_signal(rewards_B: jax.Array, group_size: int) -> jax.Array:

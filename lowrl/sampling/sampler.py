@@ -17,6 +17,13 @@ Exact mode (`rescore`): both are recomputed from the *trainer's* full-sequence f
 (`token_logprobs` on the finished sequences, same shapes as the trainer's call), so a trainer
 that scores the same sequences with the same params, policy and quant key gets bit-identical
 values: the only remaining sampler/trainer difference is staleness.
+
+What a sampler records must be the distribution it sampled from, so its activation scales must be
+row-local (`precision.activation_scaling`): per-token / MX scales are; a per-tensor activation
+scale is only with a static calibrated amax (`act_amax`, `transformer.calibrate_act_amax`), as
+inference engines do it. `generate` refuses a policy that scales activations per tensor without
+one: computed from the data, the scale of a decode step spans the other rows, and a full-sequence
+rescore spans the later tokens too, so neither is a distribution of one row's prefix.
 """
 from __future__ import annotations
 
@@ -195,8 +202,31 @@ def _fold(key, i):
   return None if key is None else jax.random.fold_in(key, i)
 
 
-def _generate_impl(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, *, model_cfg, policy,
-                   config):
+def check_row_local(policy: PrecisionPolicy, model_cfg: ModelConfig,
+                    act_amax: transformer.ActAmax | None) -> None:
+  """Raises ValueError unless `policy` with `act_amax` computes every activation scale within one
+  token's row (what a decoder sees token by token), naming the fix."""
+  tiles = policy.tile_scaled_act_paths(model_cfg)
+  if tiles:
+    raise ValueError(f"Precision policy {policy.name!r} quantizes the activations of {tiles[:2]}"
+                     f"{'...' if len(tiles) > 2 else ''} in 2-D blocks spanning several tokens, "
+                     "which no sampler can reproduce token by token; use 1-D activation blocks "
+                     "(block_2d on weights only).")
+  tensor = policy.tensor_scaled_act_paths(model_cfg)
+  if tensor and act_amax is None:
+    raise ValueError(
+        f"Precision policy {policy.name!r} scales the activations of {len(tensor)} matmuls "
+        f"({tensor[0]}, ...) per tensor: computed from the batch, that scale depends on the other "
+        "rows (and, re-scored, on later tokens), so the logprobs would not be those of the "
+        "distribution sampled from. Pass static calibrated scales, act_amax="
+        "transformer.calibrate_act_amax(params, tokens, model_cfg, trainer_policy, "
+        "policy.tensor_scaled_act_paths(model_cfg)) (as inference engines do), or use row-local "
+        "scaling (--config.precision.act_per_token=True, or an MX format).")
+  transformer.check_act_amax(policy, model_cfg, act_amax)
+
+
+def _generate_impl(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax, *,
+                   model_cfg, policy, config):
   batch, p = prompt_BP.shape
   n = config.max_new_tokens
   prompt_BP, pmask_BP = left_align(prompt_BP, prompt_mask_BP, config.pad_id)
@@ -212,7 +242,7 @@ def _generate_impl(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, *, 
   logits_B1V, cache = transformer.forward_with_cache(
       params, prompt_BP, cache, model_cfg, policy, mask_BT=pmask_BP,
       positions_BT=transformer.positions_from_mask(pmask_BP), quant_key=quant_key,
-      last_only=True)
+      last_only=True, act_amax=act_amax)
   tok_B, logq_B, logp_B = sample_token(jax.random.fold_in(rng, 0), logits_B1V[:, 0], config)
 
   def record(state, i, tok_B, logq_B, logp_B):
@@ -242,7 +272,8 @@ def _generate_impl(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, *, 
     prev_live_B1 = jax.lax.dynamic_slice_in_dim(cmask, i - 1, 1, axis=1)
     logits_B1V, cache = transformer.forward_with_cache(
         params, prev_B1, cache, model_cfg, policy, mask_BT=prev_live_B1,
-        positions_BT=(plen_B + i - 1)[:, None], quant_key=_fold(quant_key, p + i - 1))
+        positions_BT=(plen_B + i - 1)[:, None], quant_key=_fold(quant_key, p + i - 1),
+        act_amax=act_amax)
     tok_B, logq_B, logp_B = sample_token(jax.random.fold_in(rng, i), logits_B1V[:, 0], config)
     return i + 1, record(state, i, tok_B, logq_B, logp_B), cache
 
@@ -283,7 +314,8 @@ def _check_inputs(prompt_BP, prompt_mask_BP, model_cfg, config):
 def generate(params: Params, prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Array,
              rng: jax.Array, *, model_cfg: ModelConfig, policy: PrecisionPolicy,
              config: SamplingConfig, quant_key: jax.Array | None = None,
-             cache: transformer.Cache | None = None, plan: ShardingPlan | None = None
+             cache: transformer.Cache | None = None, plan: ShardingPlan | None = None,
+             act_amax: transformer.ActAmax | None = None
              ) -> tuple[SampleOutput, transformer.Cache]:
   """Samples N = config.max_new_tokens tokens per prompt with the KV cache (not exact mode).
 
@@ -297,11 +329,15 @@ def generate(params: Params, prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Ar
     plan: run on this mesh: params as `plan.param_shardings`, prompts, outputs and the KV cache
       split over the batch axes (the cache's kv heads as k_proj's columns); inputs placed
       otherwise are moved there first. None: one device, as jit places it.
+    act_amax: static calibrated amaxes of the activations `policy` scales per tensor (required
+      for such a policy; see `check_row_local`), stored with the rollout weights.
 
   Returns:
     (SampleOutput, the cache's buffers for the next call).
   """
   _check_inputs(prompt_tokens_BP, prompt_mask_BP, model_cfg, config)
+  check_row_local(policy, model_cfg, act_amax)
+  act_amax = _only_tensor_scaled(policy, model_cfg, act_amax)
   batch, p = prompt_tokens_BP.shape
   if plan is not None:
     plan.check_batch(batch, "the sampler's batch (prompts)")
@@ -309,7 +345,7 @@ def generate(params: Params, prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Ar
     if cache is None:
       cache = fns.init_cache(batch, p + config.max_new_tokens)
     args = (params, jnp.asarray(prompt_tokens_BP, jnp.int32), jnp.asarray(prompt_mask_BP), rng,
-            cache, quant_key)
+            cache, quant_key, act_amax)
     return fns.generate(*plan.put(args, fns.generate_in))
   if cache is None:
     cache = transformer.init_cache(model_cfg, batch, p + config.max_new_tokens, policy.dtype)
@@ -319,7 +355,17 @@ def generate(params: Params, prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Ar
     params = _quantize_weights(params, model_cfg=model_cfg, policy=policy)
     policy = prequantized_policy(policy, model_cfg)
   return _generate(params, jnp.asarray(prompt_tokens_BP, jnp.int32), jnp.asarray(prompt_mask_BP),
-                   rng, cache, quant_key, model_cfg=model_cfg, policy=policy, config=config)
+                   rng, cache, quant_key, act_amax, model_cfg=model_cfg, policy=policy,
+                   config=config)
+
+
+def _only_tensor_scaled(policy: PrecisionPolicy, model_cfg: ModelConfig,
+                        act_amax: transformer.ActAmax | None) -> dict[str, jax.Array] | None:
+  """The entries the policy reads (a plain dict: one pytree structure per policy, one compile)."""
+  if act_amax is None:
+    return None
+  paths = policy.tensor_scaled_act_paths(model_cfg)
+  return {p: jnp.asarray(act_amax[p], jnp.float32) for p in paths} if paths else None
 
 
 # Module-level jits: a trainer's `jax.jit(transformer.token_logprobs, ...)` traces the same
@@ -327,9 +373,10 @@ def generate(params: Params, prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Ar
 _token_logprobs = jax.jit(transformer.token_logprobs, static_argnames=("model_cfg", "policy"))
 
 
-def _sampling_logprobs_impl(params, tokens_BL, mask_BL, quant_key, *, model_cfg, policy, config):
+def _sampling_logprobs_impl(params, tokens_BL, mask_BL, quant_key, act_amax=None, *, model_cfg,
+                            policy, config):
   logits_BLV = transformer.forward(params, tokens_BL, model_cfg, policy, mask_BT=mask_BL,
-                                   quant_key=quant_key)
+                                   quant_key=quant_key, act_amax=act_amax)
   logq = sampling_logprobs(logits_BLV[:, :-1], tokens_BL[:, 1:], config)
   return jnp.pad(logq, ((0, 0), (1, 0)))
 
@@ -338,9 +385,10 @@ _sampling_logprobs = jax.jit(_sampling_logprobs_impl,
                              static_argnames=("model_cfg", "policy", "config"))
 
 
-def _token_logprobs_impl(params, tokens_BL, mask_BL, quant_key, *, model_cfg, policy):
+def _token_logprobs_impl(params, tokens_BL, mask_BL, quant_key, act_amax=None, *, model_cfg,
+                         policy):
   return transformer.token_logprobs(params, tokens_BL, model_cfg, policy, mask_BT=mask_BL,
-                                    quant_key=quant_key)
+                                    quant_key=quant_key, act_amax=act_amax)
 
 
 def _params_key(params: Params) -> tuple[Any, tuple[tuple[int, ...], ...]]:
@@ -360,7 +408,7 @@ def _sharded_fns(model_cfg: ModelConfig, policy: PrecisionPolicy, config: Sampli
   batch, repl = plan.batch, plan.replicated
   static = dict(model_cfg=model_cfg, policy=policy)
   fns = types.SimpleNamespace(params=params_sh)
-  fns.generate_in = (params_sh, batch, batch, repl, cache_sh, repl)
+  fns.generate_in = (params_sh, batch, batch, repl, cache_sh, repl, repl)
   # The cache (argument 4) is donated: its buffers come back as the next call's cache.
   fns.generate = jax.jit(functools.partial(_generate_impl, **static, config=config),
                          in_shardings=fns.generate_in, out_shardings=(batch, cache_sh),
@@ -368,7 +416,7 @@ def _sharded_fns(model_cfg: ModelConfig, policy: PrecisionPolicy, config: Sampli
   fns.init_cache = jax.jit(
       lambda b, length: transformer.init_cache(model_cfg, b, length, policy.dtype),
       static_argnums=(0, 1), out_shardings=cache_sh)
-  fns.rescore_in = (params_sh, batch, batch, repl)
+  fns.rescore_in = (params_sh, batch, batch, repl, repl)
   fns.logprobs = jax.jit(functools.partial(_token_logprobs_impl, **static),
                          in_shardings=fns.rescore_in, out_shardings=batch)
   fns.sampling_logprobs = jax.jit(functools.partial(_sampling_logprobs_impl, **static,
@@ -379,30 +427,34 @@ def _sharded_fns(model_cfg: ModelConfig, policy: PrecisionPolicy, config: Sampli
 
 def rescore(out: SampleOutput, params: Params, *, model_cfg: ModelConfig,
             policy: PrecisionPolicy, config: SamplingConfig,
-            quant_key: jax.Array | None = None, plan: ShardingPlan | None = None) -> SampleOutput:
-  """Exact mode: replaces both logprobs with the given (trainer) model's full forward.
+            quant_key: jax.Array | None = None, plan: ShardingPlan | None = None,
+            act_amax: transformer.ActAmax | None = None) -> SampleOutput:
+  """Replaces both logprobs with the given model's full forward (exact mode; the trainer's score).
 
   `model_logprobs` = `transformer.token_logprobs(params, out.tokens, model_cfg, policy,
-  mask_BT=out.attention_mask, quant_key=quant_key)` on completion tokens. `logprobs` applies the
-  sampling transform (temperature, top-k, top-p) to the same forward's logits; when the
-  transform is the identity it is `model_logprobs` itself. Under top-k/top-p a token the
-  trainer's logits rank outside the support gets -inf. `plan`: as in `generate`.
+  mask_BT=out.attention_mask, quant_key=quant_key, act_amax=act_amax)` on completion tokens.
+  `logprobs` applies the sampling transform (temperature, top-k, top-p) to the same forward's
+  logits; when the transform is the identity it is `model_logprobs` itself. Under top-k/top-p a
+  token the trainer's logits rank outside the support gets -inf. `plan`: as in `generate`.
+  `act_amax` None: tensor-scaled activations take the amax of the whole batch, as a trainer does
+  (not row-local: such scores are the trainer's, never a sampler's record; see `Sampler`).
   """
   comp = out.completion_mask > 0
   mask_BL = out.attention_mask
+  act_amax = _only_tensor_scaled(policy, model_cfg, act_amax)
   if plan is not None:
     fns = _sharded_fns(model_cfg, policy, config, plan, _params_key(params))
-    args = plan.put((params, out.tokens, mask_BL, quant_key), fns.rescore_in)
+    args = plan.put((params, out.tokens, mask_BL, quant_key, act_amax), fns.rescore_in)
     logp = jnp.where(comp, fns.logprobs(*args), 0.0)
     logq = jnp.where(comp, fns.sampling_logprobs(*args), 0.0) if config.modifies_distribution \
         else logp
     return out.replace(logprobs=logq, model_logprobs=logp)
   logp = _token_logprobs(params, out.tokens, model_cfg=model_cfg, policy=policy, mask_BT=mask_BL,
-                         quant_key=quant_key)
+                         quant_key=quant_key, act_amax=act_amax)
   logp = jnp.where(comp, logp, 0.0)
   if config.modifies_distribution:
-    logq = _sampling_logprobs(params, out.tokens, mask_BL, quant_key, model_cfg=model_cfg,
-                              policy=policy, config=config)
+    logq = _sampling_logprobs(params, out.tokens, mask_BL, quant_key, act_amax,
+                              model_cfg=model_cfg, policy=policy, config=config)
     logq = jnp.where(comp, logq, 0.0)
   else:
     logq = logp
@@ -413,7 +465,13 @@ class Sampler:
   """Generation with a reused (donated) KV cache, optionally in exact mode.
 
   `params` may be a `pack_params` tree (weights held packed between calls; dequantized for the
-  duration of the call, with the weight quantizers of the policy skipped).
+  duration of the call, with the weight quantizers of the policy skipped). A policy that scales
+  activations per tensor needs the static `act_amax` stored with the rollout weights.
+
+  Exact mode re-scores the finished sequences with the sampler's own policy (and static scales)
+  in one full forward, the program a trainer in the same precision runs: it then holds the
+  distribution sampled from up to KV-cache rounding, and the trainer's pi_old matches it bit
+  for bit. It is offered only for row-local policies (`check_row_local`).
 
   Example:
     sampler = Sampler(model_cfg, policy, SamplingConfig(max_new_tokens=16), exact=True)
@@ -424,17 +482,26 @@ class Sampler:
                *, exact: bool = False, trainer_policy: PrecisionPolicy | None = None,
                plan: ShardingPlan | None = None):
     config.check(model_cfg)
+    if exact and trainer_policy is not None and trainer_policy != policy:
+      raise ValueError(
+          f"Sampler(exact=True) records the re-scored logprobs as the sampling distribution, so "
+          f"it re-scores with its own policy {policy.name!r}, not {trainer_policy.name!r}: drop "
+          "trainer_policy, or sample with exact=False and score with the trainer via "
+          "sampler.rescore(out, params, policy=trainer_policy, ...).")
     self.model_cfg, self.policy, self.config = model_cfg, policy, config
     self.exact = exact
-    self.trainer_policy = trainer_policy or policy
+    self.trainer_policy = policy  # exact mode's scoring policy: the sampler's own
     self.plan = plan  # None: one device; else every call runs sharded on plan.mesh
     self._cache = None
 
   def __call__(self, params: Params, prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Array,
                rng: jax.Array, *, quant_key: jax.Array | None = None,
                trainer_params: Params | None = None,
-               trainer_quant_key: jax.Array | None = None) -> SampleOutput:
-    """Generates; in exact mode re-scores with (trainer_params or params, trainer_policy)."""
+               trainer_quant_key: jax.Array | None = None,
+               act_amax: transformer.ActAmax | None = None) -> SampleOutput:
+    """Generates; in exact mode re-scores with (trainer_params or params) in the sampler's
+    precision, with the same static `act_amax` (trainer_params: the master weights of packed
+    `params`, or the same weights)."""
     batch, p = prompt_tokens_BP.shape
     shape = (batch, p + self.config.max_new_tokens)
     cache = self._cache if self._cache is not None and \
@@ -449,11 +516,12 @@ class Sampler:
       params = unpack_params(params)
     out, self._cache = generate(params, prompt_tokens_BP, prompt_mask_BP, rng,
                                 model_cfg=self.model_cfg, policy=policy, config=self.config,
-                                quant_key=quant_key, cache=cache, plan=self.plan)
+                                quant_key=quant_key, cache=cache, plan=self.plan,
+                                act_amax=act_amax)
     if self.exact:
       out = rescore(out, params if trainer_params is None else trainer_params,
                     model_cfg=self.model_cfg, policy=self.trainer_policy, config=self.config,
-                    quant_key=trainer_quant_key, plan=self.plan)
+                    quant_key=trainer_quant_key, plan=self.plan, act_amax=act_amax)
     return out
 
 

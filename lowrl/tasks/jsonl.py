@@ -99,14 +99,19 @@ class JsonlTask(Task):
   def _load(self) -> list[tuple[int, str, str, str | None]]:
     rows = []
     try:
-      f = open(self.path, encoding="utf-8")
+      f = open(self.path, "rb")  # bytes: a decoding error is reported with its line
     except OSError as e:
       raise ValueError(f"Cannot read JSONL file {self.path!r}: {e}") from e
     with f:
-      for lineno, line in enumerate(f, start=1):
+      for lineno, raw in enumerate(f, start=1):
+        where = f"{self.path}:{lineno}"
+        try:
+          line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+          raise ValueError(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                           f"{e.start + 1}); save the file as UTF-8.") from None
         if not line.strip():
           continue
-        where = f"{self.path}:{lineno}"
         try:
           obj = json.loads(line)
         except json.JSONDecodeError as e:

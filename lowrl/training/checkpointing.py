@@ -1,16 +1,33 @@
-"""Orbax checkpoints of the training state, resumable and restorable onto any mesh.
+"""Orbax checkpoints of the training state: verified, resumable, restorable onto any mesh.
 
 A checkpoint holds one pytree of arrays (params, optimizer state, RNG key, ...) plus a small JSON
 record (step, data position, anything else JSON-able). Restoring takes an abstract tree
 (`jax.ShapeDtypeStruct`s with shardings), so a state saved on one mesh restores onto another.
+
+Integrity: orbax keeps no checksums (flipped array bytes restore silently as wrong values), so
+after a save completes, process 0 writes `<step>/lowrl_manifest.json` with the SHA-256 of every
+file of the step; a restore checks it first. Rotation (`max_to_keep`) is ours, not orbax's: an
+older checkpoint is deleted only once `max_to_keep` newer ones verify, so a damaged newer one
+never rotates the last intact one away. A damaged checkpoint is moved (never deleted) to
+`<directory>.damaged/`, and `restore_newest_intact` falls back to the next older one.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-from typing import Any
+import shutil
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from lowrl import distributed
+
+MANIFEST = "lowrl_manifest.json"
+_TMP_MARK = ".orbax-checkpoint-tmp"
 
 
 class CheckpointError(RuntimeError):
@@ -25,16 +42,88 @@ def abstract_like(tree: Any) -> Any:
   return jax.tree.map(leaf, tree)
 
 
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def _barrier(name: str) -> None:
+  """Every process waits here (files written by process 0 are then visible to all)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
+def all_finite(tree: Any) -> bool:
+  """Whether every floating-point leaf of `tree` is finite (integer leaves, e.g. RNG keys, pass)."""
+  return bool(_all_finite(tree))
+
+
+def _file_digests(step_dir: str) -> dict[str, str]:
+  """SHA-256 of every file under `step_dir` (the manifest itself excluded), by relative path."""
+  out = {}
+  for root, dirs, files in os.walk(step_dir):
+    dirs.sort()
+    for name in sorted(files):
+      path = os.path.join(root, name)
+      rel = os.path.relpath(path, step_dir)
+      if rel in (MANIFEST, MANIFEST + ".tmp"):
+        continue
+      h = hashlib.sha256()
+      with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+          h.update(chunk)
+      out[rel] = h.hexdigest()
+  return out
+
+
+def write_manifest(step_dir: str) -> None:
+  """Records the digests of a completed save (written to a temp file, then renamed: atomic)."""
+  tmp = os.path.join(step_dir, MANIFEST + ".tmp")
+  with open(tmp, "w") as f:
+    json.dump({"sha256": _file_digests(step_dir)}, f, indent=0, sort_keys=True)
+  os.replace(tmp, os.path.join(step_dir, MANIFEST))
+
+
+def verify_manifest(step_dir: str) -> str | None:
+  """None if every file of the step matches its manifest, else what is wrong (one line)."""
+  try:
+    with open(os.path.join(step_dir, MANIFEST)) as f:
+      expected = json.load(f)["sha256"]
+  except FileNotFoundError:
+    return f"no {MANIFEST} (the save did not complete, or predates checksums)"
+  except (ValueError, KeyError, TypeError) as e:
+    return f"{MANIFEST} is unreadable ({e})"
+  actual = _file_digests(step_dir)
+  bad = sorted(p for p in expected if actual.get(p) != expected[p])
+  extra = sorted(set(actual) - set(expected))
+  if bad or extra:
+    what = [f"{p} {'missing' if p not in actual else 'changed'}" for p in bad[:3]]
+    what += [f"{p} unexpected" for p in extra[:3]]
+    more = len(bad) + len(extra) - len(what)
+    return "checksum mismatch: " + ", ".join(what) + (f" (+{more} more)" if more > 0 else "")
+  return None
+
+
 class Checkpointer:
-  """Saves every `every` steps into `directory`, keeps the newest `max_to_keep`."""
+  """Saves every `every` steps into `directory`, keeps the newest `max_to_keep` intact ones."""
 
   def __init__(self, directory: str, every: int, max_to_keep: int = 2):
     if every <= 0:
       raise ValueError(f"checkpoint interval must be > 0 steps, got {every}.")
+    if max_to_keep < 1:
+      raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}.")
     self.directory = os.path.abspath(directory)
     self.every = every
+    self.max_to_keep = max_to_keep
+    # Unfinished saves (orbax tmp dirs) found at start; orbax deletes them (they are never
+    # restorable), the caller may report them.
+    self.unfinished = (sorted(d for d in os.listdir(self.directory) if _TMP_MARK in d)
+                       if os.path.isdir(self.directory) else [])
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, save_interval_steps=every,
+        max_to_keep=None,  # rotation is ours (`_rotate`): only verified checkpoints count
+        save_interval_steps=every, cleanup_tmp_directories=True,
         # Synchronous saves: a run killed right after a save must find it complete.
         enable_async_checkpointing=False)
     self._manager = ocp.CheckpointManager(self.directory, options=options,
@@ -43,20 +132,65 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  def all_steps(self) -> list[int]:
+    """Finished checkpoints, oldest first."""
+    return sorted(self._manager.all_steps())
+
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
   def save(self, step: int, state: Any, meta: dict[str, Any], force: bool = False) -> bool:
-    """Saves if `step` is due (or `force`); returns whether it saved."""
+    """Saves if `step` is due (or `force`); returns whether it saved.
+
+    Refuses (CheckpointError) a state with a non-finite floating-point leaf: such a checkpoint
+    would rotate good ones away and poison every resume.
+    """
     # Our own interval test: orbax's should_save also fires on the first step it ever sees.
     if not force and step % self.every:
       return False
-    return self._manager.save(
+    if not all_finite(state):
+      raise CheckpointError(f"Refusing to checkpoint step {step}: the state has non-finite "
+                            f"values. {self.last_good_hint()}")
+    saved = self._manager.save(
         step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                       meta=ocp.args.JsonSave(meta)), force=True)
+    if saved:
+      self._manager.wait_until_finished()
+      if distributed.is_primary():
+        write_manifest(self.step_dir(step))
+      _barrier(f"lowrl_manifest_{step}")
+      self._rotate()  # every process: orbax's delete is collective
+    return saved
+
+  def _rotate(self) -> None:
+    """Deletes checkpoints older than the newest `max_to_keep` that verify (never an intact one
+    that is among them, whatever state newer damaged ones are in)."""
+    intact = 0
+    for step in reversed(self.all_steps()):
+      if intact >= self.max_to_keep:
+        self._manager.delete(step)
+      elif verify_manifest(self.step_dir(step)) is None:
+        intact += 1
+
+  def last_good_hint(self) -> str:
+    """One sentence naming the newest checkpoint on disk (for error messages)."""
+    steps = self.all_steps()
+    if not steps:
+      return f"No checkpoint in {self.directory} yet."
+    return f"The last good checkpoint is step {steps[-1]} in {self.step_dir(steps[-1])}."
 
   def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict[str, Any], int]:
-    """Restores (state, meta, step) of `step` (default: the latest) onto `abstract_state`'s shardings."""
+    """Restores (state, meta, step) of `step` (default: the latest) onto `abstract_state`'s shardings.
+
+    Checks the step's checksums first; CheckpointError (nothing deleted) if it is damaged.
+    """
     step = self.latest_step() if step is None else step
     if step is None:
       raise CheckpointError(f"No checkpoint in {self.directory}.")
+    problem = verify_manifest(self.step_dir(step))
+    if problem is not None and not problem.startswith("no "):
+      raise CheckpointError(f"Checkpoint step {step} in {self.directory} is damaged ({problem}). "
+                            f"Nothing was deleted. {self._fix_hint(step)}")
     try:
       out = self._manager.restore(
           step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
@@ -64,11 +198,59 @@ class Checkpointer:
     except Exception as e:  # Orbax raises many types for unreadable / mismatched data.
       raise CheckpointError(
           f"Checkpoint step {step} in {self.directory} cannot be restored ({type(e).__name__}: "
-          f"{str(e)[:300]}). Nothing was deleted. To resume from an earlier checkpoint, move "
-          f"{os.path.join(self.directory, str(step))} aside; to start afresh, use a new --workdir; "
-          "if the model or optimizer config changed since it was saved, restore the old config."
-      ) from e
+          f"{str(e)[:300]}). Nothing was deleted. {self._fix_hint(step)}") from e
     return out.state, dict(out.meta), step
+
+  def _fix_hint(self, step: int) -> str:
+    return (f"To resume from an earlier checkpoint, move {self.step_dir(step)} aside; to start "
+            "afresh, use a new --workdir; if the model or optimizer config changed since it was "
+            "saved, restore the old config.")
+
+  def restore_newest_intact(self, abstract_for_step: Callable[[int], Any],
+                            log: Callable[[str], None]) -> tuple[Any, dict[str, Any], int] | None:
+    """The newest checkpoint that verifies, restores and is finite; None if there is none.
+
+    Each damaged newer one is reported through `log` and moved to `<directory>.damaged/` (the
+    same step is saved again later). Raises CheckpointError, moving nothing, if checkpoints
+    exist but none is intact; a restore that fails for a reason other than damage (e.g. a
+    changed model config) raises at once.
+    """
+    steps = self.all_steps()
+    damaged = []
+    for step in reversed(steps):
+      problem = verify_manifest(self.step_dir(step))
+      if problem is None or problem.startswith("no "):
+        try:
+          state, meta, _ = self.restore(abstract_for_step(step), step)
+        except CheckpointError as e:
+          if problem is None:  # checksums match: the bytes are as saved, the config is not
+            raise
+          problem = f"unreadable: {str(e.__cause__ or e)[:200]}"
+        else:
+          if all_finite(state):
+            for bad_step, why in damaged:
+              log(f"[checkpoint] step {bad_step} is damaged ({why}); moved to "
+                  f"{self._quarantine(bad_step)} (not deleted); falling back to step {step}.")
+            return state, meta, step
+          problem = "restored state has non-finite values"
+      damaged.append((step, problem))
+    if damaged:
+      lines = "; ".join(f"step {s}: {why}" for s, why in damaged)
+      raise CheckpointError(f"No intact checkpoint in {self.directory} ({lines}). Nothing was "
+                            "moved or deleted; to start afresh, use a new --workdir.")
+    return None
+
+  def _quarantine(self, step: int) -> str:
+    dest_root = self.directory + ".damaged"
+    os.makedirs(dest_root, exist_ok=True)
+    dest, k = os.path.join(dest_root, str(step)), 1
+    while os.path.exists(dest):
+      dest, k = os.path.join(dest_root, f"{step}.{k}"), k + 1
+    if distributed.is_primary():
+      shutil.move(self.step_dir(step), dest)
+    _barrier(f"lowrl_quarantine_{step}")
+    self._manager.reload()
+    return dest
 
   def wait(self) -> None:
     self._manager.wait_until_finished()

@@ -35,10 +35,10 @@ from lowrl.models.config import ModelConfig
 from lowrl.rl.advantages import compute_advantages, group_has_signal, overlong_penalty
 from lowrl.sampling.sampler import SampleOutput, Sampler, SamplingConfig, rescore
 from lowrl.tasks.base import Task
-from lowrl.tasks.batching import decode_batch, encode_prompts
+from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
 from lowrl.tasks.registry import make_task
-from lowrl.training import diagnostics, optimizer, sft
-from lowrl.training.checkpointing import Checkpointer
+from lowrl.training import diagnostics, optimizer, run_config, run_logs, sft
+from lowrl.training.checkpointing import Checkpointer, verify_manifest
 from lowrl.training.rl_update import (UpdateConfig, make_logprob_fn, make_rl_update,
                                       update_config_from)
 
@@ -73,6 +73,7 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
 def build(cfg: ml_collections.ConfigDict) -> Setup:
   """Validates the config and builds the static pieces; raises ValueError naming the fix."""
   rl = cfg.rl
+  run_config.check_values(cfg)
   for name in ("rl.steps", "rl.num_prompts", "rl.group_size", "rl.max_new_tokens",
                "eval_num_prompts", "eval_samples", "checkpoint_every", "log_every"):
     node = cfg
@@ -91,7 +92,7 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
     raise ValueError("optimizer.master_rounding=stochastic rounds BF16 master weights; set "
                      "optimizer.master_dtype=bfloat16 too.")
 
-  task = make_task(cfg.task.name, **cfg.task.kwargs.to_dict())
+  task = _make_task(cfg.task)
   max_len = task.max_prompt_len + max(rl.max_new_tokens, task.max_answer_len)
   model_cfg = ModelConfig(vocab_size=task.tokenizer.vocab_size, max_seq_len=max_len,
                           **cfg.model.to_dict())
@@ -114,6 +115,26 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
                     seq_len=task.max_prompt_len + rl.max_new_tokens)
   return Setup(cfg, task, model_cfg, trainer_policy, sampler_policy, sampling, eval_sampling,
                update_cfg, schedule, plan)
+
+
+def _make_task(task_cfg: ml_collections.ConfigDict) -> Task:
+  """The task of `config.task`, with both splits checked non-empty (before any SFT or compile)."""
+  kwargs = task_cfg.kwargs.to_dict()
+  if task_cfg.name == "jsonl":
+    if not task_cfg.path and "path" not in kwargs:
+      raise ValueError("--config.task.name=jsonl needs --config.task.path=FILE (one "
+                       '{"prompt": ..., "answer": ...} object per line).')
+    kwargs.setdefault("path", task_cfg.path)
+    kwargs.setdefault("verifier", task_cfg.verifier or "exact")
+  else:
+    for knob in ("path", "verifier"):
+      if task_cfg[knob]:
+        raise ValueError(f"--config.task.{knob} only applies to --config.task.name=jsonl "
+                         f"(task is {task_cfg.name!r}); drop it.")
+  task = make_task(task_cfg.name, **kwargs)
+  for split in ("train", "eval"):
+    task.sample(np.random.default_rng(0), 1, split)  # an empty split raises, naming the fix
+  return task
 
 
 def _mesh_plan(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
@@ -151,7 +172,7 @@ class Trainer:
     cfg = setup.cfg
     self.tx = optimizer.make_optimizer(cfg.optimizer, cfg.rl.steps * cfg.rl.mu
                                        * cfg.rl.num_minibatches)
-    self.logprob_fn = make_logprob_fn(setup.model_cfg, setup.trainer_policy)
+    self.logprob_fn = make_logprob_fn(setup.model_cfg, setup.trainer_policy, setup.sampling)
     update = make_rl_update(self.logprob_fn, self.tx, setup.update_cfg)
     # Every step runs on the mesh with explicit shardings: sampler and update take the same
     # sharded params (no gather in between), batches are split over the batch axes.
@@ -174,6 +195,9 @@ class Trainer:
     self.eval_sampler_t = Sampler(setup.model_cfg, setup.trainer_policy, setup.sampling,
                                   plan=plan)
     self.drift = jax.jit(drift_metrics, in_shardings=(batch,) * 4, out_shardings=repl)
+    self._calibrate = jax.jit(transformer.calibrate_act_amax,
+                              static_argnames=("model_cfg", "policy", "paths"))
+    self.calib_tokens, self.calib_mask = self._calibration_batch(repl)
     self.weight_errors = jax.jit(
         lambda p: diagnostics.weight_quant_errors(p, setup.model_cfg, setup.trainer_policy),
         in_shardings=(p_sh,), out_shardings=repl)
@@ -195,7 +219,33 @@ class Trainer:
     """
     return rescore(out, params, model_cfg=self.s.model_cfg, policy=policy,
                    config=self.s.sampling, quant_key=_quant_key(policy, key),
-                   plan=self.plan).model_logprobs
+                   plan=self.plan).logprobs  # log q: the sampled distribution (temperature etc.)
+
+  def act_amax(self, params, policy: precision.PrecisionPolicy) -> dict[str, jax.Array] | None:
+    """Static activation scales for sampling `params` under `policy` (None if it needs none).
+
+    A recipe that scales activations per tensor samples with static amaxes, as inference engines
+    do: calibrated (max |input| per matmul, trainer's precision) on a fixed batch of train prompts
+    + reference answers from the weights being sampled, i.e. recalibrated at every weight sync.
+    """
+    paths = policy.tensor_scaled_act_paths(self.s.model_cfg)
+    if not paths:
+      return None
+    tp = self.s.trainer_policy
+    return self._calibrate(params, self.calib_tokens, model_cfg=self.s.model_cfg, policy=tp,
+                           paths=paths, mask_BT=self.calib_mask,
+                           quant_key=_quant_key(tp, jax.random.key(self.s.cfg.seed)))
+
+  def _calibration_batch(self, sharding_) -> tuple[jax.Array, jax.Array]:
+    """64 fixed train examples, prompt + answer + eos (right-padded), and their token mask."""
+    task = self.s.task
+    examples = task.sample(np.random.default_rng([self.s.cfg.seed, 5]), 64, "train")
+    tokens, target_mask = encode_sft(task.tokenizer, [e.prompt for e in examples],
+                                     [task.target_text(e) for e in examples],
+                                     task.max_prompt_len + task.max_answer_len)
+    ends = target_mask.shape[1] - np.argmax(target_mask[:, ::-1] > 0, axis=1)
+    mask = np.arange(tokens.shape[1])[None, :] < ends[:, None]
+    return self.plan.put((jnp.asarray(tokens), jnp.asarray(mask)), sharding_)
 
   # -- data -------------------------------------------------------------------------------------
 
@@ -221,7 +271,7 @@ class Trainer:
   def evaluate(self, params, key: jax.Array) -> dict[str, float]:
     """Held-out evaluation on a fixed set of eval-split prompts.
 
-    pass@1: the success rate of one sample at the rollout temperature (the unbiased estimate
+    pass_at_1: the success rate of one sample at the rollout temperature (the unbiased estimate
     from `eval_samples` samples per prompt, as RL papers report it); greedy: temperature-0
     accuracy; reward: mean reward of the samples.
     """
@@ -233,14 +283,17 @@ class Trainer:
     mask = np.arange(tokens.shape[1])[None, :] < lens[:, None]
     k_greedy, k_sample = jax.random.split(key)
     qk = _quant_key(self.s.trainer_policy, key)
+    act_amax = self.act_amax(params, self.s.trainer_policy)
     out = self.eval_sampler(params, jnp.asarray(tokens), jnp.asarray(mask), k_greedy,
-                            quant_key=qk)
+                            quant_key=qk, act_amax=act_amax)
     greedy, _ = self.rewards(out, examples)
     n = cfg.eval_samples
     out = self.eval_sampler_t(params, jnp.asarray(np.repeat(tokens, n, 0)),
-                              jnp.asarray(np.repeat(mask, n, 0)), k_sample, quant_key=qk)
+                              jnp.asarray(np.repeat(mask, n, 0)), k_sample, quant_key=qk,
+                              act_amax=act_amax)
     sampled, _ = self.rewards(out, [e for e in examples for _ in range(n)])
-    return {"pass@1": float(np.mean(sampled >= 1.0)), "greedy": float(np.mean(greedy >= 1.0)),
+    # "pass_at_1", not "pass@1": TensorBoard tag names cannot hold "@".
+    return {"pass_at_1": float(np.mean(sampled >= 1.0)), "greedy": float(np.mean(greedy >= 1.0)),
             "reward": float(np.mean(sampled))}
 
   # -- one step ---------------------------------------------------------------------------------
@@ -252,23 +305,25 @@ class Trainer:
     trainer's pi_old) and, when the sampler's version is `stale`, with the sampler's weights in the
     trainer's precision, for the drift decomposition. Returns (batch, drift metrics, host info).
     """
-    cfg, rl = self.s.cfg, self.s.cfg.rl
+    rl = self.s.cfg.rl
     examples, tokens_BP, mask_BP = self.prompts(step)
     k_sample, k_quant = jax.random.split(key)
     out = self.sampler(sampler_params, tokens_BP, mask_BP, k_sample,
                        quant_key=_quant_key(self.s.sampler_policy, k_quant),
-                       trainer_quant_key=_quant_key(self.s.sampler_policy, k_quant))
+                       trainer_quant_key=_quant_key(self.s.sampler_policy, k_quant),
+                       act_amax=self.act_amax(sampler_params, self.s.sampler_policy))
     logp_now_BT = self.score(params, self.s.trainer_policy, out, k_quant)
     logp_stale_BT = (self.score(sampler_params, self.s.trainer_policy, out, k_quant) if stale
                      else logp_now_BT)
-    drift = self.drift(out.model_logprobs, logp_stale_BT, logp_now_BT, out.completion_mask)
+    drift = self.drift(out.logprobs, logp_stale_BT, logp_now_BT, out.completion_mask)
     rewards, completions = self.rewards(out, examples)
     lengths = distributed.to_host(out.completion_lengths)
     shaped = rewards
     if rl.overlong_buffer > 0:
       shaped = rewards + np.asarray(overlong_penalty(jnp.asarray(lengths), rl.max_new_tokens,
                                                      rl.overlong_buffer))
-    adv_B = compute_advantages(jnp.asarray(shaped), rl.group_size, rl.advantage)
+    adv_B = compute_advantages(jnp.asarray(shaped), rl.group_size, rl.advantage,
+                               std_ddof=rl.std_ddof)
     loss_mask_BT = out.completion_mask
     kept = 1.0
     if rl.dynamic_sampling:
@@ -277,10 +332,10 @@ class Trainer:
       kept = float(jnp.mean(signal_B))
       signal_B = self.plan.put(signal_B, self.plan.batch)  # host value -> the rollout's layout
       loss_mask_BT = loss_mask_BT * signal_B[:, None].astype(jnp.float32)
-    # Raw model logprobs on both sides (temperature/top-k/top-p are the sampler's choice, not
-    # part of the policy the trainer optimises).
+    # log q on both sides: the distribution sampled from (temperature, top-k, top-p), which the
+    # update's ratio and correction also use (lowrl.training.rl_update).
     batch = {"tokens_BT": out.tokens, "input_mask_BT": out.attention_mask,
-             "loss_mask_BT": loss_mask_BT, "logp_sampler_BT": out.model_logprobs,
+             "loss_mask_BT": loss_mask_BT, "logp_sampler_BT": out.logprobs,
              "logp_trainer_BT": logp_now_BT, "adv_B": adv_B}
     batch = self.plan.put(batch, self.plan.batch)
     info = {"rewards": rewards, "lengths": lengths, "completions": completions,
@@ -288,30 +343,75 @@ class Trainer:
     return batch, drift, info
 
 
-def _metrics_line(step: int, m: dict[str, float]) -> str:
-  return json.dumps({"step": step, **{k: round(float(v), 6) for k, v in m.items()}})
+class NonFiniteError(RuntimeError):
+  """Training produced non-finite updates for `max_skipped_steps` steps in a row."""
 
 
-def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> dict[str, Any]:
-  """Runs (or resumes) the whole pipeline in `workdir`; returns the summary."""
-  setup = build(cfg)  # every config error surfaces here, before any compile
+def _finished_summary(workdir: str, ckpt: Checkpointer, steps: int) -> dict[str, Any] | None:
+  """The summary of a run that already finished in `workdir` (its last checkpoint is the end)."""
+  path = os.path.join(workdir, run_logs.SUMMARY)
+  if (ckpt.latest_step() != steps or not os.path.exists(path)
+      or verify_manifest(ckpt.step_dir(steps)) is not None):  # a damaged end: resume instead
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print, *,
+        allow_config_change: bool = False, reevaluate: bool = False) -> dict[str, Any]:
+  """Runs (or resumes) the whole pipeline in `workdir`; returns the summary.
+
+  A workdir holding a finished run returns its summary without running anything (`reevaluate`:
+  evaluate the final parameters again and rewrite summary.json). Resuming under a changed config
+  raises run_config.ConfigChangedError unless `allow_config_change`.
+  """
+  try:
+    setup = build(cfg)  # every config error surfaces here, before any compile
+  except ValueError as e:
+    raise run_config.ConfigError(str(e)) from e
   primary = distributed.is_primary()  # only process 0 logs and writes files (orbax: all save)
   if not primary:
     log = lambda _: None  # noqa: E731
   os.makedirs(workdir, exist_ok=True)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint_every)
+  resuming = bool(ckpt.all_steps())
+  if ckpt.unfinished:
+    log(f"[checkpoint] removed unfinished saves {ckpt.unfinished} (never restorable)")
+  if not resuming and primary and run_logs.has_logs(workdir):
+    # An earlier attempt left logs but no checkpoint to resume from: keep them, start afresh.
+    dest = run_logs.move_aside(workdir)
+    log(f"[warn] {workdir} has logs of an earlier attempt but no finished checkpoint: they were "
+        f"moved to {dest}; starting from step 0.")
+  changes = run_config.check_or_write(workdir, cfg, resuming=resuming,
+                                      allow_change=allow_config_change, write=primary)
+  log("[config]\n" + run_config.describe(cfg))
+  for c in changes:
+    log(f"[config] changed since the last start (--allow_config_change): {c}")
+  summary = _finished_summary(workdir, ckpt, cfg.rl.steps)
+  if summary is not None and not reevaluate:
+    log(f"[done] {workdir} holds a finished run ({cfg.rl.steps} steps); nothing to do "
+        "(--reevaluate evaluates it again).")
+    log(json.dumps(summary, indent=2))
+    return summary
+
   log(f"[setup] task={cfg.task.name} model={setup.model_cfg.num_params():,} params "
       f"trainer={setup.trainer_policy.name} sampler={setup.sampler_policy.name} "
-      f"async lag={setup.schedule.lag} sync_every={setup.schedule.sync_every}")
+      f"async lag={setup.schedule.lag} sync_every={setup.schedule.sync_every} "
+      f"config {run_config.fingerprint(cfg)} ({os.path.join(workdir, run_config.CONFIG_FILE)})")
   log(precision.format_table(precision.assignment_table(setup.trainer_policy, setup.model_cfg)))
   log(f"[mesh] {dict(setup.plan.mesh.shape)} over {jax.device_count()} {jax.default_backend()} "
       f"devices, {jax.process_count()} process(es)")
   for note in setup.plan.fallbacks(sharding.param_shapes(setup.model_cfg)):
     log(f"[mesh] {note}")
 
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint_every)
   base_dir = cfg.sft.base_dir or os.path.join(workdir, "base")
   t0 = time.time()
-  base = _load_base(base_dir, setup, log)
+  tb_dir = os.path.join(workdir, run_logs.TB_DIR)
+  # The SFT loss (when this run trains the base) goes to a TensorBoard run of its own, `tb/sft`:
+  # its steps are SFT steps, and a resume's purge of RL steps must not touch them.
+  with create_writer(os.path.join(tb_dir, "sft"), enabled=primary and not resuming) as sft_tb:
+    base = _load_base(base_dir, setup, log,
+                      on_sft_loss=lambda i, v: sft_tb.scalars(i, {"sft/loss": v}))
   base = optimizer.to_master(base, cfg.optimizer.master_dtype)
   trainer = Trainer(setup, log)
   rl = cfg.rl
@@ -325,11 +425,12 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> dict[
                  jax.tree.map(jnp.copy, base) if use_ref else None, {})
   state = trainer.place(state)
   start = 0
-  if ckpt.latest_step() is not None:
-    latest = ckpt.latest_step()
-    shapes = jax.eval_shape(lambda: _with_versions(state, setup, latest))
-    # Restores onto this run's mesh, whatever mesh saved it.
-    state, meta, start = ckpt.restore(sharding.abstract(shapes, trainer.state_shardings(shapes)))
+  if resuming:
+    def abstract_for(step: int):
+      shapes = jax.eval_shape(lambda: _with_versions(state, setup, step))
+      # Restores onto this run's mesh, whatever mesh saved it.
+      return sharding.abstract(shapes, trainer.state_shardings(shapes))
+    state, meta, start = ckpt.restore_newest_intact(abstract_for, log)
     log(f"[resume] from step {start} (data position {meta['data_position']}) in {workdir}")
   params, opt_state = state["params"], state["opt_state"]
   ref_params = state.get("ref_params")
@@ -337,34 +438,55 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> dict[
   for v, p in state.get("versions", {}).items():
     versions.put(int(v), p)
 
-  writer = create_writer(os.path.join(workdir, "tb"), enabled=primary)
-  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  # Points logged after the resumed checkpoint (before an interruption) are replaced.
+  writer = create_writer(tb_dir, enabled=primary, purge_step=start + 1 if start else None)
+  try:
+    summary = _train(setup, trainer, ckpt, writer, workdir, start, params, opt_state, ref_params,
+                     base_key, versions, log, reevaluate=reevaluate and start == rl.steps)
+  finally:
+    writer.close()  # flushes: points logged before an error are kept
+  summary["wall_s"] = time.time() - t0
+  if primary:
+    run_logs.write_json(workdir, run_logs.SUMMARY, summary)
+  ev0, ev1 = summary["eval_start"], summary["eval_end"]
+  log(f"[eval] held-out pass@1: start {ev0['pass_at_1']:.3f} -> end {ev1['pass_at_1']:.3f}; "
+      f"greedy: start {ev0['greedy']:.3f} -> end {ev1['greedy']:.3f} "
+      f"(wall {summary['wall_s']:.0f}s)")
+  return summary
+
+
+def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: str, start: int,
+           params, opt_state, ref_params, base_key, versions: VersionBuffer, log: Log, *,
+           reevaluate: bool) -> dict[str, Any]:
+  """The RL steps from `start`, then the final evaluation; returns the summary (no wall time)."""
+  cfg, rl = setup.cfg, setup.cfg.rl
+  primary = distributed.is_primary()
+  use_ref = uses_reference(cfg)
+  metrics_path = os.path.join(workdir, run_logs.METRICS)
+  eval_key = jax.random.fold_in(base_key, -1 % 2**31)
   if start == 0:
     if primary:
       open(metrics_path, "w").close()
-    ev = trainer.evaluate(params, jax.random.fold_in(base_key, -1 % 2**31))
-    log(f"[eval] step 0 held-out pass@1 {ev['pass@1']:.3f} greedy {ev['greedy']:.3f}")
+    ev = trainer.evaluate(params, eval_key)
+    log(f"[eval] step 0 held-out pass@1 {ev['pass_at_1']:.3f} greedy {ev['greedy']:.3f}")
     writer.scalars(0, {f"eval/{k}": v for k, v in ev.items()})
+    writer.texts(0, {"config": "```\n" + run_config.describe(cfg) + "\n```"})
+    writer.hparams(run_config.flatten(cfg), ["eval/pass_at_1", "eval/greedy", "reward/mean"])
     if primary:
-      with open(os.path.join(workdir, "eval_start.json"), "w") as f:
-        json.dump(ev, f)
+      run_logs.write_json(workdir, run_logs.EVAL_START, ev)
     eval_start = ev
   else:
-    with open(os.path.join(workdir, "eval_start.json")) as f:
+    with open(os.path.join(workdir, run_logs.EVAL_START)) as f:
       eval_start = json.load(f)
-    if primary and os.path.exists(metrics_path):
-      # Steps logged after the checkpoint we resume from run again: drop their old lines (and a
-      # line cut short by the interruption).
-      with open(metrics_path) as f:
-        kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= start]
-      with open(metrics_path, "w") as f:
-        f.writelines(kept)
+    if primary:
+      run_logs.trim_metrics(workdir, start)
 
   # Only the schedule's versions need copies: the update donates (and so frees) `params`.
   needs_copy = setup.schedule.lag > 0 or setup.schedule.sync_every > 1
   copy = (lambda t: jax.tree.map(jnp.copy, t)) if needs_copy else (lambda t: t)
   versions.put(start, copy(params))
-  t_rl = time.time()
+  eta = run_logs.Eta(rl.steps)
+  skipped_in_a_row = 0
   for step in range(start, rl.steps):
     key = jax.random.fold_in(base_key, step)
     k_roll, k_upd = jax.random.split(key)
@@ -382,12 +504,13 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> dict[
     m.update({"reward/mean": float(rewards.mean()), "reward/pass_rate": float((rewards >= 1).mean()),
               "response_length": float(info["lengths"].mean()), "groups_kept": info["groups_kept"],
               "sampler_version_lag": float(step - sv), "versions_held": float(len(versions))})
-    if m["skipped_updates"] > 0:
-      log(f"[warn] step {step + 1}: {int(m['skipped_updates'])} optimizer step(s) skipped "
-          "(non-finite loss or gradient)")
     done = step + 1
+    skipped_in_a_row = skipped_in_a_row + 1 if m["skipped_updates"] > 0 else 0
+    if skipped_in_a_row:
+      log(f"[warn] step {done}: {int(m['skipped_updates'])} optimizer step(s) skipped "
+          "(non-finite loss, gradient or update)")
     if cfg.eval_every and done % cfg.eval_every == 0 and done < rl.steps:
-      ev = trainer.evaluate(params, jax.random.fold_in(base_key, -1 % 2**31))
+      ev = trainer.evaluate(params, eval_key)
       m.update({f"eval/{k}": v for k, v in ev.items()})
     if done % cfg.log_every == 0 or done == rl.steps:
       werr = {k: float(v) for k, v in trainer.weight_errors(params).items()}
@@ -398,34 +521,35 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> dict[
       writer.texts(done, {"samples": _sample_text(info, cfg.num_text_samples)})
       if primary:
         with open(metrics_path, "a") as f:
-          f.write(_metrics_line(done, m) + "\n")
-      el = time.time() - t_rl
-      eta = el / (done - start) * (rl.steps - done)
+          f.write(run_logs.metrics_line(done, m) + "\n")
       log(f"[rl] step {done}/{rl.steps} reward {m['reward/mean']:.3f} "
           f"pass {m['reward/pass_rate']:.3f} mismatch_kl {m['mismatch/mismatch_kl']:.2e} "
-          f"ess {m['mismatch/ess']:.3f} len {m['response_length']:.1f} "
-          f"elapsed {el:.0f}s eta {eta:.0f}s")
+          f"ess {m['mismatch/ess']:.3f} len {m['response_length']:.1f} {eta.update(done)}")
+    if skipped_in_a_row >= cfg.max_skipped_steps:
+      raise NonFiniteError(
+          f"{skipped_in_a_row} consecutive steps (up to step {done}) had skipped optimizer "
+          f"updates (non-finite loss, gradient or update); stopping. {ckpt.last_good_hint()} "
+          "Lower --config.optimizer.lr or raise the precision, then re-run to resume from it "
+          "(--allow_config_change), or raise --config.max_skipped_steps.")
+    if done % cfg.checkpoint_every == 0 or done == rl.steps:
+      writer.flush()  # the points up to the checkpoint survive a kill
     # The newest version is `params` itself: only older ones are saved separately.
     state = _state(params, opt_state, jax.random.key_data(base_key), ref_params,
                    {str(v): versions.get(v) for v in versions.versions() if v != done})
     ckpt.save(done, state, {"data_position": done, "step": done}, force=done == rl.steps)
   ckpt.wait()
 
-  ev_end = trainer.evaluate(params, jax.random.fold_in(base_key, -1 % 2**31))
-  writer.scalars(rl.steps, {f"eval/{k}": v for k, v in ev_end.items()})
-  writer.close()
-  summary = {"eval_start": eval_start, "eval_end": ev_end, "wall_s": time.time() - t0,
-             "steps": rl.steps}
-  if primary:
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=2)
-  log(f"[eval] held-out pass@1: start {eval_start['pass@1']:.3f} -> end {ev_end['pass@1']:.3f}; "
-      f"greedy: start {eval_start['greedy']:.3f} -> end {ev_end['greedy']:.3f} "
-      f"(wall {summary['wall_s']:.0f}s)")
-  return summary
+  ev_end = trainer.evaluate(params, eval_key)
+  if not reevaluate:  # a re-evaluation must not add a second point at the last step
+    writer.scalars(rl.steps, {f"eval/{k}": v for k, v in ev_end.items()})
+  lines = run_logs.read_metrics(workdir) if primary else []
+  return {"eval_start": eval_start, "eval_end": ev_end, "steps": rl.steps,
+          "final_train_reward": lines[-1].get("reward/mean") if lines else None,
+          "config_fingerprint": run_config.fingerprint(cfg)}
 
 
-def _load_base(base_dir: str, setup: Setup, log: Log) -> Any:
+def _load_base(base_dir: str, setup: Setup, log: Log,
+               on_sft_loss: Callable[[int, float], None] | None = None) -> Any:
   """The mid-trained base (see `sft.load_or_train_base`), replicated over the mesh.
 
   A saved base is restored onto this run's mesh, whichever topology saved it. With several
@@ -443,10 +567,10 @@ def _load_base(base_dir: str, setup: Setup, log: Log) -> Any:
     return out["params"]
   if jax.process_count() == 1:
     return sft.load_or_train_base(base_dir, setup.task, cfg.task, setup.model_cfg, cfg.sft,
-                                  cfg.seed, log)
+                                  cfg.seed, log, on_sft_loss)
   if distributed.is_primary():
     params = jax.tree.map(np.asarray, sft.train_base(setup.task, setup.model_cfg, cfg.sft,
-                                                     cfg.seed, log))
+                                                     cfg.seed, log, on_sft_loss))
   else:
     params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
   params = setup.plan.put(distributed.broadcast_from_primary(params), repl)

@@ -2,17 +2,30 @@
 
 It recomputes the trainer's logprobs of the sampled tokens (pi_old and the mismatch metrics), builds
 the sampler/trainer correction weights, then runs `mu` passes of `num_minibatches` optimizer steps
-on the batch against that fixed pi_old. A non-finite loss or gradient skips that optimizer step
-(params and optimizer state unchanged) and is counted in the metrics.
+on the batch against that fixed pi_old. A non-finite loss, gradient or updated state skips that
+optimizer step (params and optimizer state unchanged) and is counted in the metrics.
 
 Batch layout (all [B, T], aligned so that column t refers to token t, see ARCHITECTURE.md):
   tokens_BT       int32, prompt + completion (+ padding)
   input_mask_BT   bool/float, 1 on real (non-padding) tokens
   loss_mask_BT    float32, 1 on completion tokens that count in the loss
-  logp_sampler_BT float32, the logprob the sampler recorded for token t (0 off loss_mask)
-  logp_trainer_BT float32, optional: the trainer's recompute of the same logprobs with the params
-                  that start this update (pi_old as the trainer sees it); recomputed here if absent
+  logp_sampler_BT float32, log q_sampler(token t), the sampler's recorded `logprobs` (0 off loss_mask)
+  logp_trainer_BT float32, optional: the trainer's log q of the same tokens with the params that
+                  start this update (pi_old as the trainer sees it); recomputed here if absent
   adv_B           float32 advantages
+
+Every logprob is of the distribution rollouts are sampled from, q = softmax(logits / temperature)
+restricted to top-k / top-p (`make_logprob_fn`'s `sampling`): the importance weight of the
+correction is q_trainer / q_sampler and the PPO ratio is q_theta / q_old, both on that one
+distribution (verl scores logits / temperature the same way).
+
+Decoupled PPO (Hilton et al. 2021, "Batch size-invariance for policy optimization"; AReaL):
+behaviour policy pi_behav = the sampler, proximal policy pi_prox = pi_old. Per token the loss is
+  -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) * sg(c),  r = pi_theta / pi_prox,
+  c = correction(pi_prox / pi_behav) (rl.correction: 1 for none, truncated for TIS, masked for MIS).
+old_logp_source=trainer: pi_prox = the trainer's recompute. old_logp_source=sampler: pi_prox =
+pi_behav, so c is 1 by definition: rl.correction must be none (UpdateConfig rejects TIS/MIS, which
+would divide by the sampler twice).
 
 pi_old is recomputed *outside* this function, by the same jitted scoring program the sampler uses
 in exact mode (lowrl.sampling.rescore): two different XLA programs round BF16 activations
@@ -32,11 +45,13 @@ import optax
 from lowrl.models import transformer
 from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
-from lowrl.rl.advantages import ADVANTAGE_MODES
+from lowrl.rl.advantages import ADVANTAGE_MODES, validate_std_ddof
 from lowrl.rl.corrections import CorrectionConfig, correction_weights
 from lowrl.rl.losses import LossConfig, policy_loss
 from lowrl.rl.masked import masked_mean
 from lowrl.rl.mismatch import mismatch_metrics
+from lowrl.sampling import sampler as sampler_lib
+from lowrl.sampling.sampler import SamplingConfig
 from lowrl.training.optimizer import apply_update
 
 Batch = dict[str, jax.Array]
@@ -62,6 +77,12 @@ class UpdateConfig:
     if self.old_logp_source not in OLD_LOGP_SOURCES:
       raise ValueError(f"rl.old_logp_source={self.old_logp_source!r}; use one of "
                        f"{OLD_LOGP_SOURCES}.")
+    if self.old_logp_source == "sampler" and self.correction.mode != "none":
+      # Decoupled PPO with pi_prox = pi_behav: the PPO ratio is already relative to the sampler,
+      # so a TIS/MIS weight pi_trainer/pi_sampler on top would correct twice.
+      raise ValueError(f"rl.correction={self.correction.mode!r} with rl.old_logp_source=sampler "
+                       "corrects the sampler mismatch twice; set rl.correction=none or "
+                       "rl.old_logp_source=trainer.")
 
 
 def default_rl_config() -> ml_collections.ConfigDict:
@@ -71,6 +92,7 @@ def default_rl_config() -> ml_collections.ConfigDict:
   c.num_prompts = 32
   c.group_size = 8
   c.advantage = "grpo"  # grpo | drgrpo | rloo
+  c.std_ddof = 0  # GRPO group std: 0 population (GRPO paper) | 1 sample (TRL, verl, tunix)
   c.loss = "grpo"  # grpo | dapo | gspo | cispo
   # "" = the loss's paper default (token_mean for dapo/cispo, seq_mean_token_mean for grpo/gspo);
   # or seq_mean_token_mean | token_mean | seq_mean_token_sum_norm (Dr.GRPO).
@@ -80,7 +102,10 @@ def default_rl_config() -> ml_collections.ConfigDict:
   c.cispo_eps_max = 4.0
   c.mu = 1  # inner updates per batch against pi_old
   c.num_minibatches = 1
-  c.old_logp_source = "trainer"  # trainer (recompute) | sampler (recorded)
+  # pi_old of the PPO ratio: trainer (recompute; decoupled PPO, the sampler is corrected for by
+  # rl.correction) | sampler (recorded; the ratio is then relative to the sampler and
+  # rl.correction must be none).
+  c.old_logp_source = "trainer"
   c.kl_coef = 0.0
   c.kl_estimator = "k3"
   c.correction = "none"  # none | tis | mis
@@ -106,6 +131,7 @@ def update_config_from(rl: ml_collections.ConfigDict, master_rounding: str,
                      "samples per prompt.")
   if rl.advantage not in ADVANTAGE_MODES:
     raise ValueError(f"config.rl.advantage={rl.advantage!r}; use one of {ADVANTAGE_MODES}.")
+  validate_std_ddof(rl.std_ddof)
   if (rl.num_prompts * rl.group_size) % rl.num_minibatches:
     raise ValueError(f"rl.num_prompts * rl.group_size = {rl.num_prompts * rl.group_size} is not "
                      f"divisible by rl.num_minibatches={rl.num_minibatches}.")
@@ -119,13 +145,37 @@ def update_config_from(rl: ml_collections.ConfigDict, master_rounding: str,
                       master_rounding=master_rounding)
 
 
-def make_logprob_fn(model_cfg: ModelConfig, policy: PrecisionPolicy
+# Stands in for the -inf of a token outside the top-k / top-p support inside the update: exp()
+# of it is exactly 0 like -inf, but products with 0 (entropy, CISPO's coef * logp) stay 0, not NaN.
+_OUTSIDE_SUPPORT_LOGIT = -1e30
+
+
+def make_logprob_fn(model_cfg: ModelConfig, policy: PrecisionPolicy,
+                    sampling: SamplingConfig | None = None
                     ) -> Callable[[Any, Batch, jax.Array | None], tuple[jax.Array, jax.Array]]:
-  """(params, batch, quant_key) -> (logp_BT, entropy_BT) of the batch's tokens, FP32."""
+  """(params, batch, quant_key) -> (logp_BT, entropy_BT) of the batch's tokens, FP32.
+
+  The distribution is the one rollouts are sampled from: `sampling`'s transform (logits /
+  temperature, top-k, top-p; `lowrl.sampling.sampler.sampling_logits`) applied to the model's
+  logits, the same transform the sampler's `logprobs` and `rescore(...).logprobs` use. None, or
+  a config that leaves the distribution unchanged, = the raw model. A token outside the top-k /
+  top-p support gets logp ~ -1e30 (probability exactly 0).
+  """
+  if sampling is not None and sampling.greedy:
+    raise ValueError("The trained distribution needs rl.temperature > 0 (greedy has no logprobs).")
+  transform = sampling is not None and sampling.modifies_distribution
+
   def logprob_fn(params, batch, quant_key):
-    return transformer.token_logprobs_and_entropy(
-        params, batch["tokens_BT"], model_cfg, policy, mask_BT=batch["input_mask_BT"],
-        quant_key=quant_key if policy.needs_key else None)
+    tokens_BT, mask_BT = batch["tokens_BT"], batch["input_mask_BT"]
+    quant_key = quant_key if policy.needs_key else None
+    if not transform:
+      return transformer.token_logprobs_and_entropy(params, tokens_BT, model_cfg, policy,
+                                                    mask_BT=mask_BT, quant_key=quant_key)
+    logits_BTV = transformer.forward(params, tokens_BT, model_cfg, policy, mask_BT=mask_BT,
+                                     quant_key=quant_key)
+    q_logits_BTV = sampler_lib.sampling_logits(logits_BTV, sampling)
+    q_logits_BTV = jnp.maximum(q_logits_BTV, _OUTSIDE_SUPPORT_LOGIT)
+    return transformer.logprobs_from_logits(q_logits_BTV, tokens_BT, mask_BT)
   return logprob_fn
 
 
@@ -157,12 +207,18 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
     logp_old_BT = logp_trainer_BT if cfg.old_logp_source == "trainer" else logp_sampler_BT
     is_w_BT, corr_metrics = correction_weights(logp_trainer_BT, logp_sampler_BT, mask_BT,
                                                cfg.correction)
+    # A token outside pi_old's top-k / top-p support (possible when the sampler's weights or
+    # precision differ) has pi_old = 0: its PPO ratio is undefined and its corrected weight
+    # pi_old / pi_sampler is 0, so it leaves the loss.
+    in_support_BT = (logp_old_BT > _OUTSIDE_SUPPORT_LOGIT / 2).astype(jnp.float32)
+    outside_support_frac = masked_mean(1.0 - in_support_BT, mask_BT)
+    loss_mask_BT = mask_BT * in_support_BT
     use_is = cfg.correction.mode != "none"
     logp_ref_BT = None
     if ref_params is not None:  # penalised if kl_coef > 0, else only logged
       logp_ref_BT = jax.lax.stop_gradient(logprob_fn(ref_params, batch, key_fwd)[0])
 
-    full = dict(batch, logp_old_BT=logp_old_BT, is_w_BT=is_w_BT, loss_mask_BT=mask_BT)
+    full = dict(batch, logp_old_BT=logp_old_BT, is_w_BT=is_w_BT, loss_mask_BT=loss_mask_BT)
     if logp_ref_BT is not None:
       full["logp_ref_BT"] = logp_ref_BT
     mb = batch_size // cfg.num_minibatches
@@ -188,7 +244,10 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
         return apply_update(tx, *args, master_rounding=cfg.master_rounding,
                             key=jax.random.fold_in(key_opt, i))
 
-      p, o = jax.lax.cond(ok, do, lambda args: (args[0], args[2]), (p, grads, o))
+      new_p, new_o = jax.lax.cond(ok, do, lambda args: (args[0], args[2]), (p, grads, o))
+      # A finite gradient can still give a non-finite update (e.g. a huge lr): keep the old state.
+      ok = ok & _tree_all_finite((new_p, new_o))
+      p, o = jax.tree.map(lambda new, old: jnp.where(ok, new, old), (new_p, new_o), (p, o))
       m = dict(m, loss=loss, grad_norm=grad_norm, skipped=1.0 - ok.astype(jnp.float32))
       return (p, o), m
 
@@ -202,6 +261,7 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
     metrics.update({f"mismatch/{k}": v for k, v in
                     mismatch_metrics(logp_sampler_BT, logp_trainer_BT, mask_BT).items()})
     metrics.update({f"correction/{k}": v for k, v in corr_metrics.items()})
+    metrics["correction/outside_support_frac"] = outside_support_frac
     return params, opt_state, metrics
 
   return update

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from typing import Any, Callable
 
 import jax
@@ -25,6 +24,7 @@ from lowrl.precision import PrecisionPolicy
 from lowrl.rl.masked import masked_mean
 from lowrl.tasks.base import Task
 from lowrl.tasks.batching import encode_sft
+from lowrl.training import run_logs
 from lowrl.training.checkpointing import Checkpointer, abstract_like
 
 
@@ -50,8 +50,10 @@ def fingerprint(task_cfg, model_cfg: ModelConfig, sft_cfg, seed: int) -> str:
 
 
 def train_base(task: Task, model_cfg: ModelConfig, sft_cfg: ml_collections.ConfigDict, seed: int,
-               log: Callable[[str], None] = print) -> Any:
-  """Trains the base from scratch; deterministic in `seed`."""
+               log: Callable[[str], None] = print,
+               on_loss: Callable[[int, float], None] | None = None) -> Any:
+  """Trains the base from scratch; deterministic in `seed`. `on_loss(step, loss)` is called at
+  each logged step (e.g. to write it to TensorBoard)."""
   policy = PrecisionPolicy.unquantized("float32", name="sft_fp32")
   params = transformer.init_params(model_cfg, jax.random.key(seed))
   tx = optax.chain(
@@ -70,23 +72,23 @@ def train_base(task: Task, model_cfg: ModelConfig, sft_cfg: ml_collections.Confi
 
   step = jax.jit(step, donate_argnums=(0, 1))
   rng = np.random.default_rng([seed, 1])
-  start = time.time()
+  eta = run_logs.Eta(sft_cfg.steps)  # from steady-state steps: step 1 compiles
   for i in range(sft_cfg.steps):
     examples = task.sample(rng, sft_cfg.batch_size, "train")
     tokens, mask = encode_sft(task.tokenizer, [e.prompt for e in examples],
                               [task.target_text(e) for e in examples], max_len)
     params, opt_state, loss = step(params, opt_state, jnp.asarray(tokens), jnp.asarray(mask))
     if (i + 1) % max(1, sft_cfg.steps // 10) == 0 or i == 0:
-      elapsed = time.time() - start
-      eta = elapsed / (i + 1) * (sft_cfg.steps - i - 1)
-      log(f"[sft] step {i + 1}/{sft_cfg.steps} loss {float(loss):.4f} "
-          f"elapsed {elapsed:.0f}s eta {eta:.0f}s")
+      log(f"[sft] step {i + 1}/{sft_cfg.steps} loss {float(loss):.4f} {eta.update(i + 1)}")
+      if on_loss is not None:
+        on_loss(i + 1, float(loss))
   return params
 
 
 def load_or_train_base(base_dir: str, task: Task, task_cfg, model_cfg: ModelConfig,
                        sft_cfg: ml_collections.ConfigDict, seed: int,
-                       log: Callable[[str], None] = print) -> Any:
+                       log: Callable[[str], None] = print,
+                       on_loss: Callable[[int, float], None] | None = None) -> Any:
   """The base params from `base_dir/<fingerprint>` if saved there, else trains and saves them."""
   fp = fingerprint(task_cfg, model_cfg, sft_cfg, seed)
   ckpt = Checkpointer(os.path.join(base_dir, fp), every=1, max_to_keep=1)
@@ -96,7 +98,7 @@ def load_or_train_base(base_dir: str, task: Task, task_cfg, model_cfg: ModelConf
     params, meta, _ = ckpt.restore({"params": abstract})
     log(f"[sft] reusing base {fp} from {base_dir} (trained {meta.get('sft_steps')} steps)")
     return params["params"]
-  params = train_base(task, model_cfg, sft_cfg, seed, log)
+  params = train_base(task, model_cfg, sft_cfg, seed, log, on_loss)
   ckpt.save(0, {"params": params}, {"sft_steps": int(sft_cfg.steps), "fingerprint": fp},
             force=True)
   ckpt.wait()

@@ -1,0 +1,1 @@
+"""Config files of the binaries (ml_collections `get_config`); see configs/base.py."""

@@ -1,0 +1,108 @@
+"""Command-line plumbing shared by the absl binaries: config-file paths and one-line flag errors.
+
+A config error is one line on stderr naming the flag (with a "did you mean" for a misspelt
+`--config.*` key) and exit status 2, not a traceback.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import Any, Callable, NoReturn, Sequence
+
+from absl import flags
+
+from lowrl.training import run_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:
+  # Config files import `configs.base`, and absl loads the default config file when the flag is
+  # defined: the repository must be importable before that, from any working directory.
+  sys.path.append(REPO)
+
+
+def resolve_config_paths(argv: Sequence[str]) -> list[str]:
+  """`--config=configs/x.py[:arg]` relative to the repository when it is not relative to the
+  working directory, so the binaries run from anywhere."""
+  out = []
+  for arg in argv:
+    if arg.startswith("--config=") and not arg.startswith("--config."):
+      path, sep, rest = arg[len("--config="):].partition(":")
+      if path and not os.path.exists(path) and os.path.exists(os.path.join(REPO, path)):
+        arg = f"--config={os.path.join(REPO, path)}{sep}{rest}"
+    out.append(arg)
+  return out
+
+
+def fail(message: str) -> NoReturn:
+  """Prints `error: message` (one line) and exits with status 2 (a usage error)."""
+  print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+def innermost(e: BaseException) -> BaseException:
+  """The root cause of a chain of exceptions (config loaders wrap the real error twice)."""
+  while e.__cause__ is not None:
+    e = e.__cause__
+  return e
+
+
+def make_flags_parser(default_spec: str) -> Callable[[list[str]], list[str]]:
+  """An absl `flags_parser` that resolves --config paths and turns a flag error into one line."""
+  def parse(argv: list[str]) -> list[str]:
+    argv = resolve_config_paths(argv)
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as e:
+      if not isinstance(innermost(e), flags.Error):  # a config file error wrapped by absl
+        config_error(e, argv, default_spec)
+      fail(str(e))
+    except Exception as e:  # noqa: BLE001 - config files raise anything; all are usage errors
+      config_error(e, argv, default_spec)
+  return parse
+
+
+def _load_config_file(spec: str) -> Any:
+  """`get_config(arg)` of a `path[:arg]` config file, without command-line overrides."""
+  path, _, arg = spec.partition(":")
+  module_spec = importlib.util.spec_from_file_location("_lowrl_config_file", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def config_error(e: BaseException, argv: Sequence[str], default_spec: str) -> NoReturn:
+  """Reports a config-loading failure in one line and exits 2.
+
+  ml_collections reports an unknown key without its path (and while the flag is defined), so
+  the unknown `--config.KEY` is found here by checking each override against the plain file.
+  """
+  root = innermost(e)
+  spec = default_spec
+  for arg in argv:
+    if arg.startswith("--config="):
+      spec = arg[len("--config="):]
+  try:
+    base = _load_config_file(spec)
+  except Exception:  # noqa: BLE001 - the file itself is broken: report its error below
+    base = None
+  if base is not None:
+    known = set(run_config.flatten(base))
+    for arg in argv:
+      if arg.startswith("--config."):
+        key = arg[len("--config."):].partition("=")[0]
+        if key not in known and not any(k.startswith(key + ".") for k in known):
+          fail(f"unknown flag --config.{key}{run_config.did_you_mean(key, base)}; "
+               "--print_config lists every --config.* key.")
+  text = str(root).strip()
+  fail(f"--config={spec}: {type(root).__name__}: {text.splitlines()[-1] if text else ''}")
+
+
+def config_value(holder: Any, argv: Sequence[str], default_spec: str) -> Any:
+  """`holder.value` (the config with its --config.* overrides), or a one-line error (exit 2)."""
+  try:
+    cfg = holder.value
+    cfg.keys()  # a file that failed to load gives a placeholder that raises on first use
+    return cfg
+  except Exception as e:  # noqa: BLE001 - config files raise anything; all are usage errors
+    config_error(e, argv, default_spec)

@@ -1,0 +1,102 @@
+"""The run's log files in its workdir: metrics.jsonl lines, resume trimming, moving old logs aside.
+
+Logs are never overwritten silently: a run that starts from step 0 in a workdir holding logs of
+an earlier attempt (no intact checkpoint to resume from) moves them to `<workdir>/previous/<k>/`
+and says so.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from typing import Any, Callable
+
+METRICS = "metrics.jsonl"
+EVAL_START = "eval_start.json"
+SUMMARY = "summary.json"
+TB_DIR = "tb"
+_LOG_FILES = (METRICS, EVAL_START, SUMMARY, TB_DIR, "config.json")
+
+
+def metrics_line(step: int, metrics: dict[str, float]) -> str:
+  """One JSON line; non-finite values are written as null (bare NaN is not JSON)."""
+  def value(v):
+    v = float(v)
+    return round(v, 6) if math.isfinite(v) else None
+  return json.dumps({"step": step, **{k: value(v) for k, v in metrics.items()}}, allow_nan=False)
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+  """The complete lines of metrics.jsonl (a line cut short by a kill is dropped)."""
+  path = os.path.join(workdir, METRICS)
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def trim_metrics(workdir: str, last_step: int) -> None:
+  """Keeps the lines of steps <= `last_step` (those after the resumed checkpoint run again)."""
+  path = os.path.join(workdir, METRICS)
+  if os.path.exists(path):
+    kept = [m for m in read_metrics(workdir) if m["step"] <= last_step]
+    with open(path + ".tmp", "w") as f:
+      f.writelines(json.dumps(m) + "\n" for m in kept)
+    os.replace(path + ".tmp", path)
+
+
+def has_logs(workdir: str) -> bool:
+  """Whether `workdir` holds logs of an earlier run (an empty metrics.jsonl does not count)."""
+  for name in _LOG_FILES:
+    path = os.path.join(workdir, name)
+    if os.path.isdir(path) and os.listdir(path):
+      return True
+    if os.path.isfile(path) and os.path.getsize(path) > 0:
+      return True
+  return False
+
+
+def move_aside(workdir: str) -> str:
+  """Moves the log files of an earlier attempt to `<workdir>/previous/<k>/`; returns that dir."""
+  k = 0
+  while os.path.exists(os.path.join(workdir, "previous", str(k))):
+    k += 1
+  dest = os.path.join(workdir, "previous", str(k))
+  os.makedirs(dest)
+  for name in _LOG_FILES:
+    if os.path.exists(os.path.join(workdir, name)):
+      shutil.move(os.path.join(workdir, name), os.path.join(dest, name))
+  return dest
+
+
+def write_json(workdir: str, name: str, obj: Any) -> None:
+  """Writes `obj` atomically (temp file + rename): a kill leaves the old file or the new one."""
+  path = os.path.join(workdir, name)
+  with open(path + ".tmp", "w") as f:
+    json.dump(obj, f, indent=2)
+  os.replace(path + ".tmp", path)
+
+
+class Eta:
+  """Remaining-time estimate from steady-state step times (the first step, which compiles,
+  is left out)."""
+
+  def __init__(self, total: int, start: int = 0, clock: Callable[[], float] = time.time):
+    self.total, self.clock = total, clock
+    self.t0 = clock()
+    self._first: tuple[int, float] | None = None  # (step, time) after the first timed step
+
+  def update(self, done: int) -> str:
+    """Call after step `done`; returns e.g. 'elapsed 12s eta 30s' ('eta ?' until known)."""
+    now = self.clock()
+    text = f"elapsed {now - self.t0:.0f}s"
+    if self._first is None:
+      self._first = (done, now)
+      return text + " eta ?"
+    steps = done - self._first[0]
+    if steps <= 0:
+      return text + " eta ?"
+    per_step = (now - self._first[1]) / steps
+    return text + f" eta {per_step * (self.total - done):.0f}s"

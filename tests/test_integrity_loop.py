@@ -1,0 +1,162 @@
+"""Run integrity end to end in `loop.run` on a tiny config: a crash with a damaged newest checkpoint
+then a resume (fallback, one TensorBoard point per step), a finished run re-run, a changed config,
+repeated skipped updates, and an earlier attempt's logs with only unfinished checkpoints."""
+import json
+import os
+
+import ml_collections
+import pytest
+import tiny
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lowrl.training import loop, run_config
+from lowrl.training.checkpointing import Checkpointer, verify_manifest
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("base"))
+
+
+def tiny_config(base_dir: str) -> ml_collections.ConfigDict:
+  return tiny.loop_config("fp32", base_dir, steps=STEPS)
+
+
+class _Crash(Exception):
+  pass
+
+
+def _crash_at(prefix: str, logs: list[str]):
+  def log(msg: str) -> None:
+    logs.append(msg)
+    if msg.startswith(prefix):
+      raise _Crash
+  return log
+
+
+def _scalar_steps(workdir: str, tag: str, run: str = "") -> list[int]:
+  """Steps of `tag`'s points in the TensorBoard run <workdir>/tb/<run>."""
+  acc = EventAccumulator(os.path.join(workdir, "tb", run), size_guidance={"scalars": 0})
+  acc.Reload()
+  return [e.step for e in acc.Scalars(tag)]
+
+
+def _metric_steps(workdir: str) -> list[int]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line)["step"] for line in f]
+
+
+@pytest.fixture(scope="module")
+def resumed_run(base_dir, tmp_path_factory):
+  """Crashes after step 3 is logged (checkpoints 1, 2 saved), damages checkpoint 2, resumes."""
+  workdir = str(tmp_path_factory.mktemp("resumed"))
+  cfg = tiny_config(base_dir)
+  first: list[str] = []
+  with pytest.raises(_Crash):
+    loop.run(cfg, workdir, log=_crash_at(f"[rl] step 3/{STEPS}", first))
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=1)
+  assert ckpt.all_steps() == [1, 2]
+  assert _scalar_steps(workdir, "reward/mean") == [1, 2, 3]  # flushed despite the crash
+  data = os.path.join(ckpt.step_dir(2), "state", "ocdbt.process_0", "d")
+  victim = os.path.join(data, sorted(os.listdir(data))[0])
+  raw = bytearray(open(victim, "rb").read())
+  raw[len(raw) // 2] ^= 0x01  # one flipped bit, the file size unchanged
+  open(victim, "wb").write(bytes(raw))
+  second: list[str] = []
+  summary = loop.run(cfg, workdir, log=second.append)
+  return workdir, first, second, summary
+
+
+def test_damaged_checkpoint_falls_back_and_tensorboard_has_one_point_per_step(resumed_run,
+                                                                             base_dir):
+  workdir, _, logs, summary = resumed_run
+  assert any("step 2 is damaged" in m and "falling back to step 1" in m for m in logs), logs
+  assert any(m.startswith("[resume] from step 1") for m in logs)
+  assert os.path.isdir(os.path.join(workdir, "checkpoints.damaged", "2"))  # kept, aside
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=1)
+  assert ckpt.all_steps() == [STEPS - 1, STEPS]
+  assert all(verify_manifest(ckpt.step_dir(s)) is None for s in ckpt.all_steps())
+  assert _metric_steps(workdir) == list(range(1, STEPS + 1))
+  # Points 2 and 3 logged before the crash were replaced by the resumed run's.
+  assert _scalar_steps(workdir, "reward/mean") == list(range(1, STEPS + 1))
+  assert _scalar_steps(workdir, "eval/pass_at_1") == [0, STEPS]  # the JSON name, unchanged
+  # This run trained the base: its loss is the TensorBoard run tb/sft.
+  assert _scalar_steps(workdir, "sft/loss", run="sft") == [1, 2, 3, 4, 5]
+  assert set(summary) >= {"config_fingerprint", "final_train_reward", "eval_end"}
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    last = json.loads(f.readlines()[-1])
+  assert summary["final_train_reward"] == last["reward/mean"]
+  assert summary["config_fingerprint"] == run_config.fingerprint(tiny_config(base_dir))
+
+
+def test_finished_run_is_not_run_again(resumed_run, base_dir):
+  workdir, _, _, summary = resumed_run
+  before = open(os.path.join(workdir, "summary.json")).read()
+  logs: list[str] = []
+  assert loop.run(tiny_config(base_dir), workdir, log=logs.append) == json.loads(before)
+  assert any(m.startswith("[done]") for m in logs)
+  assert not any(m.startswith("[eval]") for m in logs)
+  assert open(os.path.join(workdir, "summary.json")).read() == before
+  assert _scalar_steps(workdir, "eval/pass_at_1") == [0, STEPS]
+
+
+def test_resume_with_changed_config_is_refused(resumed_run, base_dir):
+  workdir = resumed_run[0]
+  cfg = tiny_config(base_dir)
+  cfg.optimizer.lr = 1e-3
+  with pytest.raises(run_config.ConfigChangedError, match="optimizer.lr: 0.0002 -> 0.001"):
+    loop.run(cfg, workdir, log=lambda _: None)
+
+
+def test_repeated_skipped_updates_stop_with_the_last_good_checkpoint(base_dir, tmp_path,
+                                                                     monkeypatch):
+  """Updates 3.. report a skip (what the guard does on a non-finite update): the run stops after
+  `max_skipped_steps` of them, naming checkpoint 2, which is intact. The workdir starts with an
+  earlier attempt's logs and only an unfinished checkpoint: they are moved aside, not rewritten."""
+  workdir = str(tmp_path)
+  os.makedirs(os.path.join(workdir, "checkpoints", "3.orbax-checkpoint-tmp-99"))
+  with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+    f.write('{"step": 1, "old": 1}\n')
+  real_init = loop.Trainer.__init__
+
+  def init(self, *args, **kwargs):
+    real_init(self, *args, **kwargs)
+    real_update, calls = self.update, [0]
+
+    def update(*a):
+      calls[0] += 1
+      params, opt_state, m = real_update(*a)
+      if calls[0] > 2:
+        m = dict(m, skipped_updates=1.0)
+      return params, opt_state, m
+    self.update = update
+  monkeypatch.setattr(loop.Trainer, "__init__", init)
+
+  cfg = tiny_config(base_dir)
+  cfg.max_skipped_steps = 2
+  logs: list[str] = []
+  with pytest.raises(loop.NonFiniteError, match=r"2 consecutive steps \(up to step 4\).*last good "
+                                                r"checkpoint is step 3"):
+    loop.run(cfg, workdir, log=logs.append)
+  # Step 3's skipped update left a finite state (saved); step 4 stopped before its save.
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=1)
+  assert ckpt.all_steps() == [2, 3]
+  assert all(verify_manifest(ckpt.step_dir(s)) is None for s in ckpt.all_steps())
+  assert _metric_steps(workdir) == [1, 2, 3, 4]
+  assert any(m.startswith("[warn]") and "moved to" in m for m in logs)
+  with open(os.path.join(workdir, "previous", "0", "metrics.jsonl")) as f:
+    assert f.read() == '{"step": 1, "old": 1}\n'
+  assert not any("orbax-checkpoint-tmp" in d for d in os.listdir(os.path.join(workdir,
+                                                                              "checkpoints")))
+
+
+def test_reevaluate_on_request_adds_no_point(resumed_run, base_dir):
+  workdir, _, _, summary = resumed_run
+  logs: list[str] = []
+  again = loop.run(tiny_config(base_dir), workdir, log=logs.append, reevaluate=True)
+  assert again["eval_end"] == summary["eval_end"]  # same params, same eval key
+  assert any(m.startswith("[eval] held-out") for m in logs)
+  assert _scalar_steps(workdir, "eval/pass_at_1") == [0, STEPS]
+  assert _metric_steps(workdir) == list(range(1, STEPS + 1))
