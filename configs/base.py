@@ -29,15 +29,15 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
 
   # ~0.8M parameters: a forward+backward on 512x48 tokens is ~2 s on 2 CPU cores.
   c.model = ml_collections.ConfigDict()
-  c.model.d_model = 128
-  c.model.n_layers = 4
-  c.model.n_heads = 4
-  c.model.n_kv_heads = 2
-  c.model.head_dim = 32
-  c.model.d_ff = 384
-  c.model.rope_theta = 10000.0
-  c.model.qk_norm = False
-  c.model.tie_embeddings = True
+  c.model.d_model = 128  # model width
+  c.model.n_layers = 4  # decoder layers
+  c.model.n_heads = 4  # attention (query) heads
+  c.model.n_kv_heads = 2  # key/value heads (GQA; divides n_heads)
+  c.model.head_dim = 32  # per-head width
+  c.model.d_ff = 384  # SwiGLU hidden width
+  c.model.rope_theta = 10000.0  # rotary embedding base
+  c.model.qk_norm = False  # RMSNorm on q and k per head (Qwen3)
+  c.model.tie_embeddings = True  # LM head = embedding transpose
 
   # Trainer precision; the sampler uses the same recipe unless `sampler_precision.recipe` is set.
   c.precision = precision.recipe(recipe)
@@ -47,10 +47,10 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
 
   # Supervised mid-training of the base (BF16 compute, FP32 master weights).
   c.sft = ml_collections.ConfigDict()
-  c.sft.steps = 150
-  c.sft.batch_size = 128
-  c.sft.lr = 3e-3
-  c.sft.warmup_steps = 20
+  c.sft.steps = 150  # supervised mid-training steps of the base (0 = RL from the random/loaded init)
+  c.sft.batch_size = 128  # SFT sequences per step
+  c.sft.lr = 3e-3  # SFT Adam learning rate
+  c.sft.warmup_steps = 20  # SFT linear warmup steps
   c.sft.base_dir = ""  # "" = <workdir>/base; point several runs at one dir to share the base
 
   # Losses, advantages, corrections: lowrl.training.rl_update.default_rl_config (shared with the
@@ -93,8 +93,8 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   # shards parameters FSDP-style, "model" is Megatron tensor parallelism; -1 fills the rest.
   # E.g. 8 GPUs as 4-way FSDP x 2-way TP: --config.mesh.shape="(-1, 2)".
   c.mesh = ml_collections.ConfigDict()
-  c.mesh.shape = (-1, 1)
-  c.mesh.axes = ("data", "model")
+  c.mesh.shape = (-1, 1)  # devices per mesh axis; -1 = the remaining devices
+  c.mesh.axes = ("data", "model")  # mesh axis names (data: batch + FSDP, model: tensor parallel)
   c.mesh.batch_axes = ("data",)  # mesh axes the batch (rollouts, KV cache) is split over
   # (regex over parameter paths, partition spec); first fullmatch wins, unmatched = replicated.
   c.mesh.rules = sharding.DEFAULT_RULES

@@ -144,6 +144,7 @@ def recipe(name: str) -> ml_collections.ConfigDict:
   """The precision ConfigDict of a named recipe (see module docstring and RECIPES).
 
   Knobs (each overridable alone):
+    name: label of the recipe in the precision table and logs (the values are the other knobs).
     format: "none" or a lowrl.quant format ("nvfp4", "mxfp8_e4m3", ...) for the linear layers.
     compute_dtype: activations / attention / KV cache / unquantized GEMM dtype.
     backward: "high_precision" | "dequantized" | "quantized" (QDotConfig.backward).

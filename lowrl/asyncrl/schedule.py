@@ -7,10 +7,16 @@ batch the trainer consumes at step t was generated `lag` steps earlier. The vers
     sampler_version(t) = sync_every * floor(max(t - lag_t, 0) / sync_every)
 
 With lag 0 and sync every step this is t: the synchronous, on-policy trainer.
+
+`AsyncSchedule` draws lag_t independently each step, so the consumed version can go backwards.
+Two more realistic schedules share its interface (`sampler_version`, `oldest_needed`,
+`max_versions`, `ring_plan`): `FifoSchedule` (bounded-staleness FIFO: versions never go backwards)
+and `LengthDrivenSchedule` (a batch's lag follows its longest completion's generation time).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -125,3 +131,71 @@ class VersionBuffer:
     oldest = self.schedule.oldest_needed(step)
     for v in [v for v in self._versions if v < oldest]:
       del self._versions[v]
+
+
+@dataclasses.dataclass(frozen=True)
+class FifoSchedule(AsyncSchedule):
+  """Bounded-staleness FIFO (prime-rl's async level, AReaL's max staleness): batches are consumed
+  in the order they were generated, so the consumed version never goes backwards.
+
+  Batch t's nominal start is t - lag_at(t) (the AsyncSchedule draw: `lag` is the bound, the
+  distribution the jitter of generation times); in a FIFO it cannot start before batch t-1, so
+
+      sampler_version(t) = sync_every * floor(max_{u <= t} max(u - lag_at(u), 0) / sync_every)
+
+  which is non-decreasing in t and within `lag` (+ sync_every - 1) of t. Only u in [t - lag, t]
+  can attain the running max (u - lag_at(u) <= u < t - lag <= t - lag_at(t) otherwise). A fixed
+  lag gives exactly AsyncSchedule's versions.
+  """
+
+  def sampler_version(self, step: int) -> int:
+    produced_at = max(max(u - self.lag_at(u), 0) for u in range(max(step - self.lag, 0), step + 1))
+    return self.sync_every * (produced_at // self.sync_every)
+
+  def oldest_needed(self, step: int) -> int:
+    """Versions never go backwards: no batch at `step` or later needs one older than step's."""
+    return self.sampler_version(step)
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthDrivenSchedule(AsyncSchedule):
+  """Generation length drives staleness: a batch whose longest completion has n tokens took
+  n / tokens_per_step trainer steps to generate, so it is consumed
+
+      lag_at(t) = ceil(n_t / tokens_per_step)   (>= 1: the pipelined one-step-off minimum)
+
+  updates after the version that sampled it (batches are consumed as they complete, so a long
+  batch after a short one brings an older version back). n_t is drawn (seeded by seed and t) from
+  `lengths`, an empirical distribution of per-batch longest completions, e.g. a base model's
+  rollouts. tokens_per_step = decode tokens per trainer step (CostModel: train step / decode step).
+  `lag` is derived (the longest length's lag, what the version buffer must cover); leave it 0.
+  """
+
+  tokens_per_step: float = 1.0
+  lengths: tuple[int, ...] = (1,)
+
+  def __post_init__(self):
+    lengths = tuple(self.lengths)
+    if not lengths or any(not isinstance(n, (int, np.integer)) or n < 1 for n in lengths):
+      raise ValueError(f"LengthDrivenSchedule.lengths must be positive ints, got {self.lengths!r}.")
+    if not self.tokens_per_step > 0:
+      raise ValueError("LengthDrivenSchedule.tokens_per_step must be > 0, "
+                       f"got {self.tokens_per_step}.")
+    if self.lag_distribution != "fixed":
+      raise ValueError("LengthDrivenSchedule draws its lags from `lengths`; leave "
+                       "lag_distribution='fixed'.")
+    object.__setattr__(self, "lengths", tuple(int(n) for n in lengths))
+    object.__setattr__(self, "lag", self._lag_of(max(lengths)))
+    super().__post_init__()
+
+  def _lag_of(self, length: int) -> int:
+    # The 1e-9 keeps a float quotient that should be an integer (6 / 0.6) from rounding up.
+    return max(1, math.ceil(length / self.tokens_per_step - 1e-9))
+
+  def length_at(self, step: int) -> int:
+    """The longest completion of the batch consumed at `step` (deterministic in seed and step)."""
+    rng = np.random.default_rng([self.seed, step])
+    return self.lengths[int(rng.integers(len(self.lengths)))]
+
+  def lag_at(self, step: int) -> int:
+    return self._lag_of(self.length_at(step))

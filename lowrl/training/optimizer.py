@@ -24,8 +24,15 @@ SCHEDULES = ("constant", "cosine", "linear")
 def default_optimizer_config() -> ml_collections.ConfigDict:
   """AdamW defaults shared by the training loop and the simulator."""
   return ml_collections.ConfigDict({
-      "lr": 2e-4, "schedule": "constant", "warmup_steps": 0, "final_lr_fraction": 0.0,
-      "b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0.0, "grad_clip": 1.0,
+      "lr": 2e-4,  # AdamW peak learning rate (> 0, finite)
+      "schedule": "constant",  # constant | cosine | linear (after warmup)
+      "warmup_steps": 0,  # linear warmup from 0, in optimizer steps
+      "final_lr_fraction": 0.0,  # cosine/linear: the final lr as a fraction of lr
+      "b1": 0.9,  # Adam first-moment decay, in [0, 1)
+      "b2": 0.99,  # Adam second-moment decay, in [0, 1)
+      "eps": 1e-8,  # Adam denominator epsilon
+      "weight_decay": 0.0,  # decoupled (AdamW) weight decay
+      "grad_clip": 1.0,  # global gradient-norm clip (None = off)
       "master_dtype": "float32",  # float32 | bfloat16
       "master_rounding": "nearest",  # nearest | stochastic (bfloat16 master only)
   })

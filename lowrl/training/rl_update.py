@@ -97,22 +97,22 @@ def default_rl_config() -> ml_collections.ConfigDict:
   # "" = the loss's paper default (token_mean for dapo/cispo, seq_mean_token_mean for grpo/gspo);
   # or seq_mean_token_mean | token_mean | seq_mean_token_sum_norm (Dr.GRPO).
   c.aggregation = ""
-  c.clip_eps_low = 0.2
+  c.clip_eps_low = 0.2  # PPO clip: ratio >= 1 - clip_eps_low
   c.clip_eps_high = ml_collections.config_dict.placeholder(float)  # None = 0.28 dapo, else 0.2
-  c.cispo_eps_max = 4.0
+  c.cispo_eps_max = 4.0  # CISPO: the detached weight is min(ratio, cispo_eps_max)
   c.mu = 1  # inner updates per batch against pi_old
-  c.num_minibatches = 1
+  c.num_minibatches = 1  # PPO minibatches per pass over the batch
   # pi_old of the PPO ratio: trainer (recompute; decoupled PPO, the sampler is corrected for by
   # rl.correction) | sampler (recorded; the ratio is then relative to the sampler and
   # rl.correction must be none).
   c.old_logp_source = "trainer"
-  c.kl_coef = 0.0
-  c.kl_estimator = "k3"
+  c.kl_coef = 0.0  # beta of the KL-to-reference penalty (0 = no penalty)
+  c.kl_estimator = "k3"  # k1 | k2 | k3 (REFERENCE.md section 3)
   c.correction = "none"  # none | tis | mis
   c.correction_level = "token"  # token | sequence
-  c.tis_cap = 2.0
-  c.mis_low = 0.5
-  c.mis_high = 5.0
+  c.tis_cap = 2.0  # TIS: weight truncated at this cap
+  c.mis_low = 0.5  # MIS: tokens/sequences with weight below this are masked
+  c.mis_high = 5.0  # MIS: tokens/sequences with weight above this are masked
   return c
 
 

@@ -175,10 +175,26 @@ def knob_docs() -> dict[str, str]:
   for module, prefix in ((optimizer, "optimizer."), (rl_update, "rl.")):
     fn = module.default_optimizer_config if module is optimizer else module.default_rl_config
     docs.update(comment_docs(inspect.getsource(fn), prefix))
+  docs.update(_precision_docs())
   base = os.path.join(root, "configs", "base.py")
   if os.path.exists(base):
     with open(base) as f:
       docs.update(comment_docs(f.read()))
+  return docs
+
+
+def _precision_docs() -> dict[str, str]:
+  """`precision.<knob>` meanings from the knob list of `lowrl.precision.recipe`'s docstring."""
+  from lowrl import precision
+  docs, key = {}, None
+  for line in (precision.recipe.__doc__ or "").split("Knobs", 1)[-1].splitlines()[1:]:
+    if m := re.match(r"^ {4}(\w+): (.*)$", line):
+      key = "precision." + m.group(1)
+      docs[key] = m.group(2).strip()
+    elif key and line.startswith(" " * 6) and line.strip():
+      docs[key] += " " + line.strip()
+    else:
+      key = None
   return docs
 
 
