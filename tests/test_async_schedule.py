@@ -101,8 +101,8 @@ def test_ring_plan_rejects_a_too_small_ring():
     s.ring_plan(10, 2)
 
 
-@pytest.mark.parametrize("kwargs, match", [({"lag": -1}, "lag must be >= 0"),
-                                           ({"sync_every": 0}, "sync_every must be >= 1"),
+@pytest.mark.parametrize("kwargs, match", [({"lag": -1}, "lag=-1: must be >= 0"),
+                                           ({"sync_every": 0}, "sync_every=0: must be >= 1"),
                                            ({"lag_distribution": "poisson"}, "lag_distribution")])
 def test_schedule_validation(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -213,12 +213,12 @@ def test_longer_completions_are_staler():
     ({"lengths": (3, 0)}, "lengths must be positive ints"),
     ({"tokens_per_step": 0.0}, "tokens_per_step must be > 0"),
     ({"lag_distribution": "uniform"}, "leave lag_distribution='fixed'"),
-    ({"sync_every": 0}, "sync_every must be >= 1")])
+    ({"sync_every": 0}, "sync_every=0: must be >= 1")])
 def test_length_driven_validation(kwargs, match):
   with pytest.raises(ValueError, match=match):
     LengthDrivenSchedule(**{"tokens_per_step": 1.0, "lengths": (2,), **kwargs})
 
 
 def test_fifo_validation():
-  with pytest.raises(ValueError, match="lag must be >= 0"):
+  with pytest.raises(ValueError, match="lag=-1: must be >= 0"):
     FifoSchedule(lag=-1)

@@ -42,10 +42,11 @@ class AsyncSchedule:
   seed: int = 0
 
   def __post_init__(self):
+    # Messages start with the field name: callers prefix their config path (async_rl.lag=...).
     if self.lag < 0:
-      raise ValueError(f"async lag must be >= 0 trainer steps, got {self.lag}.")
+      raise ValueError(f"lag={self.lag}: must be >= 0 trainer steps (0 = synchronous).")
     if self.sync_every < 1:
-      raise ValueError(f"async sync_every must be >= 1 trainer step, got {self.sync_every}.")
+      raise ValueError(f"sync_every={self.sync_every}: must be >= 1 trainer step.")
     if self.lag_distribution not in LAG_DISTRIBUTIONS:
       raise ValueError(
           f"lag_distribution={self.lag_distribution!r}; use one of {LAG_DISTRIBUTIONS}.")

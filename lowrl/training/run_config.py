@@ -17,7 +17,7 @@ from typing import Any
 
 import ml_collections
 
-from lowrl.asyncrl.schedule import LAG_DISTRIBUTIONS
+from lowrl.asyncrl.schedule import AsyncSchedule
 from lowrl.rl.corrections import CORRECTION_LEVELS, CORRECTION_MODES
 from lowrl.rl.kl import KL_ESTIMATORS
 from lowrl.rl.losses import AGGREGATIONS, LOSSES
@@ -83,16 +83,15 @@ def check_values(cfg: ml_collections.ConfigDict) -> None:
   _one_of("rl.kl_estimator", rl.kl_estimator, KL_ESTIMATORS)
   _one_of("rl.aggregation", rl.aggregation, ("",) + AGGREGATIONS)
   _one_of("rl.old_logp_source", rl.old_logp_source, OLD_LOGP_SOURCES)
-  _one_of("async_rl.lag_distribution", a.lag_distribution, LAG_DISTRIBUTIONS)
   try:  # the sampler's own checks, reported under the rl.* flag names
     SamplingConfig(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_k=rl.top_k,
                    top_p=rl.top_p)
   except ValueError as e:
     raise ValueError(f"--config.rl.{e}") from None
-  if a.lag < 0:
-    raise ValueError(f"--config.async_rl.lag={a.lag}: must be >= 0 (0 = synchronous).")
-  if a.sync_every < 1:
-    raise ValueError(f"--config.async_rl.sync_every={a.sync_every}: must be >= 1.")
+  try:  # the schedule's own checks, reported under the async_rl.* flag names
+    AsyncSchedule(lag=a.lag, sync_every=a.sync_every, lag_distribution=a.lag_distribution)
+  except ValueError as e:
+    raise ValueError(f"--config.async_rl.{e}") from None
   if cfg.max_skipped_steps < 1:
     raise ValueError(f"--config.max_skipped_steps={cfg.max_skipped_steps}: must be >= 1.")
 
