@@ -19,18 +19,18 @@ def get_config() -> ml_collections.ConfigDict:
   c.sim.sft.steps = 100
   c.sim.optimizer.lr = 1e-3
   c.sim.rl.steps = 400
-  c.seeds = (0, 1, 2, 3)
+  c.seeds = (0, 1, 2, 3)  # seeds per setting (vmapped)
   c.log_every = 1  # TensorBoard scalars every this many steps
 
   c.grid = ml_collections.ConfigDict()
-  c.grid.lag = (0, 1, 2, 4, 8)
-  c.grid.sync_every = (1,)
-  c.grid.lag_distribution = ("fixed",)
+  c.grid.lag = (0, 1, 2, 4, 8)  # off-policy lags (trainer steps) to sweep
+  c.grid.sync_every = (1,)  # weight-sync intervals to sweep
+  c.grid.lag_distribution = ("fixed",)  # fixed | uniform | geometric lag draws
   # The paper's setting: the sampler quantized, the trainer in BF16 ("same" = the sampler's).
-  c.grid.sampler_recipe = ("bf16", "nvfp4_naive", "nvfp4_recipe")
-  c.grid.trainer_recipe = ("bf16",)
-  c.grid.correction = ("none", "tis")
-  c.grid.num_prompts = (8,)
-  c.grid.group_size = (8,)
-  c.grid.horizon = (6,)
+  c.grid.sampler_recipe = ("bf16", "nvfp4_naive", "nvfp4_recipe")  # sampler precision recipes
+  c.grid.trainer_recipe = ("bf16",)  # trainer precision recipes ('same' = the sampler's)
+  c.grid.correction = ("none", "tis")  # none | tis | mis
+  c.grid.num_prompts = (8,)  # prompts per batch
+  c.grid.group_size = (8,)  # samples per prompt
+  c.grid.horizon = (6,)  # completion lengths (task.length)
   return c

@@ -10,13 +10,14 @@ Per setting: TensorBoard runs in <workdir>/runs/<setting>/seed_<s>, one line in
 lines (with ETA) go to stdout. Re-running with the same --workdir skips finished settings.
 A config error is one line on stderr and exit status 2.
 """
+import inspect
 import os
 import sys
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from lowrl.asyncrl import sweep
+from lowrl.asyncrl import simulator, sweep
 from lowrl.training import cli, run_config
 
 _DEFAULT_CONFIG = os.path.join(cli.REPO, "configs", "simulate.py")
@@ -31,12 +32,22 @@ _PRINT_CONFIG = flags.DEFINE_bool("print_config", False,
                                   "Print every --config.* knob with its value and exit.")
 
 
+def _knob_docs() -> dict[str, str]:
+  """Meanings of the sweep's knobs: the loop's (for sim.rl.*, ...), the simulator's, the grid's."""
+  docs = run_config.knob_docs()
+  docs.update(run_config.comment_docs(inspect.getsource(simulator.default_config), "sim."))
+  with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                         "simulate.py")) as f:
+    docs.update(run_config.comment_docs(f.read()))
+  return docs
+
+
 def main(argv):
   if len(argv) > 1:
     cli.fail(f"unexpected arguments {argv[1:]}; flags look like --workdir=DIR.")
   cfg = cli.config_value(_CONFIG, sys.argv, _DEFAULT_CONFIG)
   if _PRINT_CONFIG.value:
-    print(run_config.describe(cfg))
+    print(run_config.describe(cfg, _knob_docs()))
     return
   sweep.run_sweep(cfg, _WORKDIR.value, log=lambda s: print(s, flush=True))
 

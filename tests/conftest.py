@@ -3,8 +3,10 @@
 XLA_FLAGS must be set before jax is imported anywhere, so it lives here (pytest imports
 conftest.py first).
 
-Matmul precision is left at JAX's default, as production runs it: tests whose reference is a
-closed form in FP32 or float64 derive their tolerance from that (see each test).
+Matmul precision is left at JAX's default, as production runs it. The suite runs on the CPU
+(JAX_PLATFORMS=cpu below), where FP32 dots are computed in FP32: tests whose reference is a closed
+form in FP32 or float64 derive their tolerance from that (see each test); on an accelerator's
+default (TF32 / BF16-pass) dots those tolerances would not hold.
 """
 import os
 import pathlib

@@ -219,5 +219,3 @@ def test_samplers_refuse_scales_that_are_not_row_local():
       rules=((".*", QDotConfig(QuantConfig("nvfp4", block_2d=True), None)),), name="tiles")
   with pytest.raises(ValueError, match="2-D blocks"):
     gen(policy=tiles)
-  with pytest.raises(ValueError, match="trainer_policy"):
-    sampling.Sampler(TINY, NAIVE, RL, exact=True, trainer_policy=BF16)

@@ -145,14 +145,17 @@ def default_config() -> ml_collections.ConfigDict:
   """One simulator setting. `rl`, `optimizer` and `async_rl` use configs/base.py's names."""
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.task = ml_collections.ConfigDict(
-      {"kind": "sort", "num_symbols": 8, "length": 6, "reward": "per_token"})
+  c.task = ml_collections.ConfigDict()
+  c.task.kind = "sort"  # sort | reverse | copy the prompt's symbols
+  c.task.num_symbols = 8  # alphabet size
+  c.task.length = 6  # symbols per prompt = completion tokens (the horizon)
+  c.task.reward = "per_token"  # per_token (fraction of positions right) | exact (all right)
   # Widths are multiples of 16 so every recipe (NVFP4 blocks of 16) can quantize every GEMM.
   c.model = ml_collections.ConfigDict(
       {"d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "d_ff": 64,
        "tie_embeddings": True})
-  c.sampler_recipe = "bf16"
-  c.trainer_recipe = "bf16"
+  c.sampler_recipe = "bf16"  # precision recipe of the sampler (lowrl.precision.RECIPES)
+  c.trainer_recipe = "bf16"  # precision recipe of the trainer
   c.sampler_exact = True  # sampler logprobs from its full forward, as the loop's default
   # Static activation scales of a sampler (or greedy eval) whose recipe scales activations per
   # tensor (nvfp4_naive): max |input| per matmul over `calib_num_prompts` fixed train prompts +
@@ -160,7 +163,7 @@ def default_config() -> ml_collections.ConfigDict:
   # recalibrated from the weights at every weight sync (stored with them in the version ring);
   # "base": once, from the run's starting weights.
   c.act_calibration = "sync"
-  c.calib_num_prompts = 64
+  c.calib_num_prompts = 64  # prompts (+ targets) of the calibration batch
 
   c.rl = rl_update.default_rl_config()  # the loop's knobs and defaults
   c.rl.steps = 400

@@ -479,18 +479,12 @@ class Sampler:
   """
 
   def __init__(self, model_cfg: ModelConfig, policy: PrecisionPolicy, config: SamplingConfig,
-               *, exact: bool = False, trainer_policy: PrecisionPolicy | None = None,
-               plan: ShardingPlan | None = None):
+               *, exact: bool = False, plan: ShardingPlan | None = None):
     config.check(model_cfg)
-    if exact and trainer_policy is not None and trainer_policy != policy:
-      raise ValueError(
-          f"Sampler(exact=True) records the re-scored logprobs as the sampling distribution, so "
-          f"it re-scores with its own policy {policy.name!r}, not {trainer_policy.name!r}: drop "
-          "trainer_policy, or sample with exact=False and score with the trainer via "
-          "sampler.rescore(out, params, policy=trainer_policy, ...).")
+    # Exact mode records re-scored logprobs as the sampling distribution, so it re-scores with
+    # the sampler's own policy; a trainer in another precision scores with `rescore(...)`.
     self.model_cfg, self.policy, self.config = model_cfg, policy, config
     self.exact = exact
-    self.trainer_policy = policy  # exact mode's scoring policy: the sampler's own
     self.plan = plan  # None: one device; else every call runs sharded on plan.mesh
     self._cache = None
 
@@ -520,7 +514,7 @@ class Sampler:
                                 act_amax=act_amax)
     if self.exact:
       out = rescore(out, params if trainer_params is None else trainer_params,
-                    model_cfg=self.model_cfg, policy=self.trainer_policy, config=self.config,
+                    model_cfg=self.model_cfg, policy=self.policy, config=self.config,
                     quant_key=trainer_quant_key, plan=self.plan, act_amax=act_amax)
     return out
 

@@ -20,11 +20,11 @@ import shutil
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from lowrl import distributed
+from lowrl.training.optimizer import tree_all_finite
 
 MANIFEST = "lowrl_manifest.json"
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -42,11 +42,7 @@ def abstract_like(tree: Any) -> Any:
   return jax.tree.map(leaf, tree)
 
 
-@jax.jit
-def _all_finite(tree: Any) -> jax.Array:
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+_all_finite = jax.jit(tree_all_finite)
 
 
 def _barrier(name: str) -> None:

@@ -189,7 +189,7 @@ class Trainer:
                           in_shardings=(p_sh, o_sh, ref_sh, batch, repl),
                           out_shardings=(p_sh, o_sh, repl))
     self.sampler = Sampler(setup.model_cfg, setup.sampler_policy, setup.sampling,
-                           exact=cfg.sampler_exact, trainer_policy=setup.sampler_policy, plan=plan)
+                           exact=cfg.sampler_exact, plan=plan)
     self.eval_sampler = Sampler(setup.model_cfg, setup.trainer_policy, setup.eval_sampling,
                                 plan=plan)
     self.eval_sampler_t = Sampler(setup.model_cfg, setup.trainer_policy, setup.sampling,

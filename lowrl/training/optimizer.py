@@ -21,6 +21,14 @@ MASTER_ROUNDINGS = ("nearest", "stochastic")
 SCHEDULES = ("constant", "cosine", "linear")
 
 
+def tree_all_finite(tree: Any) -> jax.Array:
+  """Scalar bool: every floating-point leaf of `tree` is finite (integer leaves, e.g. Adam's step
+  count, are skipped)."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
 def default_optimizer_config() -> ml_collections.ConfigDict:
   """AdamW defaults shared by the training loop and the simulator."""
   return ml_collections.ConfigDict({

@@ -52,7 +52,7 @@ from lowrl.rl.masked import masked_mean
 from lowrl.rl.mismatch import mismatch_metrics
 from lowrl.sampling import sampler as sampler_lib
 from lowrl.sampling.sampler import SamplingConfig
-from lowrl.training.optimizer import apply_update
+from lowrl.training.optimizer import apply_update, tree_all_finite
 
 Batch = dict[str, jax.Array]
 OLD_LOGP_SOURCES = ("trainer", "sampler")
@@ -179,11 +179,6 @@ def make_logprob_fn(model_cfg: ModelConfig, policy: PrecisionPolicy,
   return logprob_fn
 
 
-def _tree_all_finite(tree: Any) -> jax.Array:
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-  return jnp.all(jnp.stack(leaves))
-
-
 def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConfig):
   """Builds `update(params, opt_state, ref_params, batch, key) -> (params, opt_state, metrics)`.
 
@@ -237,7 +232,7 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
       p, o = carry
       b = jax.tree.map(lambda x: x[i % cfg.num_minibatches], minibatches)
       (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, b)
-      ok = jnp.isfinite(loss) & _tree_all_finite(grads)
+      ok = jnp.isfinite(loss) & tree_all_finite(grads)
       grad_norm = optax.tree.norm(grads)
 
       def do(args):
@@ -246,7 +241,7 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
 
       new_p, new_o = jax.lax.cond(ok, do, lambda args: (args[0], args[2]), (p, grads, o))
       # A finite gradient can still give a non-finite update (e.g. a huge lr): keep the old state.
-      ok = ok & _tree_all_finite((new_p, new_o))
+      ok = ok & tree_all_finite((new_p, new_o))
       p, o = jax.tree.map(lambda new, old: jnp.where(ok, new, old), (new_p, new_o), (p, o))
       m = dict(m, loss=loss, grad_norm=grad_norm, skipped=1.0 - ok.astype(jnp.float32))
       return (p, o), m

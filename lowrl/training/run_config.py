@@ -203,6 +203,7 @@ def describe(cfg: ml_collections.ConfigDict, docs: dict[str, str] | None = None)
   docs = knob_docs() if docs is None else docs
   lines = []
   for k, v in flatten(cfg).items():
-    doc = docs.get(k)
+    # The simulator nests the loop's knobs (sim.rl.steps is rl.steps): fall back to those names.
+    doc = docs.get(k) or docs.get(k.partition(".")[2])
     lines.append(f"--config.{k}={v!r}" + (f"  # {doc}" if doc else ""))
   return "\n".join(lines)
