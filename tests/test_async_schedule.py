@@ -213,6 +213,7 @@ def test_longer_completions_are_staler():
     ({"lengths": (3, 0)}, "lengths must be positive ints"),
     ({"tokens_per_step": 0.0}, "tokens_per_step must be > 0"),
     ({"lag_distribution": "uniform"}, "leave lag_distribution='fixed'"),
+    ({"lag": 7}, "derives lag=2 from `lengths`; leave lag=0"),
     ({"sync_every": 0}, "sync_every=0: must be >= 1")])
 def test_length_driven_validation(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -186,7 +186,11 @@ class LengthDrivenSchedule(AsyncSchedule):
       raise ValueError("LengthDrivenSchedule draws its lags from `lengths`; leave "
                        "lag_distribution='fixed'.")
     object.__setattr__(self, "lengths", tuple(int(n) for n in lengths))
-    object.__setattr__(self, "lag", self._lag_of(max(lengths)))
+    derived = self._lag_of(max(lengths))
+    if self.lag not in (0, derived):  # 0: not given; derived: a copy (dataclasses.replace)
+      raise ValueError(f"LengthDrivenSchedule derives lag={derived} from `lengths`; leave lag=0, "
+                       f"got lag={self.lag}.")
+    object.__setattr__(self, "lag", derived)
     super().__post_init__()
 
   def _lag_of(self, length: int) -> int:
