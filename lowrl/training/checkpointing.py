@@ -82,13 +82,21 @@ def write_manifest(step_dir: str) -> None:
   os.replace(tmp, os.path.join(step_dir, MANIFEST))
 
 
+_NO_MANIFEST = f"no {MANIFEST}"
+
+
+def _unverifiable(problem: str | None) -> bool:
+  """True when `verify_manifest` found nothing wrong, or nothing to check against."""
+  return problem is None or problem.startswith(_NO_MANIFEST)
+
+
 def verify_manifest(step_dir: str) -> str | None:
   """None if every file of the step matches its manifest, else what is wrong (one line)."""
   try:
     with open(os.path.join(step_dir, MANIFEST)) as f:
       expected = json.load(f)["sha256"]
   except FileNotFoundError:
-    return f"no {MANIFEST} (the save did not complete, or predates checksums)"
+    return f"{_NO_MANIFEST} (the save did not complete, or predates checksums)"
   except (ValueError, KeyError, TypeError) as e:
     return f"{MANIFEST} is unreadable ({e})"
   actual = _file_digests(step_dir)
@@ -184,9 +192,13 @@ class Checkpointer:
     if step is None:
       raise CheckpointError(f"No checkpoint in {self.directory}.")
     problem = verify_manifest(self.step_dir(step))
-    if problem is not None and not problem.startswith("no "):
+    if not _unverifiable(problem):
       raise CheckpointError(f"Checkpoint step {step} in {self.directory} is damaged ({problem}). "
                             f"Nothing was deleted. {self._fix_hint(step)}")
+    return self._restore_verified(abstract_state, step)
+
+  def _restore_verified(self, abstract_state: Any, step: int) -> tuple[Any, dict[str, Any], int]:
+    """`restore` after the checksums were checked by the caller."""
     try:
       out = self._manager.restore(
           step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
@@ -215,9 +227,9 @@ class Checkpointer:
     damaged = []
     for step in reversed(steps):
       problem = verify_manifest(self.step_dir(step))
-      if problem is None or problem.startswith("no "):
+      if _unverifiable(problem):
         try:
-          state, meta, _ = self.restore(abstract_for_step(step), step)
+          state, meta, _ = self._restore_verified(abstract_for_step(step), step)
         except CheckpointError as e:
           if problem is None:  # checksums match: the bytes are as saved, the config is not
             raise

@@ -232,16 +232,12 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
       p, o = carry
       b = jax.tree.map(lambda x: x[i % cfg.num_minibatches], minibatches)
       (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, b)
-      ok = jnp.isfinite(loss) & tree_all_finite(grads)
       grad_norm = optax.tree.norm(grads)
-
-      def do(args):
-        return apply_update(tx, *args, master_rounding=cfg.master_rounding,
-                            key=jax.random.fold_in(key_opt, i))
-
-      new_p, new_o = jax.lax.cond(ok, do, lambda args: (args[0], args[2]), (p, grads, o))
-      # A finite gradient can still give a non-finite update (e.g. a huge lr): keep the old state.
-      ok = ok & tree_all_finite((new_p, new_o))
+      new_p, new_o = apply_update(tx, p, grads, o, master_rounding=cfg.master_rounding,
+                                  key=jax.random.fold_in(key_opt, i))
+      # Keep the old state when the loss, the gradient or the update is non-finite (a finite
+      # gradient can still give a non-finite update, e.g. with a huge lr).
+      ok = jnp.isfinite(loss) & tree_all_finite((grads, new_p, new_o))
       p, o = jax.tree.map(lambda new, old: jnp.where(ok, new, old), (new_p, new_o), (p, o))
       m = dict(m, loss=loss, grad_norm=grad_norm, skipped=1.0 - ok.astype(jnp.float32))
       return (p, o), m
