@@ -98,3 +98,18 @@ def test_hparams_go_to_the_runs_own_event_file(tmp_path):
   assert info.hparams["optimizer.lr"].number_value == pytest.approx(2e-4)
   assert info.hparams["rl.loss"].string_value == "grpo"
   assert info.hparams["mesh.shape"].string_value == "(-1, 1)"
+
+
+def test_flush_puts_every_logged_point_on_disk(tmp_path):
+  """After flush() returns, the event files on disk hold every point logged so far (what the loop
+  relies on before a checkpoint: a kill right after it must not lose them)."""
+  w = MetricWriter(tmp_path, flush_secs=3600)  # no periodic flush can hide a missing one
+  for step in range(1, 501):
+    w.scalars(step, {"a": step, "b": -step})
+  w.flush()
+  acc = _read(tmp_path)  # read while the writer is still open
+  assert [e.step for e in acc.Scalars("a")] == list(range(1, 501))
+  assert [e.value for e in acc.Scalars("b")] == [-float(s) for s in range(1, 501)]
+  w.scalars(501, {"a": 501})  # the writer keeps working after a flush
+  w.close()
+  assert [e.step for e in _read(tmp_path).Scalars("a")][-1] == 501

@@ -45,13 +45,17 @@ class MetricWriter:
   def __init__(self, logdir: str, flush_secs: int = 30, purge_step: int | None = None):
     """`purge_step`: a resumed run's first new step; TensorBoard then drops the points at
     steps >= purge_step that earlier event files hold (logged before an interruption)."""
+    self._logdir, self._flush_secs = str(logdir), flush_secs
+    self._writer = self._open(purge_step)
+
+  def _open(self, purge_step: int | None):
     # Imported here so NullWriter users never pay for (or need) tensorboardX.
     from tensorboardX import SummaryWriter
     # Event files are named by the second they were opened in: a count suffix keeps a writer
     # opened in the same second as an earlier one (a quick resume) from truncating its file.
-    existing = len(os.listdir(logdir)) if os.path.isdir(logdir) else 0
-    self._writer = SummaryWriter(logdir=str(logdir), flush_secs=flush_secs, purge_step=purge_step,
-                                 filename_suffix=f".{existing}")
+    existing = len(os.listdir(self._logdir)) if os.path.isdir(self._logdir) else 0
+    return SummaryWriter(logdir=self._logdir, flush_secs=self._flush_secs, purge_step=purge_step,
+                         filename_suffix=f".{existing}")
 
   @property
   def logdir(self) -> str:
@@ -104,8 +108,14 @@ class MetricWriter:
                            dataformats="HWC")
 
   def flush(self) -> None:
-    """Write everything pending to disk."""
-    self._writer.flush()
+    """Write everything logged so far to disk before returning (then continue in a new file).
+
+    tensorboardX's own flush() only flushes the file: events still queued for its writer thread
+    are not yet in it, so a kill right after a checkpoint could lose them. Closing joins the
+    thread after it has written every queued event.
+    """
+    self._writer.close()
+    self._writer = self._open(purge_step=None)
 
   def close(self) -> None:
     """Flush and close the event file."""
