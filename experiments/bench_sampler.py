@@ -44,7 +44,7 @@ import numpy as np
 
 from lowrl import precision
 from lowrl.models import config as model_config
-from lowrl.models import transformer
+from lowrl.models import layout, transformer
 from lowrl.sampling import sampler as sampling
 
 _MODEL = flags.DEFINE_string("model", "small", f"Model preset: {model_config.preset_names()}.")
@@ -92,7 +92,7 @@ def lowrl_round(model_cfg, policy, params, prompts_BP, new_tokens, reuse_cache=T
   mask_BP = jnp.ones_like(prompts_BP)
   caches = {}
   # Per-tensor activation scales sample with static amaxes (here calibrated on the prompts).
-  paths = policy.tensor_scaled_act_paths(model_cfg)
+  paths = policy.act_paths(layout.matmuls(model_cfg), "tensor")
   act_amax = transformer.calibrate_act_amax(params, prompts_BP, model_cfg, policy, paths) \
       if paths else None
 
@@ -220,7 +220,7 @@ def packed_sizes(model_cfg, params, recipes) -> dict[str, dict[str, float]]:
   """
   out = {}
   for name in recipes:
-    packed = sampling.pack_params(params, model_cfg, precision.policy_for(name, model_cfg))
+    packed = sampling.pack_params(params, model_cfg, precision.policy_for(name, layout.matmuls(model_cfg)))
     stats = sampling.packed_bytes(packed)
     if not stats["quantized_params"]:
       continue
@@ -245,10 +245,10 @@ def main(argv):
         f"load average at start {os.getloadavg()[0]:.1f}")
   params = transformer.init_params(model_cfg, jax.random.key(0))
   prompts_BP = jax.random.randint(jax.random.key(2), (batch, p), 0, model_cfg.vocab_size)
-  rows = {name: lowrl_round(model_cfg, precision.policy_for(name, model_cfg), params,
+  rows = {name: lowrl_round(model_cfg, precision.policy_for(name, layout.matmuls(model_cfg)), params,
                             prompts_BP, n) for name in _RECIPES.value}
   if "bf16" in rows:
-    rows["bf16 fresh"] = lowrl_round(model_cfg, precision.policy_for("bf16", model_cfg), params,
+    rows["bf16 fresh"] = lowrl_round(model_cfg, precision.policy_for("bf16", layout.matmuls(model_cfg)), params,
                                      prompts_BP, n, reuse_cache=False)
   if _TUNIX.value and (tunix := tunix_round(model_cfg, prompts_BP, n)) is not None:
     rows["tunix"] = tunix

@@ -1,10 +1,12 @@
 """Precision policy: which quantizer (QDotConfig) each matmul of the decoder uses.
 
 A policy is built from an `ml_collections.ConfigDict` (one flag per knob, so an ablation is one
-command-line override, e.g. `--config.precision.bf16_last_fraction=0`) and a model config, into a
-frozen, hashable `PrecisionPolicy`: an ordered list of `(regex, QDotConfig)` rules over matmul
-paths, first match wins (big_vision / haliax style). Paths are `layers_{i}/attn/q_proj`, ...,
-`layers_{i}/mlp/down_proj` and `lm_head`; regexes are matched with `re.fullmatch`.
+command-line override, e.g. `--config.precision.bf16_last_fraction=0`) and the model's matmuls
+(`lowrl.models.layout.matmuls(model_cfg)`, passed in: this module sits below the model and
+imports nothing from it), into a frozen, hashable `PrecisionPolicy`: an ordered list of
+`(regex, QDotConfig)` rules over matmul paths, first match wins (big_vision / haliax style). The
+paths are the layout's full paths (`layers_{i}/attn/q_proj`, ..., `layers_{i}/mlp/down_proj`,
+`lm_head`); regexes are matched with `re.fullmatch`.
 
 Everything that is not a linear layer (embedding lookup, norms, RoPE, attention math, softmax,
 KV cache) runs in `compute_dtype` (softmax, norms, logits and log-softmax in FP32) and is not
@@ -14,28 +16,42 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol, Sequence
 
 import jax.numpy as jnp
 import ml_collections
 
 from lowrl.quant.config import BACKWARD_MODES, COMPUTE_DTYPES, FORMATS, QDotConfig, QuantConfig
 
-if TYPE_CHECKING:  # models/__init__ imports the transformer, which imports this module.
-  from lowrl.models.config import ModelConfig
-
-# Linear layers of one decoder block, in execution order.
-BLOCK_MATMULS = ("attn/q_proj", "attn/k_proj", "attn/v_proj", "attn/o_proj",
-                 "mlp/gate_proj", "mlp/up_proj", "mlp/down_proj")
-LM_HEAD = "lm_head"
 FORMAT_NONE = "none"
 STOCHASTIC_ROUNDING_MODES = ("none", "grad", "all")
 RECIPES = ("fp32", "bf16", "fp16", "mxfp8", "nvfp4_naive", "nvfp4_recipe")
 
 
-def matmul_path(layer: int | None, path: str) -> str:
-  """The full path the rules match: `layers_3/mlp/up_proj`, or `lm_head` (layer None)."""
-  return path if layer is None else f"layers_{layer}/{path}"
+class MatmulSite(Protocol):
+  """What a policy needs to know of a matmul (`lowrl.models.layout.Matmul` is one)."""
+
+  layer: int | None  # decoder layer; None for the LM head
+  path: str  # "attn/q_proj", ..., "lm_head"
+
+  @property
+  def full_path(self) -> str: ...  # what the rules match, e.g. "layers_3/mlp/up_proj"
+
+
+def _head(matmuls: Sequence[MatmulSite]) -> MatmulSite:
+  heads = [m for m in matmuls if m.layer is None]
+  if len(heads) != 1:
+    raise ValueError(f"expected exactly one matmul outside the layers (the LM head), got {heads}.")
+  return heads[0]
+
+
+def _num_layers(matmuls: Sequence[MatmulSite]) -> int:
+  return 1 + max((m.layer for m in matmuls if m.layer is not None), default=-1)
+
+
+def _alternation(paths: Sequence[str]) -> str:
+  """A regex that fullmatches exactly `paths`."""
+  return "|".join(re.escape(p) for p in paths)
 
 
 def bf16_tail_layers(n_layers: int, fraction: float) -> tuple[int, ...]:
@@ -74,9 +90,11 @@ class PrecisionPolicy:
                          "(QDotConfig(compute_dtype=...) for an unquantized matmul).")
 
   @classmethod
-  def unquantized(cls, compute_dtype: str = "float32", name: str = "") -> PrecisionPolicy:
+  def unquantized(cls, matmuls: Sequence[MatmulSite], compute_dtype: str = "float32",
+                  name: str = "") -> PrecisionPolicy:
     """Every matmul plain, in `compute_dtype`; the LM head in FP32."""
-    return cls(rules=((LM_HEAD, QDotConfig(compute_dtype="float32")),
+    return cls(rules=((_alternation([_head(matmuls).full_path]),
+                       QDotConfig(compute_dtype="float32")),
                       (".*", QDotConfig(compute_dtype=compute_dtype))),
                compute_dtype=compute_dtype, name=name or compute_dtype)
 
@@ -84,27 +102,24 @@ class PrecisionPolicy:
   def dtype(self) -> jnp.dtype:
     return jnp.dtype(self.compute_dtype)
 
-  def qdot_config(self, layer: int | None, path: str) -> QDotConfig:
-    """The QDotConfig of matmul `path` ("attn/q_proj", ..., "lm_head") in `layer`."""
-    full = matmul_path(layer, path)
+  def qdot_config(self, full_path: str) -> QDotConfig:
+    """The QDotConfig of the matmul at `full_path` ("layers_0/attn/q_proj", ..., "lm_head")."""
+    full = full_path
     for pattern, cfg in self.rules:
       if re.fullmatch(pattern, full):
         return cfg
     raise ValueError(f"No precision rule matches matmul {full!r}; end the rules with a "
                      "catch-all ('.*', QDotConfig(...)).")
 
-  def tensor_scaled_act_paths(self, model_cfg: ModelConfig) -> tuple[str, ...]:
-    """Full paths of the matmuls whose activation (lhs) scale spans the whole tensor
-    (`activation_scaling(cfg) == "tensor"`), in execution order: the keys a static calibrated
-    `act_amax` tree must hold for this policy to decode row-locally."""
-    return tuple(matmul_path(layer, path) for layer, path in matmul_paths(model_cfg.n_layers)
-                 if activation_scaling(self.qdot_config(layer, path)) == "tensor")
-
-  def tile_scaled_act_paths(self, model_cfg: ModelConfig) -> tuple[str, ...]:
-    """Full paths whose activation quantizer uses 2-D blocks (spanning 16 tokens): no sampler
-    can reproduce those token by token, with or without static scales."""
-    return tuple(matmul_path(layer, path) for layer, path in matmul_paths(model_cfg.n_layers)
-                 if activation_scaling(self.qdot_config(layer, path)) == "tile")
+  def act_paths(self, matmuls: Sequence[MatmulSite], scaling: str) -> tuple[str, ...]:
+    """Full paths of `matmuls` whose activation scaling (`activation_scaling`) is `scaling`, in
+    order. "tensor": the keys a static calibrated `act_amax` tree must hold for this policy to
+    decode row-locally; "tile": 2-D activation blocks (spanning 16 tokens), which no sampler can
+    reproduce token by token, with or without static scales."""
+    if scaling not in ACT_SCALINGS:
+      raise ValueError(f"scaling={scaling!r}; use one of {ACT_SCALINGS}.")
+    return tuple(m.full_path for m in matmuls
+                 if activation_scaling(self.qdot_config(m.full_path)) == scaling)
 
   @property
   def needs_key(self) -> bool:
@@ -269,48 +284,17 @@ def _quantized_qdot(c: ml_collections.ConfigDict) -> QDotConfig:
                     compute_dtype=c.compute_dtype)
 
 
-def _contracting_dims(model_cfg: ModelConfig, path: str) -> tuple[int, int]:
-  """(contracting width, output width) of a matmul."""
-  d, f = model_cfg.d_model, model_cfg.d_ff
-  return {"attn/q_proj": (d, model_cfg.q_dim), "attn/k_proj": (d, model_cfg.kv_dim),
-          "attn/v_proj": (d, model_cfg.kv_dim), "attn/o_proj": (model_cfg.q_dim, d),
-          "mlp/gate_proj": (d, f), "mlp/up_proj": (d, f), "mlp/down_proj": (f, d),
-          LM_HEAD: (d, model_cfg.vocab_size)}[path]
-
-
-def _check_blocks(policy: PrecisionPolicy, model_cfg: ModelConfig) -> None:
-  """Block formats need the contracting width (and 2-D weight blocks the output width) to be a
-  multiple of the block: fail here, naming the fix, rather than inside a compile."""
-  for layer, path in matmul_paths(model_cfg.n_layers):
-    cfg = policy.qdot_config(layer, path)
-    width, out = _contracting_dims(model_cfg, path)
-    for q in (cfg.lhs, cfg.rhs):
-      if q is None or q.block is None:
-        continue
-      dims = [("contracting", width)] + ([("output", out)] if q.block_2d else [])
-      for what, n in dims:
-        if n % q.block:
-          raise ValueError(
-              f"{matmul_path(layer, path)}: {what} width {n} is not a multiple of the {q.fmt} "
-              f"block size {q.block}. Resize the model (d_model, d_ff, n_heads*head_dim, "
-              f"vocab_size for the LM head) or keep this matmul unquantized with "
-              f"--config.precision.high_precision_paths='{_escape_path(layer, path)}'"
-              + (" or precision.weight_block_2d=False" if q.block_2d else "") + ".")
-
-
-def _escape_path(layer: int | None, path: str) -> str:
-  return ".*/" + path.split("/")[-1] if layer is not None else LM_HEAD
-
-
-def make_policy(config: ml_collections.ConfigDict, model_cfg: ModelConfig) -> PrecisionPolicy:
-  """Builds the frozen policy of a precision ConfigDict for a given model.
+def make_policy(config: ml_collections.ConfigDict,
+                matmuls: Sequence[MatmulSite]) -> PrecisionPolicy:
+  """Builds the frozen policy of a precision ConfigDict for a model's `matmuls`.
 
   Rule order (first match wins): high-precision tail layers, `high_precision_paths`, LM head,
-  every other linear layer.
+  every other linear layer. Whether the block formats tile the model's widths (and shards) is
+  checked by `lowrl.sharding.check_quant_blocks`, the one block check.
 
   Raises:
-    ValueError: unknown names, out-of-range values, knobs that need another knob, or model
-      widths the block formats cannot tile; the message names the flag to change.
+    ValueError: unknown names, out-of-range values or knobs that need another knob; the message
+      names the flag to change.
   """
   c = config
   missing = [k for k in recipe("fp32").keys() if k not in c]
@@ -321,27 +305,25 @@ def make_policy(config: ml_collections.ConfigDict, model_cfg: ModelConfig) -> Pr
   quant = _quantized_qdot(c) if c.format != FORMAT_NONE else plain
   rules: list[tuple[str, QDotConfig]] = []
   if quant.quantized:
-    tail = bf16_tail_layers(model_cfg.n_layers, c.bf16_last_fraction)
+    tail = bf16_tail_layers(_num_layers(matmuls), c.bf16_last_fraction)
     if tail:
-      rules.append((rf"layers_({'|'.join(map(str, tail))})/.*", plain))
+      rules.append((_alternation([m.full_path for m in matmuls if m.layer in tail]), plain))
   if c.high_precision_paths:
     rules.append((c.high_precision_paths, plain))
   head = quant if c.quantize_lm_head else QDotConfig(compute_dtype=c.lm_head_dtype)
-  rules.append((LM_HEAD, head))
+  rules.append((_alternation([_head(matmuls).full_path]), head))
   rules.append((".*", quant))
-  policy = PrecisionPolicy(rules=tuple(rules), compute_dtype=c.compute_dtype, name=c.name)
-  _check_blocks(policy, model_cfg)
-  return policy
+  return PrecisionPolicy(rules=tuple(rules), compute_dtype=c.compute_dtype, name=c.name)
 
 
-def policy_for(name: str, model_cfg: ModelConfig, **overrides) -> PrecisionPolicy:
-  """`make_policy(recipe(name) with overrides, model_cfg)`: the one-liner for tests and scripts."""
+def policy_for(name: str, matmuls: Sequence[MatmulSite], **overrides) -> PrecisionPolicy:
+  """`make_policy(recipe(name) with overrides, matmuls)`: the one-liner for tests and scripts."""
   c = recipe(name)
   for k, v in overrides.items():
     if k not in c:
       raise ValueError(f"Unknown precision knob {k!r}; knobs are {sorted(c.keys())}.")
     c[k] = v
-  return make_policy(c, model_cfg)
+  return make_policy(c, matmuls)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,11 +336,6 @@ class Assignment(NamedTuple):
   fmt: str  # quantizer format ("nvfp4", "lhs/rhs" when they differ) or the GEMM dtype
   backward: str  # QDotConfig.backward, "-" for unquantized matmuls (plain autodiff)
   options: str  # quantizer options, comma-separated ("" when none)
-
-
-def matmul_paths(n_layers: int) -> list[tuple[int | None, str]]:
-  """Every (layer, path) of the decoder, in execution order; the LM head last (layer None)."""
-  return [(i, p) for i in range(n_layers) for p in BLOCK_MATMULS] + [(None, LM_HEAD)]
 
 
 def _options(cfg: QDotConfig) -> str:
@@ -383,11 +360,13 @@ def _options(cfg: QDotConfig) -> str:
   return ",".join(opts)
 
 
-def assignment_table(policy: PrecisionPolicy, model_cfg: ModelConfig) -> list[Assignment]:
-  """What every matmul of `model_cfg` runs in under `policy`, in execution order."""
+def assignment_table(policy: PrecisionPolicy,
+                     matmuls: Sequence[MatmulSite]) -> list[Assignment]:
+  """What each of `matmuls` runs in under `policy`, in their order."""
   rows = []
-  for layer, path in matmul_paths(model_cfg.n_layers):
-    cfg = policy.qdot_config(layer, path)
+  for m in matmuls:
+    layer, path = m.layer, m.path
+    cfg = policy.qdot_config(m.full_path)
     if not cfg.quantized:
       fmt, backward = cfg.compute_dtype, "-"
     else:

@@ -42,7 +42,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from lowrl import precision
-from lowrl.models import transformer
+from lowrl.models import layout, transformer
 from lowrl.models.config import ModelConfig
 
 SpecEntry = str | tuple[str, ...] | None
@@ -380,13 +380,6 @@ def plan_from_config(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None)
 # Quantization blocks vs shards.
 
 
-def _kernel(model_cfg: ModelConfig, layer: int | None, path: str) -> tuple[tuple[str, ...], int]:
-  """(param tree keys, contracting axis) of the weight a matmul reads."""
-  if path == precision.LM_HEAD:
-    return (("embed", "embedding"), 1) if model_cfg.tie_embeddings else (("lm_head", "kernel"), 0)
-  return (f"layers_{layer}", *path.split("/"), "kernel"), 0
-
-
 def check_quant_blocks(policy: precision.PrecisionPolicy, model_cfg: ModelConfig,
                        plan: ShardingPlan, *, rows: int | None = None,
                        seq_len: int | None = None, what: str = "precision") -> None:
@@ -404,16 +397,12 @@ def check_quant_blocks(policy: precision.PrecisionPolicy, model_cfg: ModelConfig
     ValueError: naming the matmul, the per-shard width, and the fixes.
   """
   specs = plan.param_specs(param_shapes(model_cfg))
-  shapes = param_shapes(model_cfg)
-  for layer, path in precision.matmul_paths(model_cfg.n_layers):
-    cfg = policy.qdot_config(layer, path)
+  for m in layout.matmuls(model_cfg):
+    cfg = policy.qdot_config(m.full_path)
     if not cfg.quantized:
       continue
-    keys, c_axis = _kernel(model_cfg, layer, path)
-    spec, shape = specs, shapes
-    for k in keys:
-      spec, shape = spec[k], shape[k]
-    spec, shape = tuple(spec) + (None,) * 2, shape.shape
+    keys, c_axis, shape = m.param_keys, m.contract_axis, m.weight_shape
+    spec = tuple(layout.get_param(specs, keys)) + (None,) * 2
     o_axis = 1 - c_axis
     contracting = (shape[c_axis], spec[c_axis])
     output = (shape[o_axis], spec[o_axis])
@@ -440,22 +429,30 @@ def check_quant_blocks(policy: precision.PrecisionPolicy, model_cfg: ModelConfig
         for name, q in (("wgrad gradient", cfg.grad), ("wgrad activations", cfg.lhs)):
           if q is not None and q.block is not None:
             checks.append((name, q, "batch x time", *tokens))
-    full = precision.matmul_path(layer, path)
+    full = m.full_path
     for name, q, axis, width, entry in checks:
       shards = plan.size(entry)
       if width % shards == 0 and (width // shards) % q.block == 0:
         continue
       per = width / shards
+      keep = f"keep the matmul unquantized (--config.precision.high_precision_paths='{full}')"
       if axis == "batch x time":
         fix = (f"a batch whose rows per shard times the sequence length ({seq_len}) is a multiple "
                f"of {q.block} (rl.num_prompts * rl.group_size / rl.num_minibatches, "
                "rl.max_new_tokens)")
+      elif shards == 1:
+        fix = ("a model whose widths are multiples of the block (d_model, d_ff, "
+               "n_heads*head_dim, vocab_size for the LM head)"
+               + (", precision.weight_block_2d=False" if axis == "output" and q.block_2d else ""))
       else:
         fix = (f"a mesh.rules entry that does not shard this axis of {'/'.join(keys)}, a wider "
                "model")
+      if shards == 1:
+        raise ValueError(f"{what}: {full} {name} are quantized in {q.fmt} blocks of {q.block} "
+                         f"along the {axis} axis, but that axis is {width} wide, not a multiple "
+                         f"of {q.block}. Fix: {fix}, or {keep}.")
       raise ValueError(
           f"{what}: {full} {name} are quantized in {q.fmt} blocks of {q.block} along the {axis} "
           f"axis, but that axis ({width} wide) is split {shards} ways over mesh axes "
           f"{_entry_axes(entry)}: {per:g} per shard, so blocks would straddle shards. Fix: a mesh "
-          f"with fewer devices on {_entry_axes(entry)} (mesh.shape), {fix}, or keep the matmul "
-          f"unquantized (precision.high_precision_paths='{full}').")
+          f"with fewer devices on {_entry_axes(entry)} (mesh.shape), {fix}, or {keep}.")

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lowrl.models import layout
 from lowrl import precision
 from lowrl.models import config as model_config
 from lowrl.models import transformer
@@ -21,13 +22,13 @@ from lowrl.sampling.sampler import SamplingConfig
 
 TINY = model_config.preset("tiny")
 SPIKE = 63  # the token with the one-hot embedding
-NAIVE = precision.policy_for("nvfp4_naive", TINY)
-NAIVE_FP32 = precision.policy_for("nvfp4_naive", TINY, compute_dtype="float32")
-BF16 = precision.policy_for("bf16", TINY)
-FP32 = precision.PrecisionPolicy.unquantized("float32")
+NAIVE = precision.policy_for("nvfp4_naive", layout.matmuls(TINY))
+NAIVE_FP32 = precision.policy_for("nvfp4_naive", layout.matmuls(TINY), compute_dtype="float32")
+BF16 = precision.policy_for("bf16", layout.matmuls(TINY))
+FP32 = precision.PrecisionPolicy.unquantized(layout.matmuls(TINY))
 N = 6
 RL = SamplingConfig(max_new_tokens=N, temperature=1.0)
-PATHS = NAIVE.tensor_scaled_act_paths(TINY)
+PATHS = NAIVE.act_paths(layout.matmuls(TINY), "tensor")
 
 logprobs_jit = jax.jit(transformer.token_logprobs, static_argnames=("model_cfg", "policy"))
 calibrate_jit = jax.jit(transformer.calibrate_act_amax,
@@ -60,22 +61,22 @@ def _amax():
 
 def test_activation_scaling_of_each_recipe():
   def kinds(name, **kw):
-    policy = precision.policy_for(name, TINY, **kw)
-    return {precision.activation_scaling(policy.qdot_config(layer, path))
-            for layer, path in precision.matmul_paths(TINY.n_layers) if layer is not None}
+    policy = precision.policy_for(name, layout.matmuls(TINY), **kw)
+    return {precision.activation_scaling(policy.qdot_config(m.full_path))
+            for m in layout.matmuls(TINY) if m.layer is not None}
   assert kinds("bf16") == {"none"}
   assert kinds("nvfp4_naive") == {"tensor"}
   assert kinds("mxfp8") == {"row"}  # MX blocks along the contracting axis
   assert kinds("nvfp4_recipe") == {"row", "none"}  # per-token outer scale; BF16 tail layer
   assert kinds("nvfp4_naive", act_per_token=True) == {"row"}
-  assert PATHS == tuple(f"layers_{i}/{p}" for i in range(2) for p in precision.BLOCK_MATMULS)
-  assert precision.policy_for("nvfp4_recipe", TINY).tensor_scaled_act_paths(TINY) == ()
+  assert PATHS == tuple(f"layers_{i}/{p}" for i in range(2) for p in layout.BLOCK_MATMULS)
+  assert precision.policy_for("nvfp4_recipe", layout.matmuls(TINY)).act_paths(layout.matmuls(TINY), "tensor") == ()
   # Per-tensor FP8 activations; 2-D (16-token) activation tiles; the LM head when quantized.
   assert precision.activation_scaling(QDotConfig(QuantConfig("fp8_e4m3"), None)) == "tensor"
   assert precision.activation_scaling(
       QDotConfig(QuantConfig("nvfp4", block_2d=True), None)) == "tile"
-  head = precision.policy_for("nvfp4_naive", TINY, quantize_lm_head=True)
-  assert head.tensor_scaled_act_paths(TINY)[-1] == "lm_head"
+  head = precision.policy_for("nvfp4_naive", layout.matmuls(TINY), quantize_lm_head=True)
+  assert head.act_paths(layout.matmuls(TINY), "tensor")[-1] == "lm_head"
 
 
 def test_calibration_is_the_masked_max_of_each_matmul_input():
@@ -181,10 +182,10 @@ def test_exact_mode_with_static_scales_is_the_trainers_program():
     ("nvfp4_naive", "bf16"), ("nvfp4_naive", "nvfp4_naive"), ("nvfp4_recipe", "bf16"),
     ("bf16", "nvfp4_naive")])
 def test_mean_importance_weight_is_one(sampler_name, trainer_name):
-  sampler_policy = precision.policy_for(sampler_name, TINY)
-  trainer_policy = precision.policy_for(trainer_name, TINY)
+  sampler_policy = precision.policy_for(sampler_name, layout.matmuls(TINY))
+  trainer_policy = precision.policy_for(trainer_name, layout.matmuls(TINY))
   prompts = _tokens(8, (128, 4))
-  act_amax = _amax() if sampler_policy.tensor_scaled_act_paths(TINY) else None
+  act_amax = _amax() if sampler_policy.act_paths(layout.matmuls(TINY), "tensor") else None
   out, _ = sampling.generate(_params(), prompts, jnp.ones(prompts.shape, bool), jax.random.key(9),
                              model_cfg=TINY, policy=sampler_policy, config=RL, act_amax=act_amax)
   comp = np.asarray(out.completion_mask) > 0

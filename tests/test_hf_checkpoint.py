@@ -17,6 +17,7 @@ import safetensors.numpy
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from lowrl.models import layout
 from lowrl.checkpoints import (hf_config_from_model, load_hf_checkpoint, load_tokenizer,
                                model_config_from_hf, read_hf_config, save_hf_checkpoint)
 from lowrl.models import transformer
@@ -422,7 +423,7 @@ def test_logits_match_numpy_reference(tmp_path, family):
   c = HF_CONFIGS[family]
   cfg, params = load_hf_checkpoint(path)
   ids = _ids(c)
-  ours = _forward(params, jnp.asarray(ids), cfg, policy_for("fp32", cfg))
+  ours = _forward(params, jnp.asarray(ids), cfg, policy_for("fp32", layout.matmuls(cfg)))
   ref = hf_reference_logits(raw, c, ids)
   assert ours.shape == ref.shape == (2, 12, c["vocab_size"])
   assert ref.std() > 1.0  # weights large enough for every tensor to matter
@@ -438,7 +439,7 @@ def test_logits_match_numpy_reference(tmp_path, family):
 def test_kv_cache_decode_matches_full_forward(tmp_path, family):
   path, _ = write_checkpoint(tmp_path, family)
   cfg, params = load_hf_checkpoint(path)
-  policy = policy_for("fp32", cfg)
+  policy = policy_for("fp32", layout.matmuls(cfg))
   ids = jnp.asarray(_ids(HF_CONFIGS[family], s=10, seed=2))
   full = _forward(params, ids, cfg, policy)
   step = jax.jit(transformer.forward_with_cache, static_argnums=(3, 4))
@@ -457,7 +458,7 @@ def test_bf16_load_runs_close_to_reference(tmp_path):
   path, raw = write_checkpoint(tmp_path, "qwen2")
   cfg, params = load_hf_checkpoint(path, dtype=jnp.bfloat16)
   ids = _ids(HF_CONFIGS["qwen2"])
-  ours = np.asarray(_forward(params, jnp.asarray(ids), cfg, policy_for("bf16", cfg)))
+  ours = np.asarray(_forward(params, jnp.asarray(ids), cfg, policy_for("bf16", layout.matmuls(cfg))))
   ref = hf_reference_logits(raw, HF_CONFIGS["qwen2"], ids)
   assert np.abs(ours - ref).max() < 0.05 * np.abs(ref).max()
 

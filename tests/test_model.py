@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lowrl.models import layout
 from lowrl import precision
 from lowrl.models import config as model_config
 from lowrl.models import transformer
@@ -16,7 +17,7 @@ TINY = model_config.preset("tiny")  # V=64, D=32, L=2, H=4, K=2, hd=8, F=64, unt
 FULL = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                    d_ff=64, qk_norm=True, qkv_bias=True, tie_embeddings=True, rope_theta=500.0,
                    max_seq_len=128, rope_llama3_scaling=(8.0, 1.0, 4.0, 16))
-FP32 = precision.PrecisionPolicy.unquantized("float32")
+FP32 = precision.PrecisionPolicy.unquantized(layout.matmuls(TINY))
 
 fwd = jax.jit(transformer.forward, static_argnames=("model_cfg", "policy"))
 fwd_cache = jax.jit(transformer.forward_with_cache, static_argnames=("model_cfg", "policy",
@@ -174,7 +175,7 @@ def test_causality_gradient():
 def test_causality_perturbation(name):
   """Changing later tokens leaves earlier logits bit-identical (per-token activation scales
   keep NVFP4 quantization causal too)."""
-  policy = precision.policy_for(name, TINY)
+  policy = precision.policy_for(name, layout.matmuls(TINY))
   a = _tokens((2, 8), seed=3)
   b = a.at[:, 6:].set(_tokens((2, 2), seed=4))
   la, lb = fwd(_params(TINY), a, TINY, policy), fwd(_params(TINY), b, TINY, policy)
@@ -268,7 +269,7 @@ def test_jit_and_eager_agree():
 def test_every_linear_layer_goes_through_qdot_with_the_policy_config(monkeypatch):
   cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8,
                     d_ff=64, tie_embeddings=True)
-  policy = precision.policy_for("nvfp4_recipe", cfg)
+  policy = precision.policy_for("nvfp4_recipe", layout.matmuls(cfg))
   calls = []
   real = transformer.quantized_dot_general
 
@@ -282,8 +283,7 @@ def test_every_linear_layer_goes_through_qdot_with_the_policy_config(monkeypatch
   out = jax.eval_shape(lambda p: transformer.forward(p, jnp.zeros((2, 5), jnp.int32), cfg,
                                                      policy), params)
   assert out.dtype == jnp.float32 and out.shape == (2, 5, 64)
-  expected = [policy.qdot_config(layer, path)
-              for layer, path in precision.matmul_paths(cfg.n_layers)]
+  expected = [policy.qdot_config(m.full_path) for m in layout.matmuls(cfg)]
   assert [c[0] for c in calls] == expected
   # Body activations enter the GEMMs in BF16; the FP32 (tied) head sees FP32 hidden states and
   # the [V, D] embedding.
@@ -295,7 +295,7 @@ def test_every_linear_layer_goes_through_qdot_with_the_policy_config(monkeypatch
 def test_logits_are_fp32_and_close_to_fp32_model(name):
   params, toks = _params(TINY), _tokens((2, 8), seed=10)
   ref = fwd(params, toks, TINY, FP32)
-  out = fwd(params, toks, TINY, precision.policy_for(name, TINY))
+  out = fwd(params, toks, TINY, precision.policy_for(name, layout.matmuls(TINY)))
   assert out.dtype == jnp.float32 and np.all(np.isfinite(out))
   # The policies quantize / round the body, so logits move, but not by much at init.
   err = float(jnp.mean(jnp.abs(out - ref)))
@@ -304,9 +304,9 @@ def test_logits_are_fp32_and_close_to_fp32_model(name):
 
 def test_stochastic_rounding_needs_and_uses_the_quant_key():
   # SR on one matmul only (each SR quantizer adds a PRNG to the compile).
-  policy = precision.policy_for("mxfp8", TINY, stochastic_rounding="all",
+  policy = precision.policy_for("mxfp8", layout.matmuls(TINY), stochastic_rounding="all",
                                 high_precision_paths=r"(?!layers_0/attn/q_proj).*")
-  assert [r.fmt for r in precision.assignment_table(policy, TINY)].count("mxfp8_e4m3") == 1
+  assert [r.fmt for r in precision.assignment_table(policy, layout.matmuls(TINY))].count("mxfp8_e4m3") == 1
   params, toks = _params(TINY), _tokens((2, 8), seed=11)
   with pytest.raises(ValueError, match="quant_key"):
     transformer.forward(params, toks, TINY, policy)
@@ -318,7 +318,7 @@ def test_stochastic_rounding_needs_and_uses_the_quant_key():
 
 def test_gradients_flow_under_nvfp4_recipe():
   params, toks = _params(TINY), _tokens((2, 8), seed=12)
-  policy = precision.policy_for("nvfp4_recipe", TINY)
+  policy = precision.policy_for("nvfp4_recipe", layout.matmuls(TINY))
 
   @jax.jit
   def loss(p):

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lowrl.models import layout
 from lowrl import precision
 from lowrl.models import config as model_config
 from lowrl.models import transformer
@@ -14,7 +15,7 @@ from lowrl.sampling import sampler as sampling
 from lowrl.sampling.sampler import SamplingConfig
 
 TINY = model_config.preset("tiny")  # V=64
-FP32 = precision.PrecisionPolicy.unquantized("float32")
+FP32 = precision.PrecisionPolicy.unquantized(layout.matmuls(TINY))
 N = 6
 # Four prompts of lengths 6, 3, 4, 1 in a [4, 6] batch, padded on the right, left, or not at all.
 PROMPTS = jnp.array([[5, 9, 2, 7, 1, 4], [8, 3, 6, 0, 0, 0], [0, 0, 11, 12, 13, 14],
@@ -205,7 +206,7 @@ def test_sampler_is_deterministic_and_reuses_its_donated_cache():
 # ----------------------------------------------------------------------------------------------
 # Sampler / trainer mismatch under nvfp4_recipe.
 
-RECIPE = precision.policy_for("nvfp4_recipe", TINY)
+RECIPE = precision.policy_for("nvfp4_recipe", layout.matmuls(TINY))
 RL = SamplingConfig(max_new_tokens=N, temperature=1.0)
 
 
@@ -246,7 +247,7 @@ def test_kv_cache_mode_mismatch_is_small_and_measured(recipe_outs):
 def test_exact_sampler_with_a_bf16_trainer(recipe_outs):
   """NVFP4 sampler, BF16 trainer: exact mode records the trainer's logprobs."""
   kv, _, _ = recipe_outs
-  bf16 = precision.policy_for("bf16", TINY)
+  bf16 = precision.policy_for("bf16", layout.matmuls(TINY))
   out = sampling.rescore(kv, _params(), model_cfg=TINY, policy=bf16, config=RL)
   trainer = trainer_logprobs(_params(), kv.tokens, model_cfg=TINY, policy=bf16,
                              mask_BT=kv.attention_mask, quant_key=None)
@@ -261,8 +262,8 @@ def test_packed_rollout_weights(recipe_outs):
   stats = sampling.packed_bytes(packed)
   # Layer 0's seven kernels are NVFP4 (layer 1 is the BF16 tail); the head is unquantized.
   kernels = [params["layers_0"][m][p]["kernel"] for m, p in
-             (path.split("/") for path in precision.BLOCK_MATMULS)]
-  cfg = RECIPE.qdot_config(0, "mlp/up_proj").rhs
+             (path.split("/") for path in layout.BLOCK_MATMULS)]
+  cfg = RECIPE.qdot_config("layers_0/mlp/up_proj").rhs
   expected = sum(bytes_per_param(cfg, k.shape) * k.size for k in kernels)
   assert stats["quantized_params"] == sum(k.size for k in kernels)
   assert stats["quantized_bytes"] == pytest.approx(expected)

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import base as base_config
+from lowrl.models import layout
 from lowrl import precision, sharding
 from lowrl.models import transformer
 from lowrl.models.config import ModelConfig
@@ -25,7 +26,7 @@ MESHES = [(8, 1), (4, 2), (2, 4)]
 # H=8, K=4 heads of 8: every projection width and K divide by 4 (whole heads per tensor shard).
 MODEL = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8,
                     d_ff=128, max_seq_len=64)
-FP32 = precision.PrecisionPolicy.unquantized("float32")
+FP32 = precision.PrecisionPolicy.unquantized(layout.matmuls(MODEL))
 # Only reductions split over devices differ from one device: the FP32 tolerance covers
 # reassociated sums of O(100) terms (observed differences ~2e-6).
 ATOL = 2e-5
@@ -176,7 +177,7 @@ def test_optimizer_state_and_checkpoint_trees_follow_the_params():
 
 
 def _nvfp4(cfg, **kw):
-  return precision.policy_for("nvfp4_naive", cfg, **kw)
+  return precision.policy_for("nvfp4_naive", layout.matmuls(cfg), **kw)
 
 
 def test_quant_blocks_that_would_straddle_shards_are_rejected():

@@ -7,6 +7,7 @@ import pytest
 import tiny
 
 from configs import base as base_config
+from lowrl.models import layout
 from lowrl import precision
 from lowrl.models import transformer
 from lowrl.models.config import ModelConfig
@@ -77,7 +78,7 @@ def _batch(key, b=8, t=10):
 
 
 def _update(policy_name="fp32", **cfg_kw):
-  policy = precision.policy_for(policy_name, MODEL)
+  policy = precision.policy_for(policy_name, layout.matmuls(MODEL))
   logprob_fn = make_logprob_fn(MODEL, policy)
   tx = optax.adam(1e-2)
   cfg = UpdateConfig(loss=LossConfig(), correction=CorrectionConfig(), **cfg_kw)
@@ -218,7 +219,7 @@ def _np_decoupled_ppo(logp_new, logp_prox, logp_behav, adv, mask, c_fn, eps=0.2)
 @pytest.mark.parametrize("source, correction", [("trainer", "tis"), ("trainer", "none"),
                                                 ("sampler", "none")])
 def test_update_loss_is_decoupled_ppo(source, correction):
-  policy = precision.policy_for("fp32", MODEL)
+  policy = precision.policy_for("fp32", layout.matmuls(MODEL))
   logprob_fn = make_logprob_fn(MODEL, policy)
   cfg = UpdateConfig(loss=LossConfig(), correction=CorrectionConfig(mode=correction, tis_cap=1.5),
                      old_logp_source=source)
@@ -276,7 +277,7 @@ def _np_sampling_logq(logits, tokens, temperature, top_k, top_p):
 
 
 def test_logprob_fn_uses_the_sampled_distribution():
-  policy = precision.policy_for("fp32", MODEL)
+  policy = precision.policy_for("fp32", layout.matmuls(MODEL))
   params = transformer.init_params(MODEL, jax.random.key(0))
   batch = _batch(jax.random.key(1))
   logits = np.asarray(jax.jit(transformer.forward, static_argnums=(2, 3))(
@@ -333,7 +334,7 @@ def test_loop_rollout_scores_the_sampled_distribution():
 
 
 def test_tokens_outside_pi_old_support_leave_the_loss():
-  policy = precision.policy_for("fp32", MODEL)
+  policy = precision.policy_for("fp32", layout.matmuls(MODEL))
   sampling = SamplingConfig(max_new_tokens=4, temperature=0.7, top_k=3)
   logprob_fn = make_logprob_fn(MODEL, policy, sampling)
   cfg = UpdateConfig(loss=LossConfig(loss="cispo"), correction=CorrectionConfig(mode="tis"))

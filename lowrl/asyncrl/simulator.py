@@ -40,10 +40,10 @@ import ml_collections
 import numpy as np
 import optax
 
-from lowrl import precision
+from lowrl import precision, sharding
 from lowrl.asyncrl.drift import sampler_trainer_drift, version_distance
 from lowrl.asyncrl.schedule import AsyncSchedule
-from lowrl.models import transformer
+from lowrl.models import layout, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.rl.advantages import compute_advantages
 from lowrl.rl.corrections import CorrectionConfig
@@ -224,7 +224,8 @@ def build(cfg: ml_collections.ConfigDict) -> SimSetup:
   task = SequenceTask(**cfg.task.to_dict())
   model_cfg = ModelConfig(vocab_size=task.vocab_size, max_seq_len=2 * task.length + 1,
                           **cfg.model.to_dict())
-  policies = [precision.make_policy(precision.recipe(name), model_cfg)
+  matmuls = layout.matmuls(model_cfg)
+  policies = [precision.make_policy(precision.recipe(name), matmuls)
               for name in (cfg.sampler_recipe, cfg.trainer_recipe)]
   sampling = sampler.SamplingConfig(max_new_tokens=task.length, temperature=1.0,
                                     pad_id=task.bos_id)
@@ -237,7 +238,9 @@ def build(cfg: ml_collections.ConfigDict) -> SimSetup:
   # tensor-scaled path: only activation tiles (2-D blocks) can fail here.
   for policy in policies:
     sampler.check_row_local(policy, model_cfg, dict.fromkeys(
-        policy.tensor_scaled_act_paths(model_cfg), 0.0))
+        policy.act_paths(matmuls, "tensor"), 0.0))
+    sharding.check_quant_blocks(policy, model_cfg, sharding.single_device_plan(),
+                                what=f"{policy.name} recipe")
   update_cfg = rl_update.update_config_from(rl, cfg.optimizer.master_rounding,
                                             max_len=task.length)
   return SimSetup(task, model_cfg, policies[0], policies[1], sampling, update_cfg,
@@ -287,7 +290,7 @@ def calibrate(setup: SimSetup, policy: precision.PrecisionPolicy, params,
   `transformer.calibrate_act_amax` in the trainer's precision over `calib_num_prompts` train
   prompts from `key` with their target completions.
   """
-  paths = policy.tensor_scaled_act_paths(setup.model_cfg)
+  paths = policy.act_paths(layout.matmuls(setup.model_cfg), "tensor")
   if not paths:
     return None
   prompt_BP = setup.task.prompts(key, setup.calib_num_prompts)
@@ -344,7 +347,8 @@ def warm_start(setup: SimSetup, key: jax.Array):
   sft = dict(setup.sft)
   if not sft["steps"]:
     return params
-  policy = precision.PrecisionPolicy.unquantized("float32", name="sft_fp32")
+  policy = precision.PrecisionPolicy.unquantized(layout.matmuls(setup.model_cfg), "float32",
+                                                 name="sft_fp32")
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(sft["lr"], b2=0.99))
   length = setup.task.length
   mask_T = jnp.concatenate([jnp.zeros(length + 1), jnp.ones(length)])

@@ -34,9 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowrl.models import layout
 from lowrl.models.config import ModelConfig
-from lowrl.precision import (BLOCK_MATMULS, LM_HEAD, PrecisionPolicy, activation_scaling,
-                             matmul_path)
+from lowrl.models.layout import BLOCK_MATMULS, LM_HEAD
+from lowrl.precision import PrecisionPolicy, activation_scaling
 from lowrl.quant.qdot import quantized_dot_general
 
 Params = Any
@@ -115,12 +116,13 @@ def _qdot(module: nn.Module, x: jax.Array, w: jax.Array, contract_w: int,
   calibrated) when given, else from the data. Under a calibration apply (`_CALIB` mutable) the
   per-token max |x| is recorded in `module`'s scope as `record_name`. Returns FP32.
   """
-  cfg = policy.qdot_config(layer, path)
+  full_path = layout.matmul_path(layer, path)
+  cfg = policy.qdot_config(full_path)
   if module.is_mutable_collection(_CALIB):
     module.sow(_CALIB, record_name, jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1))
   lhs_amax = None
   if act_amax is not None and activation_scaling(cfg) == "tensor":
-    lhs_amax = act_amax[matmul_path(layer, path)]  # completeness checked in Transformer
+    lhs_amax = act_amax[full_path]  # completeness checked in Transformer
   dims = (((x.ndim - 1,), (contract_w,)), ((), ()))
   return quantized_dot_general(x, w, dims, cfg, key=_fold(quant_key, _PATH_IDS[path]),
                                preferred_element_type=jnp.float32, lhs_amax=lhs_amax)
@@ -323,7 +325,8 @@ def init_params(model_cfg: ModelConfig, rng: jax.Array, param_dtype=jnp.float32)
 
 @functools.lru_cache(maxsize=16)
 def _init_fn(model_cfg: ModelConfig, param_dtype):
-  module = Transformer(model_cfg, PrecisionPolicy.unquantized("float32"), param_dtype)
+  module = Transformer(model_cfg, PrecisionPolicy.unquantized(layout.matmuls(model_cfg)),
+                       param_dtype)
   tokens = jnp.zeros((1, 1), jnp.int32)
   shapes = jax.eval_shape(
       lambda: module.init(jax.random.key(0), tokens, tokens, jnp.ones((1, 1), bool))["params"])
@@ -379,12 +382,13 @@ def check_act_amax(policy: PrecisionPolicy, model_cfg: ModelConfig,
   """Raises ValueError unless `act_amax` is None or holds every tensor-scaled activation path."""
   if act_amax is None:
     return
-  missing = [p for p in policy.tensor_scaled_act_paths(model_cfg) if p not in act_amax]
+  missing = [p for p in policy.act_paths(layout.matmuls(model_cfg), "tensor")
+             if p not in act_amax]
   if missing:
     raise ValueError(f"act_amax lacks the static activation amax of {missing} (policy "
                      f"{policy.name!r} scales them per tensor); calibrate them with "
-                     "transformer.calibrate_act_amax(..., paths=policy.tensor_scaled_act_paths"
-                     "(model_cfg)).")
+                     "transformer.calibrate_act_amax(..., paths=policy.act_paths("
+                     "layout.matmuls(model_cfg), 'tensor')).")
 
 
 def calibrate_act_amax(params: Params, tokens_BT: jax.Array, model_cfg: ModelConfig,
@@ -396,7 +400,7 @@ def calibrate_act_amax(params: Params, tokens_BT: jax.Array, model_cfg: ModelCon
   One full forward of a calibration batch under `policy` (the trainer's precision: an inference
   engine's calibration pass on the rollout weights); padding positions (mask 0) are excluded, as
   their activations are garbage. `paths` are full matmul paths, e.g. a sampler policy's
-  `tensor_scaled_act_paths(model_cfg)`. Jittable; no gradient.
+  `act_paths(layout.matmuls(model_cfg), "tensor")`. Jittable; no gradient.
   """
   _check_key(policy, quant_key)
   mask_BT, positions_BT = _inputs(tokens_BT, mask_BT, positions_BT)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import types
 from typing import Any
 
@@ -40,7 +41,8 @@ from flax import struct
 from lowrl import distributed
 from lowrl.models import transformer
 from lowrl.models.config import ModelConfig
-from lowrl.precision import PrecisionPolicy, matmul_paths
+from lowrl.models import layout
+from lowrl.precision import PrecisionPolicy
 from lowrl.quant.packing import pack_e2m1, unpack_e2m1
 from lowrl.quant.quantize import QTensor, dequantize, fake_quant, quantize
 from lowrl.sharding import ShardingPlan
@@ -206,13 +208,13 @@ def check_row_local(policy: PrecisionPolicy, model_cfg: ModelConfig,
                     act_amax: transformer.ActAmax | None) -> None:
   """Raises ValueError unless `policy` with `act_amax` computes every activation scale within one
   token's row (what a decoder sees token by token), naming the fix."""
-  tiles = policy.tile_scaled_act_paths(model_cfg)
+  tiles = policy.act_paths(layout.matmuls(model_cfg), "tile")
   if tiles:
     raise ValueError(f"Precision policy {policy.name!r} quantizes the activations of {tiles[:2]}"
                      f"{'...' if len(tiles) > 2 else ''} in 2-D blocks spanning several tokens, "
                      "which no sampler can reproduce token by token; use 1-D activation blocks "
                      "(block_2d on weights only).")
-  tensor = policy.tensor_scaled_act_paths(model_cfg)
+  tensor = policy.act_paths(layout.matmuls(model_cfg), "tensor")
   if tensor and act_amax is None:
     raise ValueError(
         f"Precision policy {policy.name!r} scales the activations of {len(tensor)} matmuls "
@@ -220,7 +222,7 @@ def check_row_local(policy: PrecisionPolicy, model_cfg: ModelConfig,
         "rows (and, re-scored, on later tokens), so the logprobs would not be those of the "
         "distribution sampled from. Pass static calibrated scales, act_amax="
         "transformer.calibrate_act_amax(params, tokens, model_cfg, trainer_policy, "
-        "policy.tensor_scaled_act_paths(model_cfg)) (as inference engines do), or use row-local "
+        "policy.act_paths(layout.matmuls(model_cfg), 'tensor')) (as inference engines do), or use row-local "
         "scaling (--config.precision.act_per_token=True, or an MX format).")
   transformer.check_act_amax(policy, model_cfg, act_amax)
 
@@ -364,7 +366,7 @@ def _only_tensor_scaled(policy: PrecisionPolicy, model_cfg: ModelConfig,
   """The entries the policy reads (a plain dict: one pytree structure per policy, one compile)."""
   if act_amax is None:
     return None
-  paths = policy.tensor_scaled_act_paths(model_cfg)
+  paths = policy.act_paths(layout.matmuls(model_cfg), "tensor")
   return {p: jnp.asarray(act_amax[p], jnp.float32) for p in paths} if paths else None
 
 
@@ -546,33 +548,22 @@ class PackedWeight:
     return dequantize(q, jnp.float32)
 
 
-def _weight_quantizer(policy: PrecisionPolicy, layer: int | None, path: str):
-  """The deterministic rhs QuantConfig the forward applies to this [in, out] kernel, or None.
+def _weight_quantizer(policy: PrecisionPolicy, m: layout.Matmul):
+  """The deterministic rhs QuantConfig the forward applies to matmul `m`'s weight, or None.
 
   Stochastically rounded weight quantizers draw a new key per forward and cannot be applied
   ahead of time: None for those too.
   """
-  q = policy.qdot_config(layer, path).rhs
+  q = policy.qdot_config(m.full_path).rhs
   if q is None or q.stochastic_rounding:
     return None
-  # As quantized_dot_general does: 1-D blocks run along the contracting axis (0 for [in, out]).
-  return q if q.kind == "tensor" or q.block_2d else dataclasses.replace(q, axis=0)
+  # As quantized_dot_general does: 1-D blocks run along the contracting axis.
+  return q if q.kind == "tensor" or q.block_2d else dataclasses.replace(q, axis=m.contract_axis)
 
 
-def _kernel_paths(model_cfg: ModelConfig):
-  """(layer, path, params keys) of every [in, out] kernel (a tied head has none)."""
-  for layer, path in matmul_paths(model_cfg.n_layers):
-    if layer is None:
-      if not model_cfg.tie_embeddings:
-        yield layer, path, ("lm_head", "kernel")
-    else:
-      yield layer, path, (f"layers_{layer}", *path.split("/"), "kernel")
-
-
-def _get(tree, keys):
-  for k in keys:
-    tree = tree[k]
-  return tree
+def _kernels(model_cfg: ModelConfig) -> list[layout.Matmul]:
+  """The matmuls with an [in, out] kernel of their own (a tied head reads the embedding)."""
+  return [m for m in layout.matmuls(model_cfg) if m.owns_kernel]
 
 
 def _set(tree, keys, value):
@@ -599,16 +590,17 @@ def pack_params(params: Params, model_cfg: ModelConfig, policy: PrecisionPolicy,
 def _pack(params, *, model_cfg, policy, other_dtype):
   # One program for all kernels (eager quantize calls would compile once per kernel shape).
   out = params if other_dtype is None else jax.tree.map(lambda x: x.astype(other_dtype), params)
-  for layer, path, keys in _kernel_paths(model_cfg):
-    rhs = policy.qdot_config(layer, path).rhs
+  for m in _kernels(model_cfg):
+    keys = m.param_keys
+    rhs = policy.qdot_config(m.full_path).rhs
     if rhs is not None and rhs.stochastic_rounding:
-      raise ValueError(f"{layer=}, {path}: stochastically rounded weights are re-drawn every "
+      raise ValueError(f"{m.full_path}: stochastically rounded weights are re-drawn every "
                        "forward and cannot be packed; use precision.stochastic_rounding=grad or "
                        "none for a packed sampler.")
-    q = _weight_quantizer(policy, layer, path)
+    q = _weight_quantizer(policy, m)
     if q is None:
       continue
-    qt = quantize(_get(params, keys), q)
+    qt = quantize(layout.get_param(params, keys), q)
     nibbles = qt.codes.dtype == jnp.float4_e2m1fn
     codes = pack_e2m1(qt.codes, axis=q.axis) if nibbles else qt.codes
     out = _set(out, keys, PackedWeight(codes, qt.scale, qt.outer, qt.cfg, nibbles))
@@ -631,8 +623,7 @@ def _droppable(c) -> bool:
 
 
 def _has_weight_quantizers(policy: PrecisionPolicy, model_cfg: ModelConfig) -> bool:
-  return any(_weight_quantizer(policy, layer, path) is not None
-             for layer, path, _ in _kernel_paths(model_cfg))
+  return any(_weight_quantizer(policy, m) is not None for m in _kernels(model_cfg))
 
 
 def prequantized_policy(policy: PrecisionPolicy, model_cfg: ModelConfig) -> PrecisionPolicy:
@@ -644,8 +635,9 @@ def prequantized_policy(policy: PrecisionPolicy, model_cfg: ModelConfig) -> Prec
   def drop(c):
     return dataclasses.replace(c, rhs=None) if _droppable(c) else c
   rules = [(p, drop(c)) for p, c in policy.rules]
-  if model_cfg.tie_embeddings:
-    rules.insert(0, ("lm_head", policy.qdot_config(None, "lm_head")))
+  if model_cfg.tie_embeddings:  # the head quantizes the embedding table itself: keep its rule
+    head = layout.matmul(model_cfg, None, layout.LM_HEAD).full_path
+    rules.insert(0, (re.escape(head), policy.qdot_config(head)))
   return dataclasses.replace(policy, rules=tuple(rules), name=policy.name + "+prequantized")
 
 
@@ -658,10 +650,11 @@ def quantize_weights(params: Params, model_cfg: ModelConfig, policy: PrecisionPo
   does not re-quantize every weight at every step.
   """
   out = params
-  for layer, path, keys in _kernel_paths(model_cfg):
-    q = _weight_quantizer(policy, layer, path)
+  for m in _kernels(model_cfg):
+    keys = m.param_keys
+    q = _weight_quantizer(policy, m)
     if q is not None:
-      out = _set(out, keys, fake_quant(_get(params, keys), q))
+      out = _set(out, keys, fake_quant(layout.get_param(params, keys), q))
   return out, prequantized_policy(policy, model_cfg)
 
 

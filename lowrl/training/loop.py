@@ -30,7 +30,7 @@ from lowrl import distributed, precision, sharding
 from lowrl.asyncrl.drift import drift_metrics
 from lowrl.asyncrl.schedule import AsyncSchedule, VersionBuffer
 from lowrl.metrics.writer import create_writer
-from lowrl.models import transformer
+from lowrl.models import layout, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.rl.advantages import compute_advantages, group_has_signal, overlong_penalty
 from lowrl.sampling.sampler import SampleOutput, Sampler, SamplingConfig, rescore
@@ -96,11 +96,12 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   max_len = task.max_prompt_len + max(rl.max_new_tokens, task.max_answer_len)
   model_cfg = ModelConfig(vocab_size=task.tokenizer.vocab_size, max_seq_len=max_len,
                           **cfg.model.to_dict())
-  trainer_policy = precision.make_policy(cfg.precision, model_cfg)
+  matmuls = layout.matmuls(model_cfg)
+  trainer_policy = precision.make_policy(cfg.precision, matmuls)
   sampler_cfg = cfg.precision
   if cfg.sampler_precision.recipe:
     sampler_cfg = precision.recipe(cfg.sampler_precision.recipe)
-  sampler_policy = precision.make_policy(sampler_cfg, model_cfg)
+  sampler_policy = precision.make_policy(sampler_cfg, matmuls)
   stop = (task.tokenizer.eos_id,)
   sampling = SamplingConfig(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
                             top_k=rl.top_k, top_p=rl.top_p, stop_tokens=stop,
@@ -228,7 +229,7 @@ class Trainer:
     do: calibrated (max |input| per matmul, trainer's precision) on a fixed batch of train prompts
     + reference answers from the weights being sampled, i.e. recalibrated at every weight sync.
     """
-    paths = policy.tensor_scaled_act_paths(self.s.model_cfg)
+    paths = policy.act_paths(layout.matmuls(self.s.model_cfg), "tensor")
     if not paths:
       return None
     tp = self.s.trainer_policy
@@ -398,7 +399,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print, *,
       f"trainer={setup.trainer_policy.name} sampler={setup.sampler_policy.name} "
       f"async lag={setup.schedule.lag} sync_every={setup.schedule.sync_every} "
       f"config {run_config.fingerprint(cfg)} ({os.path.join(workdir, run_config.CONFIG_FILE)})")
-  log(precision.format_table(precision.assignment_table(setup.trainer_policy, setup.model_cfg)))
+  log(precision.format_table(precision.assignment_table(setup.trainer_policy,
+                                                          layout.matmuls(setup.model_cfg))))
   log(f"[mesh] {dict(setup.plan.mesh.shape)} over {jax.device_count()} {jax.default_backend()} "
       f"devices, {jax.process_count()} process(es)")
   for note in setup.plan.fallbacks(sharding.param_shapes(setup.model_cfg)):

@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from lowrl.models import transformer
+from lowrl.models import layout, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
 from lowrl.rl.masked import masked_mean
@@ -54,7 +54,7 @@ def train_base(task: Task, model_cfg: ModelConfig, sft_cfg: ml_collections.Confi
                on_loss: Callable[[int, float], None] | None = None) -> Any:
   """Trains the base from scratch; deterministic in `seed`. `on_loss(step, loss)` is called at
   each logged step (e.g. to write it to TensorBoard)."""
-  policy = PrecisionPolicy.unquantized("float32", name="sft_fp32")
+  policy = PrecisionPolicy.unquantized(layout.matmuls(model_cfg), "float32", name="sft_fp32")
   params = transformer.init_params(model_cfg, jax.random.key(seed))
   tx = optax.chain(
       optax.clip_by_global_norm(1.0),
