@@ -268,14 +268,10 @@ def _quant_key(policy: precision.PrecisionPolicy, key: jax.Array) -> jax.Array |
 def _generate(setup: SimSetup, policy: precision.PrecisionPolicy, config: sampler.SamplingConfig,
               params, prompt_BP: jax.Array, key: jax.Array, quant_key,
               act_amax=None) -> sampler.SampleOutput:
-  """The sampler's jitted prefill + decode, called inside the scan (the host-side checks ran in
-  `build`)."""
-  batch, p = prompt_BP.shape
-  cache = transformer.init_cache(setup.model_cfg, batch, p + config.max_new_tokens, policy.dtype)
-  out, _ = sampler._generate(params, prompt_BP, jnp.ones(prompt_BP.shape, bool), key, cache,
-                             quant_key, act_amax, model_cfg=setup.model_cfg, policy=policy,
-                             config=config)
-  return out
+  """The sampler's prefill + decode inside the scan (the host-side checks ran in `build`)."""
+  return sampler.generate_in_jit(params, prompt_BP, jnp.ones(prompt_BP.shape, bool), key,
+                                 model_cfg=setup.model_cfg, policy=policy, config=config,
+                                 quant_key=quant_key, act_amax=act_amax)
 
 
 def calib_key(key: jax.Array) -> jax.Array:

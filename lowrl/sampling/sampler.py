@@ -298,6 +298,22 @@ _generate = jax.jit(_generate_impl, static_argnames=("model_cfg", "policy", "con
                     donate_argnames=("cache",))
 
 
+def generate_in_jit(params: Params, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
+                    rng: jax.Array, *, model_cfg: ModelConfig, policy: PrecisionPolicy,
+                    config: SamplingConfig, quant_key: jax.Array | None = None,
+                    act_amax: transformer.ActAmax | None = None) -> SampleOutput:
+  """`generate` as a traceable function, for callers already inside a jit (the simulator's scan).
+
+  No host-side checks (run `config.check`, `check_row_local` before tracing) and no mesh; it
+  allocates its own KV cache. Same program as `generate` on one device.
+  """
+  batch, p = prompt_BP.shape
+  cache = transformer.init_cache(model_cfg, batch, p + config.max_new_tokens, policy.dtype)
+  out, _ = _generate(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax,
+                     model_cfg=model_cfg, policy=policy, config=config)
+  return out
+
+
 def _check_inputs(prompt_BP, prompt_mask_BP, model_cfg, config):
   if prompt_BP.ndim != 2 or prompt_BP.shape != prompt_mask_BP.shape:
     raise ValueError(f"prompt tokens {prompt_BP.shape} and prompt mask {prompt_mask_BP.shape} "
