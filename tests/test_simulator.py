@@ -103,7 +103,7 @@ def test_split_prompts_are_uniform_over_their_sequences(split):
     ("sampler_recipe", "fp8", "Unknown precision recipe"), ("task.kind", "add", "task.kind"),
     ("rl.group_size", 1, "group_size"), ("rl.correction", "is", "correction mode"),
     ("rl.std_ddof", 2, "rl.std_ddof"),
-    ("model.d_ff", 24, "multiple of the nvfp4 block"),
+    ("model.d_ff", 24, "nvfp4 blocks of 16 .* not a multiple of 16"),
 ])
 def test_build_rejects_bad_settings(path, value, match):
   c = tiny_config(sampler_recipe="nvfp4_naive")
