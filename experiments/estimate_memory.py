@@ -25,6 +25,8 @@ _DEVICES = flags.DEFINE_integer("devices", 8, "Devices in the slice (data x mode
 _MODEL_PARALLEL = flags.DEFINE_integer("model_parallel", 1,
                                        "Devices on the mesh's model axis; divides --devices.")
 _BATCH = flags.DEFINE_integer("batch", 256, "Sequences per optimizer step (prompts x group).")
+_SAMPLER_BATCH = flags.DEFINE_integer("sampler_batch", 0,
+                                      "Rows the sampler decodes at once; 0 = --batch.")
 _MICRO_BATCH = flags.DEFINE_integer("micro_batch", 8, "Sequences per forward/backward.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 4096, "Prompt + completion tokens per sequence.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 3584, "Completion tokens per sequence.")
@@ -49,7 +51,7 @@ _HEADROOM = flags.DEFINE_float("headroom", 0.9, "Fraction of HBM the estimate ma
 
 
 def run(*, model: str, hardware: str, devices: int, model_parallel: int, batch: int,
-        micro_batch: int, seq_len: int, max_new_tokens: int, remat: str, attention: str,
+        sampler_batch: int, micro_batch: int, seq_len: int, max_new_tokens: int, remat: str, attention: str,
         logprob_chunk: int, param_dtype: str, reference_dtype: str, async_versions: int,
         async_dtype: str, kv_cache_dtype: str, ppo_epochs: int, mfu: float,
         headroom: float) -> tuple[str, bool]:
@@ -65,7 +67,7 @@ def run(*, model: str, hardware: str, devices: int, model_parallel: int, batch: 
       reference_dtype="float32" if reference_dtype == "none" else reference_dtype,
       async_versions=async_versions, async_dtype=async_dtype, remat=remat,
       kv_cache_dtype=kv_cache_dtype, logprob_chunk=logprob_chunk or None, attention=attention,
-      ppo_epochs=ppo_epochs)
+      ppo_epochs=ppo_epochs, sampler_batch=sampler_batch or None)
   lines = [f"{model} on {devices} x {hw.name}", memory.format_estimate(est, hw, mfu), ""]
   try:
     memory.check_fits(est, hw.hbm_bytes, headroom)
@@ -80,6 +82,7 @@ def main(argv):
   del argv
   text, fits = run(model=_MODEL.value, hardware=_HARDWARE.value, devices=_DEVICES.value,
                    model_parallel=_MODEL_PARALLEL.value, batch=_BATCH.value,
+                   sampler_batch=_SAMPLER_BATCH.value,
                    micro_batch=_MICRO_BATCH.value, seq_len=_SEQ_LEN.value,
                    max_new_tokens=_MAX_NEW.value, remat=_REMAT.value,
                    attention=_ATTENTION.value, logprob_chunk=_CHUNK.value,
