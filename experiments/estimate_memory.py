@@ -51,9 +51,9 @@ _HEADROOM = flags.DEFINE_float("headroom", 0.9, "Fraction of HBM the estimate ma
 
 
 def run(*, model: str, hardware: str, devices: int, model_parallel: int, batch: int,
-        sampler_batch: int, micro_batch: int, seq_len: int, max_new_tokens: int, remat: str, attention: str,
-        logprob_chunk: int, param_dtype: str, reference_dtype: str, async_versions: int,
-        async_dtype: str, kv_cache_dtype: str, ppo_epochs: int, mfu: float,
+        sampler_batch: int, micro_batch: int, seq_len: int, max_new_tokens: int, remat: str,
+        attention: str, logprob_chunk: int, param_dtype: str, reference_dtype: str,
+        async_versions: int, async_dtype: str, kv_cache_dtype: str, ppo_epochs: int, mfu: float,
         headroom: float) -> tuple[str, bool]:
   """(the printed report, whether it fits), from the flags' values (their help says each)."""
   hw = hardware_lib.hardware(hardware)

@@ -96,10 +96,11 @@ HARDWARE: dict[str, Hardware] = {
     "b200": Hardware("b200", bf16_tflops=2250.0, fp8_tflops=4500.0, fp4_tflops=9000.0,
                      hbm_tbps=7.7, hbm_gb=180.0, interconnect_gbps=1800.0),
     # TPU v5p, per chip: cloud.google.com/tpu/docs/v5p ("Peak compute per chip (BF16) 459",
-    # "(FP8) 459" TFLOPs: no FP8 units, FP8 matmuls run at the BF16 rate; 918 INT8 TOP/s per
-    # aiwiki.ai/wiki/google_tpu_v5p, not modelled; HBM2e 95 GB at 2,765 GB/s; bidirectional ICI 1,200 GB/s per chip). TPU
-    # rates are dense (no sparsity factor). One later revision of that page says 95 GiB; the
-    # smaller figure (95e9 bytes) is kept so that a fit check errs on the safe side.
+    # "(FP8) 459" TFLOPs: no FP8 units, FP8 matmuls run at the BF16 rate; HBM2e 95 GB at
+    # 2,765 GB/s; bidirectional ICI 1,200 GB/s per chip). 918 INT8 TOP/s
+    # (aiwiki.ai/wiki/google_tpu_v5p) is not modelled. TPU rates are dense (no sparsity factor).
+    # One later revision of that page says 95 GiB; the smaller figure (95e9 bytes) is kept so
+    # that a fit check errs on the safe side.
     "v5p": Hardware("v5p", bf16_tflops=459.0, fp8_tflops=459.0, fp4_tflops=None,
                     hbm_tbps=2.765, hbm_gb=95.0, interconnect_gbps=1200.0),
 }

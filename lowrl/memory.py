@@ -167,7 +167,8 @@ def matmul_weights(model_cfg: ModelConfig) -> int:
 
 def forward_flops(model_cfg: ModelConfig, tokens: int) -> int:
   """F(T) = 2 N_mm T + 4 L q T^2: one full forward of a sequence of `tokens` tokens."""
-  return 2 * matmul_weights(model_cfg) * tokens + 4 * model_cfg.n_layers * model_cfg.q_dim * tokens * tokens
+  attention = 4 * model_cfg.n_layers * model_cfg.q_dim * tokens * tokens
+  return 2 * matmul_weights(model_cfg) * tokens + attention
 
 
 def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: int,
