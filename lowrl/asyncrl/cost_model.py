@@ -61,81 +61,21 @@ import ml_collections
 import numpy as np
 
 from lowrl import precision as precision_lib
+# The hardware rates live in lowrl.hardware (shared with the memory/FLOP estimator); re-exported.
+from lowrl.hardware import BF16, HARDWARE, PRECISION_FORMATS, Hardware  # noqa: F401
+from lowrl.hardware import TENSOR_RATE as _TENSOR_RATE
+from lowrl.hardware import positive_finite as _positive
 from lowrl.quant.config import FORMATS, QuantConfig
 from lowrl.quant.packing import bytes_per_param
 
-BF16 = "bf16"
-# Matmul input format -> which dense tensor rate of the chip it runs at.
-_TENSOR_RATE = {BF16: "bf16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "mxfp8_e4m3": "fp8",
-                "mxfp8_e5m2": "fp8", "mxfp4": "fp4", "nvfp4": "fp4"}
-PRECISION_FORMATS = tuple(_TENSOR_RATE)
 # Storage per weight is measured on a 4096 x 4096 kernel (its per-tensor scales are negligible).
 _REFERENCE_KERNEL = (4096, 4096)
-
-
-def _positive(owner: str, **values: float) -> None:
-  for name, value in values.items():
-    if isinstance(value, bool) or not value > 0 or not math.isfinite(value):
-      raise ValueError(f"{owner}.{name} must be a positive finite number, got {value!r}.")
 
 
 def _positive_int(owner: str, **values: int) -> None:
   for name, value in values.items():
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
       raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}.")
-
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-  """One accelerator: dense (no 2:4 sparsity) tensor rates, HBM bandwidth and capacity.
-
-  Attributes:
-    name: short name.
-    bf16_tflops, fp8_tflops: dense tensor-core TFLOP/s.
-    fp4_tflops: dense FP4 tensor-core TFLOP/s, None where the chip has no FP4 tensor cores.
-    hbm_tbps: HBM bandwidth, TB/s (1e12 bytes/s).
-    hbm_gb: HBM capacity, GB (1e9 bytes).
-  """
-
-  name: str
-  bf16_tflops: float
-  fp8_tflops: float
-  fp4_tflops: float | None
-  hbm_tbps: float
-  hbm_gb: float
-
-  def __post_init__(self):
-    _positive("Hardware", bf16_tflops=self.bf16_tflops, fp8_tflops=self.fp8_tflops,
-              hbm_tbps=self.hbm_tbps, hbm_gb=self.hbm_gb)
-    if self.fp4_tflops is not None:
-      _positive("Hardware", fp4_tflops=self.fp4_tflops)
-
-  def flops_per_s(self, fmt: str) -> float:
-    """Dense tensor FLOP/s of a matmul whose inputs are in `fmt` (see the module docstring)."""
-    rate = _TENSOR_RATE[fmt]
-    if rate == "fp4" and self.fp4_tflops is None:
-      rate = "bf16"  # weight-only FP4 kernels on chips without FP4 tensor cores
-    return {"bf16": self.bf16_tflops, "fp8": self.fp8_tflops,
-            "fp4": self.fp4_tflops}[rate] * 1e12
-
-
-# NVIDIA's product pages quote tensor rates "with sparsity" (2:4 structured); dense is half.
-HARDWARE: dict[str, Hardware] = {
-    # H100 SXM: nvidia.com/en-us/data-center/h100 (SXM column: BF16 1,979 and FP8 3,958 TFLOPS
-    # "with sparsity", 80 GB, 3.35 TB/s). Dense 989.4 / 1,978.9: glennklockwood.com/garden/
-    # processors/h100 (matrix vs sparse columns). No FP4 tensor cores (Hopper).
-    "h100_sxm": Hardware("h100_sxm", bf16_tflops=989.5, fp8_tflops=1979.0, fp4_tflops=None,
-                         hbm_tbps=3.35, hbm_gb=80.0),
-    # H200 SXM: nvidia.com/en-us/data-center/h200 (same GH100 compute as H100 SXM: BF16 1,979 and
-    # FP8 3,958 TFLOPS with sparsity; 141 GB HBM3e at 4.8 TB/s).
-    "h200": Hardware("h200", bf16_tflops=989.5, fp8_tflops=1979.0, fp4_tflops=None,
-                     hbm_tbps=4.8, hbm_gb=141.0),
-    # B200 (HGX B200, 1,000 W): nvidia.com/en-us/data-center/hgx (per GPU: FP4 18, FP8/FP6 9,
-    # FP16/BF16 4.5 PFLOPS with sparsity; 180 GB HBM3e at 7.7 TB/s). Dense 9,000 / 4,500 /
-    # 2,250 TFLOPS: glennklockwood.com/garden/processors/B200 (HGX variant, matrix column).
-    "b200": Hardware("b200", bf16_tflops=2250.0, fp8_tflops=4500.0, fp4_tflops=9000.0,
-                     hbm_tbps=7.7, hbm_gb=180.0),
-}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -112,6 +112,11 @@ _PRESETS: dict[str, ModelConfig] = {
     "qwen3_0_6b": ModelConfig(vocab_size=151936, d_model=1024, n_layers=28, n_heads=16,
                               n_kv_heads=8, head_dim=128, d_ff=3072, rope_theta=1e6, rms_eps=1e-6,
                               qk_norm=True, tie_embeddings=True, max_seq_len=40960),
+    # Qwen/Qwen3-8B config.json (hidden_size 4096, intermediate_size 12288, 36 layers, 32/8
+    # heads, head_dim 128, untied embeddings).
+    "qwen3_8b": ModelConfig(vocab_size=151936, d_model=4096, n_layers=36, n_heads=32,
+                            n_kv_heads=8, head_dim=128, d_ff=12288, rope_theta=1e6, rms_eps=1e-6,
+                            qk_norm=True, tie_embeddings=False, max_seq_len=40960),
     "qwen2_5_0_5b": ModelConfig(vocab_size=151936, d_model=896, n_layers=24, n_heads=14,
                                 n_kv_heads=2, head_dim=64, d_ff=4864, rope_theta=1e6,
                                 rms_eps=1e-6, qkv_bias=True, tie_embeddings=True,

@@ -1,0 +1,243 @@
+"""lowrl.memory (per-device memory and FLOPs), lowrl.hardware and experiments/estimate_memory.
+
+State bytes are checked against the arrays the code builds (jax.eval_shape of init_params,
+init_opt_state, init_cache); the dominant activation terms against hand counts and against the
+shapes of the FP32 arrays the model's forward actually creates; FLOPs against a hand count of
+every matmul written out here.
+"""
+import math
+
+from absl import flags
+from absl.testing import flagsaver
+import jax
+from jax.extend import core as jax_core
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import estimate_memory
+from lowrl import hardware as hardware_lib
+from lowrl import memory
+from lowrl.asyncrl import cost_model
+from lowrl.models import transformer
+from lowrl.models.config import preset
+from lowrl.precision import PrecisionPolicy
+from lowrl.training import optimizer as optimizer_lib
+
+TINY = preset("tiny")  # V=64, D=32, L=2, H=4, K=2, hd=8, F=64, tied
+# Untied head, qkv bias, qk norm: every optional leaf of the param tree.
+TINY_FULL = preset("tiny", tie_embeddings=False, qkv_bias=True, qk_norm=True)
+
+
+def _nbytes(tree) -> int:
+  return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _est(cfg=TINY, **kw):
+  args = dict(batch=4, micro_batch=4, seq_len=16, max_new_tokens=4)
+  args.update(kw)
+  return memory.estimate(cfg, **args)
+
+
+@pytest.mark.parametrize("cfg", [TINY, TINY_FULL])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_params_grads_reference_are_the_param_tree_bytes(cfg, dtype):
+  params = jax.eval_shape(lambda k: transformer.init_params(cfg, k, jnp.dtype(dtype)),
+                          jax.random.key(0))
+  est = _est(cfg, param_dtype=dtype, reference_dtype=dtype, async_versions=2, async_dtype=dtype)
+  assert est.params == _nbytes(params)
+  assert est.grads == _nbytes(params)  # one micro-batch: no accumulator
+  assert est.reference == _nbytes(params)
+  assert est.async_versions == 2 * _nbytes(params)
+  assert _est(cfg, micro_batch=2, param_dtype=dtype).grads == 2 * _nbytes(params)
+  assert _est(cfg, keep_reference=False).reference == 0
+  # FSDP over data x model: every device holds 1/8 (rounded up).
+  assert _est(cfg, param_dtype=dtype, mesh=(4, 2)).params == math.ceil(_nbytes(params) / 8)
+
+
+def test_optimizer_is_adams_two_fp32_moments():
+  params = jax.eval_shape(lambda k: transformer.init_params(TINY_FULL, k), jax.random.key(0))
+  tx = optimizer_lib.make_optimizer(optimizer_lib.default_optimizer_config(), total_steps=10)
+  state = jax.eval_shape(lambda p: optimizer_lib.init_opt_state(tx, p), params)
+  leaves = jax.tree.leaves(state)
+  moments = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]
+  counters = [x for x in leaves if not jnp.issubdtype(x.dtype, jnp.floating)]
+  assert _est(TINY_FULL).optimizer == _nbytes(moments) == 2 * _nbytes(params)
+  assert _nbytes(counters) <= 16  # the step counters the estimate leaves out
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float32"])
+def test_kv_cache_is_init_cache_bytes(kv_dtype):
+  rows, seq_len = 6, 20
+  cache = jax.eval_shape(lambda: transformer.init_cache(TINY, rows, seq_len, jnp.dtype(kv_dtype)))
+  est = _est(batch=rows, micro_batch=rows, seq_len=seq_len, kv_cache_dtype=kv_dtype)
+  assert est.kv_cache == _nbytes(cache)
+  # Sharded: rows over data; kv heads (K=2) over model when model divides them.
+  kv = _nbytes(cache["layers"])
+  mask = rows * seq_len
+  on = lambda mesh: _est(batch=rows, micro_batch=rows, seq_len=seq_len,  # noqa: E731
+                         kv_cache_dtype=kv_dtype, mesh=mesh).kv_cache
+  assert on((2, 2)) == kv // 4 + mask // 2 + 4
+  assert on((3, 4)) == kv // 3 + mask // 3 + 4  # 4 does not divide K=2: heads replicated
+
+
+def _f32_array_shapes(fn, *args) -> set[tuple[int, ...]]:
+  """Shapes of every FP32 array a jaxpr (and its sub-jaxprs) creates."""
+  shapes = set()
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      for v in eqn.outvars:
+        if hasattr(v.aval, "dtype") and v.aval.dtype == jnp.float32:
+          shapes.add(tuple(v.aval.shape))
+      for p in eqn.params.values():
+        for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+          if isinstance(sub, jax_core.ClosedJaxpr):
+            walk(sub.jaxpr)
+          elif isinstance(sub, jax_core.Jaxpr):
+            walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return shapes
+
+
+def test_dominant_activation_terms_by_hand():
+  b, t = 2, 16  # micro-batch, tokens
+  h, v, d, layers = 4, 64, 32, 2
+  est = _est(batch=4, micro_batch=b, seq_len=t, compute_dtype="bfloat16")
+  # FP32 probabilities + their BF16 copy, [B, H, T, T] per layer.
+  assert est.act_scores == layers * b * h * t * t * (4 + 2)
+  assert est.act_logits == 3 * b * t * v * 4
+  assert est.act_head == b * t * d * (4 + 2)
+  # Chunked logprobs: [B, T, chunk]; a chunk wider than V is the full vocabulary.
+  assert _est(batch=4, micro_batch=b, seq_len=t, logprob_chunk=16).act_logits == 3 * b * t * 16 * 4
+  assert _est(batch=4, micro_batch=b, seq_len=t, logprob_chunk=999).act_logits == est.act_logits
+  # Fused attention keeps an FP32 logsumexp [B, H, T] per layer.
+  fused = _est(batch=4, micro_batch=b, seq_len=t, attention="fused")
+  assert fused.act_scores == layers * b * h * t * 4
+  # Remat: one layer's scores live at a time; the blocks keep only layer inputs + one layer.
+  full = _est(batch=4, micro_batch=b, seq_len=t, remat="full")
+  assert full.act_scores == b * h * t * t * 6
+  per_token_layer = 2 * (4 * 32 + 3 * 32 + 3 * 16 + 3 * 64)  # bf16 x (4D + 3q + 3kv + 3F)
+  assert est.act_layers == layers * b * t * per_token_layer
+  assert full.act_layers == layers * b * t * 2 * d + b * t * per_token_layer
+  # Batch over data, heads and vocabulary over model.
+  split = _est(batch=4, micro_batch=b, seq_len=t, mesh=(2, 2))
+  assert split.act_scores == est.act_scores // 4
+  assert split.act_logits == est.act_logits // 4
+  # The model's forward does build FP32 arrays of exactly these shapes.
+  params = transformer.init_params(TINY, jax.random.key(0))
+  tokens = jnp.zeros((b, t), jnp.int32)
+  policy = PrecisionPolicy.unquantized("bfloat16")
+  shapes = _f32_array_shapes(
+      lambda p, x: transformer.token_logprobs(p, x, TINY, policy), params, tokens)
+  assert (b, 2, 2, t, t) in shapes  # scores / probabilities [B, K, H / K, T, T]
+  assert (b, t - 1, v) in shapes  # logits / log-softmax of the predicted positions
+
+
+def test_flops_by_hand():
+  # tiny: D=32, q=H*hd=32, kv=K*hd=16, F=64, V=64, L=2, tied head (reads the embedding).
+  per_layer = 32 * 32 + 32 * 16 + 32 * 16 + 32 * 32 + 32 * 64 + 32 * 64 + 64 * 32
+  blocks, head = 2 * per_layer, 32 * 64
+  attn_pair = 4 * 2 * 32  # QK^T + AV, per query-key pair, all layers
+  batch, seq_len, new = 4, 12, 4
+  prompt = seq_len - new
+
+  def forward(t):
+    return 2 * (blocks + head) * t + attn_pair * t * t
+
+  prefill = batch * (2 * blocks * prompt + 2 * head + attn_pair * prompt * prompt)
+  decode = batch * sum(2 * (blocks + head) + attn_pair * (prompt + j) for j in range(1, new))
+  est = _est(batch=batch, micro_batch=2, seq_len=seq_len, max_new_tokens=new, ppo_epochs=2,
+             remat="full")
+  f = est.flops
+  assert f.sampler_prefill == prefill
+  assert f.sampler_decode == decode
+  assert f.trainer == 2 * batch * 3 * forward(seq_len)
+  assert f.scoring == batch * forward(seq_len)
+  assert f.reference == batch * forward(seq_len)
+  assert f.remat_recompute == 2 * batch * (2 * blocks * seq_len + attn_pair * seq_len ** 2)
+  assert f.total == prefill + decode + (6 + 1 + 1) * batch * forward(seq_len)
+  assert _est(keep_reference=False).flops.reference == 0
+  assert _est().flops.remat_recompute == 0
+
+
+def test_step_time():
+  hw = hardware_lib.Hardware("toy", bf16_tflops=1.0, fp8_tflops=2.0, fp4_tflops=None,
+                             hbm_tbps=1e-3, hbm_gb=1.0)
+  est = _est(mesh=(2, 1))
+  t = memory.step_time(est, hw, mfu=0.5)
+  rate = 2 * 1e12 * 0.5
+  assert t.compute_s == pytest.approx(est.flops.total / rate, rel=1e-12)
+  assert t.decode_hbm_s == pytest.approx(est.decode_hbm_bytes / 1e9, rel=1e-12)
+  rest = (est.flops.total - est.flops.sampler_decode) / rate
+  assert t.step_s == pytest.approx(
+      rest + max(est.flops.sampler_decode / rate, t.decode_hbm_s), rel=1e-12)
+
+
+def test_total_and_format():
+  est = _est()
+  assert est.total == (est.params + est.optimizer + est.reference + est.async_versions
+                       + est.kv_cache + max(est.grads + est.activations, est.sampler_prefill))
+  text = memory.format_estimate(est, hardware_lib.HARDWARE["h100_sxm"])
+  for word in ("params", "KV cache", "attention scores", "logits", "total", "expected step"):
+    assert word in text
+  assert len(text.splitlines()) < 50  # one screen
+
+
+def test_check_fits_names_the_knobs():
+  memory.check_fits(_est(), hbm_bytes=80e9)  # a tiny model fits
+  big = memory.estimate(preset("qwen3_8b"), batch=64, micro_batch=8, seq_len=4096,
+                        max_new_tokens=3584, mesh=(8, 1))
+  with pytest.raises(ValueError) as e:
+    memory.check_fits(big, hbm_bytes=80e9)
+  for knob in ("micro_batch", "attention='fused'", "remat='full'", "mesh"):
+    assert knob in str(e.value)
+  # State-bound: short sequences, no devices to spread over.
+  state = memory.estimate(preset("qwen3_8b"), batch=8, micro_batch=8, seq_len=64,
+                          max_new_tokens=32, mesh=(1, 1))
+  with pytest.raises(ValueError) as e:
+    memory.check_fits(state, hbm_bytes=80e9)
+  for knob in ("param_dtype='bfloat16'", "reference_dtype='bfloat16'", "keep_reference=False",
+               "mesh"):
+    assert knob in str(e.value)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(micro_batch=3), "micro_batch=3 must divide batch=4"),
+    (dict(remat="some"), "remat="),
+    (dict(attention="flash"), "attention="),
+    (dict(mesh=(0, 1)), "mesh"),
+    (dict(param_dtype="float64"), "param_dtype="),
+    (dict(seq_len=1000), "max_seq_len"),
+    (dict(max_new_tokens=16), "max_new_tokens=16 must be < seq_len=16"),
+    (dict(logprob_chunk=0), "logprob_chunk"),
+])
+def test_bad_input_names_the_flag(kw, match):
+  with pytest.raises(ValueError, match=match):
+    _est(**kw)
+
+
+def test_hardware_presets():
+  assert cost_model.HARDWARE is hardware_lib.HARDWARE  # moved, not copied
+  v5p = hardware_lib.hardware("v5p")
+  assert v5p.flops_per_s("mxfp8_e4m3") == v5p.flops_per_s("bf16") == 459e12
+  h100 = hardware_lib.hardware("h100_sxm")
+  assert h100.flops_per_s("nvfp4") == h100.flops_per_s("bf16")  # no FP4 tensor cores
+  assert hardware_lib.hardware("b200").flops_per_s("nvfp4") == 9000e12
+  with pytest.raises(ValueError, match="unknown hardware 'tpu'"):
+    hardware_lib.hardware("tpu")
+  with pytest.raises(ValueError, match="has no tensor rate"):
+    h100.flops_per_s("int4")
+
+
+def test_binary_qwen3_8b_on_8_h100(capsys):
+  with flagsaver.flagsaver():
+    flags.FLAGS(["estimate_memory", "--model=qwen3_8b", "--hardware=h100_sxm", "--devices=8"])
+    assert estimate_memory.main([]) == 1  # today's defaults (no remat, FP32 scores) do not fit
+    out = capsys.readouterr().out
+    assert "qwen3_8b on 8 x h100_sxm" in out and "DOES NOT FIT" in out and "micro_batch" in out
+    flags.FLAGS(["estimate_memory", "--remat=full", "--attention=fused",
+                 "--logprob_chunk=8192", "--reference_dtype=bfloat16"])
+    assert estimate_memory.main([]) == 0
+    assert "fits in 0.9 x 80 GB" in capsys.readouterr().out
