@@ -83,7 +83,7 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   # with a skipped optimizer update (non-finite loss, gradient or new parameters).
   c.max_skipped_steps = 3
 
-  # Simulated asynchrony (lowrl.asyncrl.schedule): lag 0 and sync every step = synchronous RL.
+  # Simulated asynchrony (lowrl.training.schedule): lag 0 and sync every step = synchronous RL.
   c.async_rl = ml_collections.ConfigDict()
   c.async_rl.lag = 0  # sampler version = trainer version - lag (>= 0)
   c.async_rl.sync_every = 1  # steps between weight syncs to the sampler

@@ -14,7 +14,7 @@ import pytest
 from lowrl import precision
 from lowrl.asyncrl.cost_model import (HARDWARE, Cluster, CostModel, Hardware, ModelSize, Precision,
                                       Workload, precision_of)
-from lowrl.asyncrl.schedule import AsyncSchedule
+from lowrl.training.schedule import AsyncSchedule
 from lowrl.models.config import ModelConfig
 
 # Llama-3.1-8B: D 4096, 32 layers, 32 q heads, 8 kv heads of 128, F 14336, V 128256, untied.

@@ -1,10 +1,10 @@
-"""The sampler -> trainer drift decomposition (lowrl.asyncrl.drift)."""
+"""The sampler -> trainer drift decomposition (lowrl.rl.drift)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lowrl.asyncrl.drift import DRIFT_PARTS, drift_metrics, sampler_trainer_drift
+from lowrl.rl.drift import DRIFT_PARTS, drift_metrics, sampler_trainer_drift
 from lowrl.rl.mismatch import mismatch_metrics
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tiny
 
-from lowrl.asyncrl.drift import DRIFT_PARTS
+from lowrl.rl.drift import DRIFT_PARTS
 from lowrl.training import loop, optimizer, sft
 from lowrl.training.checkpointing import Checkpointer, abstract_like
 

@@ -4,7 +4,7 @@ import itertools
 import numpy as np
 import pytest
 
-from lowrl.asyncrl.schedule import AsyncSchedule, VersionBuffer
+from lowrl.training.schedule import AsyncSchedule, VersionBuffer
 
 STEPS = 40
 DISTRIBUTIONS = ("fixed", "uniform", "geometric")
@@ -110,7 +110,7 @@ def test_schedule_validation(kwargs, match):
 
 
 # ---- FifoSchedule and LengthDrivenSchedule (same interface as AsyncSchedule).
-from lowrl.asyncrl.schedule import FifoSchedule, LengthDrivenSchedule  # noqa: E402
+from lowrl.training.schedule import FifoSchedule, LengthDrivenSchedule  # noqa: E402
 
 FIFO_SCHEDULES = [FifoSchedule(lag=lag, sync_every=s, lag_distribution=d, seed=seed)
                   for lag, s, d, seed in itertools.product((0, 1, 2, 5), (1, 2, 3), DISTRIBUTIONS,

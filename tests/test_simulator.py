@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from lowrl.asyncrl import simulator, sweep
-from lowrl.asyncrl.drift import DRIFT_PARTS
-from lowrl.asyncrl.schedule import AsyncSchedule
+from lowrl.rl.drift import DRIFT_PARTS
+from lowrl.training.schedule import AsyncSchedule
 
 STEPS = 8
 SEEDS = (0, 1)

@@ -5,7 +5,7 @@ The pieces are the real loop's (lowrl.training.loop), called from inside the sca
 (`lowrl.precision`, quantized through `lowrl.quant`), the sampler's prefill + decode
 (`lowrl.sampling.sampler`, exact mode re-scoring included), group advantages, the pure RL update
 `make_rl_update` (losses, TIS/MIS corrections, optimizer), the drift decomposition
-(`lowrl.asyncrl.drift`) and the staleness schedule (`AsyncSchedule`). What is small is the rest:
+(`lowrl.rl.drift`) and the staleness schedule (`AsyncSchedule`). What is small is the rest:
 a tiny decoder on a synthetic sequential task whose reward is computed in JAX (`SequenceTask`),
 so nothing leaves the device between updates and thousands of updates run per minute on a CPU.
 
@@ -41,8 +41,8 @@ import numpy as np
 import optax
 
 from lowrl import precision, sharding
-from lowrl.asyncrl.drift import sampler_trainer_drift, version_distance
-from lowrl.asyncrl.schedule import AsyncSchedule
+from lowrl.rl.drift import sampler_trainer_drift, version_distance
+from lowrl.training.schedule import AsyncSchedule
 from lowrl.models import layout, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.rl.advantages import compute_advantages

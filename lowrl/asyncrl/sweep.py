@@ -25,7 +25,7 @@ import ml_collections
 import numpy as np
 
 from lowrl.asyncrl import simulator
-from lowrl.asyncrl.drift import DRIFT_PARTS
+from lowrl.rl.drift import DRIFT_PARTS
 from lowrl.metrics.writer import MetricWriter
 
 Log = Callable[[str], None]
@@ -134,7 +134,7 @@ def summarize(metrics: dict[str, np.ndarray], tail_frac: float = SUMMARY_TAIL) -
     out[f"{part}_max"] = float(metrics[f"drift/{part}/abs_dlogp_max"].mean())
     out[f"{part}_ess"] = float(metrics[f"drift/{part}/ess"].mean())
   # Mean importance weight pi_now / pi_sampler over every sampled token of the run (1 in
-  # expectation at temperature 1, see lowrl.asyncrl.drift) and its standard error: the weights
+  # expectation at temperature 1, see lowrl.rl.drift) and its standard error: the weights
   # minus 1 are martingale differences (mean 0 given everything sampled before), hence
   # uncorrelated, so the variance of their sum is the sum of the per-step variances std^2 * n.
   w_mean, w_std = metrics["drift/total/is_weight_mean"], metrics["drift/total/is_weight_std"]

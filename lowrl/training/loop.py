@@ -27,8 +27,8 @@ import ml_collections
 import numpy as np
 
 from lowrl import distributed, precision, sharding
-from lowrl.asyncrl.drift import drift_metrics
-from lowrl.asyncrl.schedule import AsyncSchedule, VersionBuffer
+from lowrl.rl.drift import drift_metrics
+from lowrl.training.schedule import AsyncSchedule, VersionBuffer
 from lowrl.metrics.writer import create_writer
 from lowrl.models import layout, transformer
 from lowrl.models.config import ModelConfig

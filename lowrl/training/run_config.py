@@ -17,7 +17,7 @@ from typing import Any
 
 import ml_collections
 
-from lowrl.asyncrl.schedule import AsyncSchedule
+from lowrl.training.schedule import AsyncSchedule
 from lowrl.rl.corrections import CORRECTION_LEVELS, CORRECTION_MODES
 from lowrl.rl.kl import KL_ESTIMATORS
 from lowrl.rl.losses import AGGREGATIONS, LOSSES
