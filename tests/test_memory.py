@@ -19,7 +19,7 @@ from experiments import estimate_memory
 from lowrl import hardware as hardware_lib
 from lowrl import memory
 from lowrl.asyncrl import cost_model
-from lowrl.models import transformer
+from lowrl.models import layout, transformer
 from lowrl.models.config import preset
 from lowrl.precision import PrecisionPolicy
 from lowrl.training import optimizer as optimizer_lib
@@ -128,7 +128,7 @@ def test_dominant_activation_terms_by_hand():
   # The model's forward does build FP32 arrays of exactly these shapes.
   params = transformer.init_params(TINY, jax.random.key(0))
   tokens = jnp.zeros((b, t), jnp.int32)
-  policy = PrecisionPolicy.unquantized("bfloat16")
+  policy = PrecisionPolicy.unquantized(layout.matmuls(TINY), "bfloat16")
   shapes = _f32_array_shapes(
       lambda p, x: transformer.token_logprobs(p, x, TINY, policy), params, tokens)
   assert (b, 2, 2, t, t) in shapes  # scores / probabilities [B, K, H / K, T, T]

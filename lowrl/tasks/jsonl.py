@@ -5,9 +5,17 @@ ending in \\boxed{answer}); without it the target is the answer, wrapped in \\bo
 "boxed" verifier, and must pass the verifier (checked at load, so a bad reference is found
 before training). The split hashes the prompt text, so repeated prompts share a split and the
 eval lines never reach training, whatever the file order or seed.
+
+Optional chat template (`chat_template=`): each prompt becomes one user message rendered by the
+checkpoint's template (`lowrl.tasks.chat_template`), assistant header included, as
+`apply_chat_template(..., add_generation_prompt=True)` writes it. A leading bos_token the
+template writes is dropped from the text when the tokenizer has a bos id, since batching
+prepends that id itself (one bos, as transformers' tokenized chat has). The split still hashes
+the raw prompt, so a template does not move lines between splits.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -16,6 +24,7 @@ import numpy as np
 
 from lowrl.tasks import splits, verifiers
 from lowrl.tasks.base import Example, Task, check_count, check_rng
+from lowrl.tasks.chat_template import ChatTemplate
 from lowrl.tasks.tokenizer import CharTokenizer, Tokenizer
 
 
@@ -29,7 +38,7 @@ class JsonlTask(Task):
   def __init__(self, path: str | os.PathLike, verifier: str | verifiers.Verifier = "exact",
                verifier_kwargs: dict[str, Any] | None = None, eval_fraction: float = 0.1,
                tokenizer: str | os.PathLike | Tokenizer | None = None, max_answer_len: int | None = None,
-               name: str = "jsonl"):
+               name: str = "jsonl", chat_template: str | os.PathLike | ChatTemplate | None = None):
     """Loads and validates the file.
 
     Args:
@@ -43,6 +52,10 @@ class JsonlTask(Task):
       max_answer_len: generation budget in tokens incl. eos, at least the longest target + eos
         (the default).
       name: task name (also salts the split keys).
+      chat_template: None = prompts as written (the default); a checkpoint directory = its chat
+        template (chat_template.jinja or tokenizer_config.json) and special tokens; or a
+        `ChatTemplate`. Each prompt is rendered as a single user message plus the assistant
+        header; Example.metadata["raw_prompt"] keeps the line's text.
     """
     splits.check_eval_fraction(eval_fraction)
     self.name = name
@@ -57,12 +70,22 @@ class JsonlTask(Task):
       self._verifier_name = verifier
       self.verifier = verifiers.make_verifier(verifier, **(verifier_kwargs or {}))
 
+    if isinstance(chat_template, (str, os.PathLike)):
+      chat_template = ChatTemplate.from_checkpoint(chat_template)
+    elif chat_template is not None and not isinstance(chat_template, ChatTemplate):
+      raise ValueError("chat_template must be None, a checkpoint directory or a ChatTemplate, "
+                       f"got {type(chat_template).__name__}.")
+    self.chat_template = chat_template
     rows = self._load()
     self._by_split: dict[str, list[Example]] = {s: [] for s in splits.SPLITS}
     for lineno, prompt, answer, target in rows:
       key = f"{self.name}|{prompt}"
       split = splits.split_of(key, self.eval_fraction)
-      ex = Example(prompt, answer, {"line": lineno, "key": key, "split": split, "target": target})
+      meta = {"line": lineno, "key": key, "split": split, "target": target}
+      shown = prompt
+      if chat_template is not None:
+        shown, meta["raw_prompt"] = chat_template.render_prompt(prompt), prompt
+      ex = Example(shown, answer, meta)
       if target is None:
         try:
           ok = self.verifier(self.target_text(ex), answer) == 1.0
@@ -85,6 +108,13 @@ class JsonlTask(Task):
       raise ValueError("tokenizer must be None, a tokenizer.json path or a Tokenizer, "
                        f"got {type(tokenizer).__name__}.")
     self.tokenizer = tokenizer
+    bos_text = None if chat_template is None else chat_template.special_token("bos_token")
+    if tokenizer.bos_id is not None and isinstance(bos_text, str) and bos_text:
+      # Batching prepends the bos id itself: a bos the template writes would make two.
+      for examples in self._by_split.values():
+        examples[:] = [dataclasses.replace(e, prompt=e.prompt.removeprefix(bos_text))
+                       for e in examples]
+      all_examples = self._by_split["train"] + self._by_split["eval"]
     bos = 0 if tokenizer.bos_id is None else 1
     self.max_prompt_len = bos + max(len(tokenizer.encode(e.prompt)) for e in all_examples)
     longest_target = 1 + max(len(tokenizer.encode(self.target_text(e))) for e in all_examples)
