@@ -154,7 +154,7 @@ def export(workdir: str, out: str, *, step: int | None = None, rollout_format: s
   except ValueError as e:
     raise ExportError(f"The run's config does not build here: {e}") from None
   device = jax.local_devices()[0]
-  shapes = sharding.param_shapes(setup.model_cfg)
+  shapes = transformer.param_shapes(setup.model_cfg)
   one = jax.sharding.SingleDeviceSharding(device)
   master = jnp.dtype(cfg.optimizer.master_dtype)  # the loop trains params in this dtype
   abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, master, sharding=one), shapes)

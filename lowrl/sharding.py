@@ -4,6 +4,8 @@ One parameter tree, sharded over a `jax.sharding.Mesh`, is the input of both the
 trainer: every jitted step gets explicit `in_shardings`/`out_shardings` from a `ShardingPlan`, so
 nothing is gathered onto one device between rollout and update. The same code runs on one CPU, on
 the 8 fake CPU devices of the tests, on one GPU node and on a multi-host pod (`lowrl.distributed`).
+This module never builds the model: it places abstract shape trees (`transformer.param_shapes`,
+optimizer states) and reads where a matmul's weight lives from the model's layout.
 
 Mesh: named axes from config (`mesh.axes`, default `("data", "model")`); `mesh.shape` gives one
 size per axis, -1 filling the remaining devices. By convention the batch is split over `batch_axes`
@@ -32,7 +34,6 @@ same quantized values as the unsharded one (per-tensor / per-token amaxes are ex
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 from typing import Any, Iterable, Sequence
@@ -42,7 +43,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from lowrl import precision
-from lowrl.models import layout, transformer
+from lowrl.models import layout
 from lowrl.models.config import ModelConfig
 
 SpecEntry = str | tuple[str, ...] | None
@@ -159,12 +160,6 @@ def abstract(shapes: Any, shardings: Any) -> Any:
                       shapes, shardings)
 
 
-@functools.lru_cache(maxsize=None)
-def param_shapes(model_cfg: ModelConfig) -> Any:
-  """ShapeDtypeStructs of the decoder's parameter tree (nothing is allocated)."""
-  return jax.eval_shape(lambda: transformer.init_params(model_cfg, jax.random.key(0)))
-
-
 # ----------------------------------------------------------------------------------------------
 # The plan.
 
@@ -263,6 +258,14 @@ class ShardingPlan:
     resolved = [self._resolve("/".join(_dict_path(kp)), tuple(np.shape(x))) for kp, x in leaves]
     return treedef, resolved
 
+  def param_spec(self, keys: Sequence[str], shape: Sequence[int]) -> P:
+    """The PartitionSpec of one parameter: its dict keys in the tree and its shape."""
+    return self._resolve("/".join(keys), tuple(shape))[0]
+
+  def matmul_spec(self, m: layout.Matmul) -> P:
+    """The PartitionSpec of matmul `m`'s weight (its place and shape from the layout)."""
+    return self.param_spec(m.param_keys, m.weight_shape)
+
   def param_specs(self, params: Any) -> Any:
     """PartitionSpecs for a parameter tree (arrays or ShapeDtypeStructs)."""
     treedef, resolved = self._walk(params)
@@ -303,8 +306,10 @@ class ShardingPlan:
   def kv_head_entry(self, model_cfg: ModelConfig) -> SpecEntry:
     """Mesh axes of the cache's kv-head dim: those splitting k_proj's output columns, when whole
     heads land on each shard (else replicated, so attention never splits a head)."""
-    spec = self.param_specs(param_shapes(model_cfg))["layers_0"]["attn"]["k_proj"]["kernel"]
-    entry = spec[1] if len(spec) > 1 else None
+    k_proj = layout.matmul(model_cfg, 0, "attn/k_proj")
+    spec = self.matmul_spec(k_proj)
+    out_axis = 1 - k_proj.contract_axis
+    entry = spec[out_axis] if len(spec) > out_axis else None
     axes = _entry_axes(entry)
     if not axes or set(axes) & set(self.batch_axes) or model_cfg.n_kv_heads % self.size(entry):
       return None
@@ -396,13 +401,12 @@ def check_quant_blocks(policy: precision.PrecisionPolicy, model_cfg: ModelConfig
   Raises:
     ValueError: naming the matmul, the per-shard width, and the fixes.
   """
-  specs = plan.param_specs(param_shapes(model_cfg))
   for m in layout.matmuls(model_cfg):
     cfg = policy.qdot_config(m.full_path)
     if not cfg.quantized:
       continue
     keys, c_axis, shape = m.param_keys, m.contract_axis, m.weight_shape
-    spec = tuple(layout.get_param(specs, keys)) + (None,) * 2
+    spec = tuple(plan.matmul_spec(m)) + (None,) * 2
     o_axis = 1 - c_axis
     contracting = (shape[c_axis], spec[c_axis])
     output = (shape[o_axis], spec[o_axis])

@@ -262,6 +262,74 @@ def test_jit_and_eager_agree():
   np.testing.assert_allclose(fwd(params, toks, TINY, FP32), eager, atol=1e-5)
 
 
+# The layout's claims are checked against the tree the Flax module builds, over every optional
+# feature: GQA and MHA, tied and untied heads, qkv bias, qk-norm, head_dim != d_model / n_heads.
+LAYOUT_CONFIGS = (
+    TINY,
+    FULL,
+    ModelConfig(vocab_size=48, d_model=32, n_layers=3, n_heads=2, n_kv_heads=2, head_dim=24,
+                d_ff=40, qkv_bias=True),
+    ModelConfig(vocab_size=48, d_model=32, n_layers=1, n_heads=4, n_kv_heads=1, head_dim=4,
+                d_ff=24, qk_norm=True, tie_embeddings=True),
+)
+
+
+def _leaves_by_keys(tree):
+  return {tuple(k.key for k in kp): x for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.mark.parametrize("cfg", LAYOUT_CONFIGS, ids=range(len(LAYOUT_CONFIGS)))
+def test_layout_agrees_with_the_param_tree(cfg):
+  leaves = _leaves_by_keys(transformer.param_shapes(cfg))
+  matmuls = layout.matmuls(cfg)
+  assert len(matmuls) == 7 * cfg.n_layers + 1
+  assert len({m.full_path for m in matmuls}) == len(matmuls)
+  assert len({m.param_keys for m in matmuls}) == len(matmuls)
+  for m in matmuls:
+    assert m.param_keys in leaves, m.full_path
+    assert tuple(leaves[m.param_keys].shape) == m.weight_shape, m.full_path
+    # [in, out] kernels contract axis 0; the tied head contracts the embedding's D (axis 1).
+    assert m.contract_axis == (0 if m.owns_kernel else 1)
+    assert m.weight_shape[m.contract_axis] == m.in_features
+    bias = m.param_keys[:-1] + ("bias",)
+    assert (bias in leaves) == m.has_bias, m.full_path
+    if m.has_bias:
+      assert tuple(leaves[bias].shape) == (m.out_features,)
+  # Every kernel in the tree is some matmul's own weight; a tied head reads the embedding.
+  kernels = {k for k in leaves if k[-1] == "kernel"}
+  assert kernels == {m.param_keys for m in matmuls if m.owns_kernel}
+  head = matmuls[-1]
+  assert head.layer is None and head.owns_kernel == (not cfg.tie_embeddings)
+  if cfg.tie_embeddings:
+    assert head.param_keys == ("embed", "embedding") and "lm_head" not in {k[0] for k in leaves}
+  # Biases sit only next to layout matmuls that declare them.
+  assert ({k for k in leaves if k[-1] == "bias"}
+          == {m.param_keys[:-1] + ("bias",) for m in matmuls if m.has_bias})
+
+
+@pytest.mark.parametrize("cfg", LAYOUT_CONFIGS, ids=range(len(LAYOUT_CONFIGS)))
+def test_layout_order_is_the_forward_execution_order(cfg, monkeypatch):
+  # Each weight is filled with its matmul's index, so the spy identifies which weight every
+  # quantized_dot_general call reads (and along which axis it contracts).
+  matmuls = layout.matmuls(cfg)
+  params = jax.tree.map(jnp.zeros_like, _params(cfg))
+  for i, m in enumerate(matmuls):
+    keys = m.param_keys
+    parent = layout.get_param(params, keys[:-1])
+    parent[keys[-1]] = jnp.full(m.weight_shape, i + 1, jnp.float32)
+  calls = []
+  real = transformer.quantized_dot_general
+
+  def spy(lhs, rhs, dims, qcfg, **kw):
+    calls.append((int(rhs.reshape(-1)[0]) - 1, tuple(rhs.shape), dims[0][1]))
+    return real(lhs, rhs, dims, qcfg, **kw)
+
+  monkeypatch.setattr(transformer, "quantized_dot_general", spy)
+  policy = precision.PrecisionPolicy.unquantized(matmuls)
+  transformer.forward(params, jnp.zeros((1, 3), jnp.int32), cfg, policy)
+  assert calls == [(i, m.weight_shape, (m.contract_axis,)) for i, m in enumerate(matmuls)]
+
+
 # ----------------------------------------------------------------------------------------------
 # Precision routing.
 

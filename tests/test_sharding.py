@@ -134,7 +134,7 @@ def test_parameter_memory_per_device_falls_as_the_mesh_grows():
 
 def test_indivisible_dims_are_replicated_or_rejected_when_strict():
   cfg = dataclasses.replace(MODEL, vocab_size=99)  # a char tokenizer's vocabulary
-  shapes = sharding.param_shapes(cfg)
+  shapes = transformer.param_shapes(cfg)
   plan = _plan((2, 4))
   specs = plan.param_specs(shapes)
   assert specs["embed"]["embedding"] == P(None, "data")  # V=99 not split 4 ways
@@ -150,7 +150,7 @@ def test_indivisible_dims_are_replicated_or_rejected_when_strict():
 
 def test_optimizer_state_and_checkpoint_trees_follow_the_params():
   plan = _plan((4, 2))
-  shapes = sharding.param_shapes(MODEL)
+  shapes = transformer.param_shapes(MODEL)
   tx = optimizer.make_optimizer(base_config.get_config("fp32").optimizer, 10)
   opt = jax.eval_shape(lambda p: optimizer.init_opt_state(tx, p), shapes)
   tree = {"params": shapes, "opt_state": opt, "rng": jax.ShapeDtypeStruct((2,), jnp.uint32),

@@ -30,7 +30,7 @@ def _state(plan):
                                       master_rounding="nearest", key=None)
   state = loop._state(moved, opt, jax.random.key_data(jax.random.key(7)), params,
                       {"3": jax.tree.map(lambda p: p * 2, params)})
-  shapes = sharding.param_shapes(MODEL)
+  shapes = transformer.param_shapes(MODEL)
   return state, plan.put(state, plan.shardings_like_params(state, shapes))
 
 
@@ -45,7 +45,7 @@ def test_sharded_state_restores_onto_any_mesh(tmp_path, target):
 
   plan = _plan(target)
   shapes = jax.eval_shape(lambda: host)
-  want = plan.shardings_like_params(shapes, sharding.param_shapes(MODEL))
+  want = plan.shardings_like_params(shapes, transformer.param_shapes(MODEL))
   state, meta, step = ckpt.restore(sharding.abstract(shapes, want))
   assert (step, meta) == (5, {"data_position": 5})
   for got, expected, sh in zip(jax.tree.leaves(state), jax.tree.leaves(host),

@@ -5,8 +5,10 @@ Qwen3 (q/k RMSNorm, explicit head_dim). A checkpoint directory holds `config.jso
 `model.safetensors` or `model.safetensors.index.json` with its shards.
 
 One table (`_tensor_specs`) lists every Hugging Face tensor with its place in the lowrl param tree,
-so loading and saving are exact inverses: Hugging Face `nn.Linear` weights are `[out, in]`, lowrl
-kernels `[in, out]`; everything else is copied as is.
+so loading and saving are exact inverses: the linear layers (names, places, widths, biases) come
+from the model's layout (`lowrl.models.layout`), the embedding and norms are listed here. Hugging
+Face `nn.Linear` weights are `[out, in]`, lowrl kernels `[in, out]`; everything else is copied as
+is.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from lowrl.models import layout
 from lowrl.models.config import ModelConfig
 
 CONFIG_FILE = "config.json"
@@ -62,38 +65,48 @@ class _TensorSpec:
   transpose: bool  # HF Linear weight [out, in] <-> lowrl kernel [in, out]
 
 
-def _tensor_specs(cfg: ModelConfig) -> list[_TensorSpec]:
-  """Every tensor of a checkpoint for `cfg`, in Hugging Face's (layer) order."""
-  d, hd, f, v = cfg.d_model, cfg.head_dim, cfg.d_ff, cfg.vocab_size
-  q_out, kv_out = cfg.n_heads * hd, cfg.n_kv_heads * hd
+def _linear_specs(m: layout.Matmul) -> list[_TensorSpec]:
+  """The weight (and bias) of a matmul that owns its kernel; HF Linear stores it [out, in]."""
+  transpose = m.contract_axis == 0  # lowrl [in, out] -> HF [out, in]
+  hf_shape = m.weight_shape[::-1] if transpose else m.weight_shape
+  specs = [_TensorSpec(f"{m.hf_name}.weight", m.param_keys, hf_shape, transpose)]
+  if m.has_bias:
+    specs.append(_TensorSpec(f"{m.hf_name}.bias", m.param_keys[:-1] + ("bias",),
+                             (m.out_features,), False))
+  return specs
 
-  def linear(hf_prefix, path, out_dim, in_dim, bias=False):
-    specs = [_TensorSpec(f"{hf_prefix}.weight", path + ("kernel",), (out_dim, in_dim), True)]
-    if bias:
-      specs.append(_TensorSpec(f"{hf_prefix}.bias", path + ("bias",), (out_dim,), False))
-    return specs
 
+def _norm_specs(cfg: ModelConfig, m: layout.Matmul) -> list[_TensorSpec]:
+  """The norms (not matmuls) listed just before matmul `m` in the table's order."""
   def norm(hf_name, path, dim):
     return [_TensorSpec(hf_name, path + ("scale",), (dim,), False)]
 
-  specs = [_TensorSpec("model.embed_tokens.weight", ("embed", "embedding"), (v, d), False)]
-  for i in range(cfg.n_layers):
-    hf, ours = f"model.layers.{i}", f"layers_{i}"
-    specs += norm(f"{hf}.input_layernorm.weight", (ours, "attn_norm"), d)
-    specs += linear(f"{hf}.self_attn.q_proj", (ours, "attn", "q_proj"), q_out, d, cfg.qkv_bias)
-    specs += linear(f"{hf}.self_attn.k_proj", (ours, "attn", "k_proj"), kv_out, d, cfg.qkv_bias)
-    specs += linear(f"{hf}.self_attn.v_proj", (ours, "attn", "v_proj"), kv_out, d, cfg.qkv_bias)
-    specs += linear(f"{hf}.self_attn.o_proj", (ours, "attn", "o_proj"), d, q_out)
+  if m.layer is None:
+    return norm("model.norm.weight", ("final_norm",), cfg.d_model)
+  hf, ours = f"model.layers.{m.layer}", layout.layer_key(m.layer)
+  if m.path == layout.BLOCK_MATMULS[0]:  # q_proj
+    return norm(f"{hf}.input_layernorm.weight", (ours, "attn_norm"), cfg.d_model)
+  if m.path == "mlp/gate_proj":
+    specs = []
     if cfg.qk_norm:
-      specs += norm(f"{hf}.self_attn.q_norm.weight", (ours, "attn", "q_norm"), hd)
-      specs += norm(f"{hf}.self_attn.k_norm.weight", (ours, "attn", "k_norm"), hd)
-    specs += norm(f"{hf}.post_attention_layernorm.weight", (ours, "mlp_norm"), d)
-    specs += linear(f"{hf}.mlp.gate_proj", (ours, "mlp", "gate_proj"), f, d)
-    specs += linear(f"{hf}.mlp.up_proj", (ours, "mlp", "up_proj"), f, d)
-    specs += linear(f"{hf}.mlp.down_proj", (ours, "mlp", "down_proj"), d, f)
-  specs += norm("model.norm.weight", ("final_norm",), d)
-  if not cfg.tie_embeddings:
-    specs += linear("lm_head", ("lm_head",), v, d)
+      specs += norm(f"{hf}.self_attn.q_norm.weight", (ours, "attn", "q_norm"), cfg.head_dim)
+      specs += norm(f"{hf}.self_attn.k_norm.weight", (ours, "attn", "k_norm"), cfg.head_dim)
+    return specs + norm(f"{hf}.post_attention_layernorm.weight", (ours, "mlp_norm"), cfg.d_model)
+  return []
+
+
+def _tensor_specs(cfg: ModelConfig) -> list[_TensorSpec]:
+  """Every tensor of a checkpoint for `cfg`, layer by layer.
+
+  The linear layers come from the model's layout (`layout.matmuls`); the embedding and the norms,
+  which are no matmuls, are listed here. A tied LM head reads the embedding, stored once.
+  """
+  specs = [_TensorSpec("model.embed_tokens.weight", ("embed", "embedding"),
+                       (cfg.vocab_size, cfg.d_model), False)]
+  for m in layout.matmuls(cfg):
+    specs += _norm_specs(cfg, m)
+    if m.owns_kernel:
+      specs += _linear_specs(m)
   return specs
 
 

@@ -3,7 +3,7 @@
 `params` (the tree in ARCHITECTURE.md) is the only state. The Flax modules describe the
 computation; callers use the pure functions `init_params`, `forward`, `forward_with_cache`,
 `token_logprobs`, `token_logprobs_and_entropy` and `init_cache`, all jittable with `model_cfg` and
-`policy` static.
+`policy` static, and `param_shapes` (the tree's ShapeDtypeStructs, for sharding and restoring).
 
 Precision: every linear layer goes through `quantized_dot_general` with the QDotConfig the policy
 gives for its (layer, path). Everything else runs in `policy.compute_dtype`, except RMSNorm,
@@ -321,6 +321,13 @@ def init_params(model_cfg: ModelConfig, rng: jax.Array, param_dtype=jnp.float32)
   scales 1, biases 0.
   """
   return _init_fn(model_cfg, jnp.dtype(param_dtype))(rng)
+
+
+@functools.lru_cache(maxsize=None)
+def param_shapes(model_cfg: ModelConfig, param_dtype=jnp.float32) -> Params:
+  """ShapeDtypeStructs of `init_params`'s tree (nothing is allocated): the tree to lay out,
+  shard or restore into without building the model's values."""
+  return jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0), param_dtype))
 
 
 @functools.lru_cache(maxsize=16)

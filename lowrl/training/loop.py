@@ -148,7 +148,7 @@ def _mesh_plan(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
   plan.check_batch(rows // cfg.rl.num_minibatches,
                    "a minibatch (rl.num_prompts * rl.group_size / rl.num_minibatches)")
   plan.check_batch(cfg.eval_num_prompts, "eval_num_prompts")
-  plan.param_specs(sharding.param_shapes(model_cfg))  # rule/shape mismatches raise here
+  plan.param_specs(transformer.param_shapes(model_cfg))  # rule/shape mismatches raise here
   for what, policy in (("precision", trainer_policy), ("sampler precision", sampler_policy)):
     sharding.check_quant_blocks(policy, model_cfg, plan, rows=rows // cfg.rl.num_minibatches,
                                 seq_len=seq_len, what=what)
@@ -178,7 +178,7 @@ class Trainer:
     # Every step runs on the mesh with explicit shardings: sampler and update take the same
     # sharded params (no gather in between), batches are split over the batch axes.
     self.plan = plan = setup.plan or sharding.single_device_plan()
-    self.param_shapes = sharding.param_shapes(setup.model_cfg)
+    self.param_shapes = transformer.param_shapes(setup.model_cfg)
     p_sh = plan.param_shardings(self.param_shapes)
     init_opt = lambda p: optimizer.init_opt_state(self.tx, p)  # noqa: E731
     o_sh = plan.shardings_like_params(jax.eval_shape(init_opt, self.param_shapes),
@@ -403,7 +403,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print, *,
                                                           layout.matmuls(setup.model_cfg))))
   log(f"[mesh] {dict(setup.plan.mesh.shape)} over {jax.device_count()} {jax.default_backend()} "
       f"devices, {jax.process_count()} process(es)")
-  for note in setup.plan.fallbacks(sharding.param_shapes(setup.model_cfg)):
+  for note in setup.plan.fallbacks(transformer.param_shapes(setup.model_cfg)):
     log(f"[mesh] {note}")
 
   base_dir = cfg.sft.base_dir or os.path.join(workdir, "base")
@@ -561,7 +561,7 @@ def _load_base(base_dir: str, setup: Setup, log: Log,
   cfg = setup.cfg
   fp = sft.fingerprint(cfg.task, setup.model_cfg, cfg.sft, cfg.seed)
   ckpt = Checkpointer(os.path.join(base_dir, fp), every=1, max_to_keep=1)
-  shapes = sharding.param_shapes(setup.model_cfg)
+  shapes = transformer.param_shapes(setup.model_cfg)
   repl = jax.tree.map(lambda _: setup.plan.replicated, shapes)
   if ckpt.latest_step() is not None:
     out, meta, _ = ckpt.restore({"params": sharding.abstract(shapes, repl)})
