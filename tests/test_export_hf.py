@@ -44,7 +44,8 @@ def _saved_params(workdir: str, step: int):
 
 def _logits(params, model_cfg):
   tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % model_cfg.vocab_size
-  return transformer.forward(params, tokens, model_cfg, precision.policy_for("fp32", model_cfg))
+  policy = precision.policy_for("fp32", layout.matmuls(model_cfg))
+  return transformer.forward(params, tokens, model_cfg, policy)
 
 
 def test_export_loads_back_bit_for_bit(run, tmp_path):

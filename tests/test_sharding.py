@@ -148,6 +148,30 @@ def test_indivisible_dims_are_replicated_or_rejected_when_strict():
                           ).param_specs(shapes)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_matmul_spec_is_the_tree_walk_spec(tied):
+  # The block check and the KV cache read matmul specs from the layout without building the
+  # tree; they must be the specs the parameter tree itself gets.
+  cfg = dataclasses.replace(MODEL, vocab_size=99, tie_embeddings=tied)  # V=99: a fallback too
+  for shape in MESHES:
+    plan = _plan(shape)
+    specs = plan.param_specs(transformer.param_shapes(cfg))
+    for m in layout.matmuls(cfg):
+      assert plan.matmul_spec(m) == layout.get_param(specs, m.param_keys), (shape, m.full_path)
+
+
+def test_kv_cache_heads_follow_k_proj_columns_when_whole_heads_fit():
+  plan = _plan((2, 4))
+  assert plan.kv_head_entry(MODEL) == "model"  # K=4 heads over 4 tensor shards
+  kv = plan.cache_shardings(MODEL)["layers"][1]["k"]
+  assert kv.spec == P("data", None, "model")
+  # K=2 heads of 8: k_proj's 16 columns split 4 ways would cut heads, so the cache is replicated.
+  assert plan.kv_head_entry(dataclasses.replace(MODEL, n_heads=4, n_kv_heads=2, head_dim=8,
+                                                d_model=32)) is None
+  # k_proj's columns not split by the rules: nothing to follow.
+  assert _plan((2, 4), rules=((r".*/attn/k_proj/kernel", ("model",)),)).kv_head_entry(MODEL) is None
+
+
 def test_optimizer_state_and_checkpoint_trees_follow_the_params():
   plan = _plan((4, 2))
   shapes = transformer.param_shapes(MODEL)
