@@ -10,7 +10,6 @@ Per setting: TensorBoard runs in <workdir>/runs/<setting>/seed_<s>, one line in
 lines (with ETA) go to stdout. Re-running with the same --workdir skips finished settings.
 A config error is one line on stderr and exit status 2.
 """
-import inspect
 import os
 import sys
 
@@ -33,9 +32,8 @@ _PRINT_CONFIG = flags.DEFINE_bool("print_config", False,
 
 
 def _knob_docs() -> dict[str, str]:
-  """Meanings of the sweep's knobs: the loop's (for sim.rl.*, ...), the simulator's, the grid's."""
-  docs = run_config.knob_docs()
-  docs.update(run_config.comment_docs(inspect.getsource(simulator.default_config), "sim."))
+  """Meanings of the sweep's knobs: the simulator's schema (sim.*), the sweep file's comments."""
+  docs = simulator.SCHEMA.docs("sim.")
   with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                          "simulate.py")) as f:
     docs.update(run_config.comment_docs(f.read()))

@@ -15,6 +15,7 @@ governed by the rules.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 from typing import NamedTuple, Protocol, Sequence
 
@@ -25,6 +26,7 @@ from lowrl.quant.config import BACKWARD_MODES, COMPUTE_DTYPES, FORMATS, QDotConf
 
 FORMAT_NONE = "none"
 STOCHASTIC_ROUNDING_MODES = ("none", "grad", "all")
+# The named recipes; the values of each are data in configs/<name>.py (`recipe`).
 RECIPES = ("fp32", "bf16", "fp16", "mxfp8", "nvfp4_naive", "nvfp4_recipe")
 
 
@@ -155,63 +157,42 @@ def activation_scaling(cfg: QDotConfig) -> str:
 # Config -> policy.
 
 
-def recipe(name: str) -> ml_collections.ConfigDict:
-  """The precision ConfigDict of a named recipe (see module docstring and RECIPES).
+# The knobs of a precision section, each overridable alone (`--config.precision.KNOB=...`), and
+# their meanings. The values of the named recipes are data: configs/<recipe>.py spells out every
+# knob (copy one to make a recipe).
+KNOBS = {
+    "name": "label of the recipe in the precision table and logs (the values are the other knobs)",
+    "format": "'none' or a lowrl.quant format (nvfp4, mxfp8_e4m3, ...) for the linear layers",
+    "compute_dtype": "activations / attention / KV cache / unquantized GEMM dtype",
+    "backward": "high_precision | dequantized | quantized (QDotConfig.backward)",
+    "grad_format": "gradient quantizer format when backward=quantized ('' = same as format)",
+    "act_per_token": "NVFP4 activations get one FP32 outer scale per token",
+    "four_over_six": "NVFP4 4/6 block scaling (activations and weights)",
+    "weight_block_2d": "NVFP4 16x16 weight blocks",
+    "scale_rounding": "MX scale rounding: rceil | floor",
+    "stochastic_rounding": "none | grad (gradient quantizer) | all (every quantizer)",
+    "rht_wgrad": "random Hadamard transform on the weight-gradient GEMM (backward=quantized)",
+    "bf16_last_fraction": "the last round(f * n_layers) layers (>= 1 if f > 0) run unquantized in "
+                          "compute_dtype; 0 disables",
+    "quantize_lm_head": "quantize the LM head with `format` too (default: unquantized)",
+    "lm_head_dtype": "GEMM dtype of an unquantized LM head (logits are FP32 regardless)",
+    "high_precision_paths": "regex (fullmatch) of further matmul paths kept unquantized, '' = none",
+}
 
-  Knobs (each overridable alone):
-    name: label of the recipe in the precision table and logs (the values are the other knobs).
-    format: "none" or a lowrl.quant format ("nvfp4", "mxfp8_e4m3", ...) for the linear layers.
-    compute_dtype: activations / attention / KV cache / unquantized GEMM dtype.
-    backward: "high_precision" | "dequantized" | "quantized" (QDotConfig.backward).
-    grad_format: gradient quantizer format when backward="quantized" ("" = same as format).
-    act_per_token: NVFP4 activations get one FP32 outer scale per token.
-    four_over_six: NVFP4 4/6 block scaling (activations and weights).
-    weight_block_2d: NVFP4 16x16 weight blocks.
-    scale_rounding: MX scale rounding ("rceil" | "floor").
-    stochastic_rounding: "none" | "grad" (gradient quantizer) | "all" (every quantizer).
-    rht_wgrad: random Hadamard transform on the weight-gradient GEMM (backward="quantized").
-    bf16_last_fraction: the last round(f * n_layers) layers (>= 1 if f > 0) run unquantized in
-      compute_dtype; 0 disables.
-    quantize_lm_head: quantize the LM head with `format` too (default: unquantized).
-    lm_head_dtype: GEMM dtype of an unquantized LM head (logits are FP32 regardless).
-    high_precision_paths: regex (fullmatch) of further matmul paths kept unquantized, "" = none.
+
+def recipe(name: str) -> ml_collections.ConfigDict:
+  """A fresh precision ConfigDict of the named recipe (one of RECIPES): every knob of KNOBS.
+
+  The values live in the recipe's config file, configs/<name>.py (its `PRECISION` dict), the one
+  copy that the training binary (`--config=configs/<name>.py`), this function and the
+  simulator's `sampler_recipe` / `trainer_recipe` knobs all read.
   """
   if name not in RECIPES:
     raise ValueError(f"Unknown precision recipe {name!r}; use one of {RECIPES}.")
-  c = ml_collections.ConfigDict()
-  c.name = name
-  c.format = FORMAT_NONE
-  c.compute_dtype = "bfloat16"
-  c.backward = "high_precision"
-  c.grad_format = ""
-  c.act_per_token = False
-  c.four_over_six = False
-  c.weight_block_2d = False
-  c.scale_rounding = "rceil"
-  c.stochastic_rounding = "none"
-  c.rht_wgrad = False
-  c.bf16_last_fraction = 0.0
-  c.quantize_lm_head = False
-  c.lm_head_dtype = "float32"
-  c.high_precision_paths = ""
-  if name == "fp32":
-    c.compute_dtype = "float32"
-  elif name == "fp16":
-    c.compute_dtype = "float16"
-  elif name == "mxfp8":
-    # arXiv 2506.08027: E4M3 everywhere, scales rounded up. Its E4M3 gradients are one flag
-    # away: --config.precision.backward=quantized.
-    c.format = "mxfp8_e4m3"
-  elif name == "nvfp4_naive":
-    c.format = "nvfp4"
-  elif name == "nvfp4_recipe":
-    # The 4-bitter lesson (REFERENCE.md §1).
-    c.format = "nvfp4"
-    c.backward = "dequantized"
-    c.act_per_token = True
-    c.four_over_six = True
-    c.bf16_last_fraction = 0.15
-  return c
+  # The config files are data modules of the repository's `configs` package (installed with
+  # lowrl); importing one imports nothing else.
+  module = importlib.import_module(f"configs.{name}")
+  return ml_collections.ConfigDict(dict(module.PRECISION))
 
 
 def _check_config(c: ml_collections.ConfigDict) -> None:
@@ -297,9 +278,13 @@ def make_policy(config: ml_collections.ConfigDict,
       names the flag to change.
   """
   c = config
-  missing = [k for k in recipe("fp32").keys() if k not in c]
+  missing = [k for k in KNOBS if k not in c]
   if missing:
-    raise ValueError(f"precision config lacks {missing}; start from lowrl.precision.recipe(name).")
+    raise ValueError(f"precision config lacks {missing}; start from a recipe file "
+                     "(configs/<recipe>.py) or lowrl.precision.recipe(name).")
+  unknown = [k for k in c if k not in KNOBS]
+  if unknown:
+    raise ValueError(f"precision config has unknown knobs {unknown}; the knobs are {list(KNOBS)}.")
   _check_config(c)
   plain = QDotConfig(compute_dtype=c.compute_dtype)
   quant = _quantized_qdot(c) if c.format != FORMAT_NONE else plain

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from lowrl import precision
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -39,6 +41,9 @@ def test_print_config_lists_every_knob(tmp_path):
   knobs = dict(line.partition("  # ")[::2] for line in out.stdout.splitlines())  # knob: meaning
   assert {"--config.rl.steps=7", "--config.precision.name='bf16'", "--config.task.path=''",
           "--config.max_skipped_steps=3"} <= set(knobs)
-  assert knobs["--config.optimizer.master_dtype='float32'"] == "float32 | bfloat16"
-  assert knobs["--config.rl.loss='grpo'"] == "grpo | dapo | gspo | cispo"
+  # Every knob has a meaning; a choice knob's lists its choices.
+  assert all(knobs.values()), [k for k, v in knobs.items() if not v]
+  assert knobs["--config.optimizer.master_dtype='float32'"] == "master-weight dtype: float32 | bfloat16"
+  assert knobs["--config.rl.loss='grpo'"] == "policy loss: grpo | dapo | gspo | cispo"
+  assert knobs["--config.precision.four_over_six=False"] == precision.KNOBS["four_over_six"]
   assert not any(k.startswith("--config.recipe") for k in knobs)  # no knob without effect

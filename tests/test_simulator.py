@@ -100,8 +100,8 @@ def test_split_prompts_are_uniform_over_their_sequences(split):
 
 
 @pytest.mark.parametrize("path, value, match", [
-    ("sampler_recipe", "fp8", "Unknown precision recipe"), ("task.kind", "add", "task.kind"),
-    ("rl.group_size", 1, "group_size"), ("rl.correction", "is", "correction mode"),
+    ("sampler_recipe", "fp8", "--config.sampler_recipe='fp8'"), ("task.kind", "add", "task.kind"),
+    ("rl.group_size", 1, "group_size"), ("rl.correction", "is", "--config.rl.correction"),
     ("rl.std_ddof", 2, "rl.std_ddof"),
     ("model.d_ff", 24, "nvfp4 blocks of 16 .* not a multiple of 16"),
 ])

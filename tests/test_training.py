@@ -14,7 +14,7 @@ from lowrl.models.config import ModelConfig
 from lowrl.rl.corrections import CorrectionConfig
 from lowrl.rl.losses import LossConfig
 from lowrl.sampling.sampler import SamplingConfig
-from lowrl.training import loop, optimizer
+from lowrl.training import loop, optimizer, schema
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, make_rl_update
 
 MODEL = ModelConfig(vocab_size=16, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
@@ -67,7 +67,7 @@ def test_fp32_master_matches_optax():
 ])
 def test_optimizer_config_errors(bad, match):
   with pytest.raises(ValueError, match=match):
-    optimizer.validate_optimizer_config(_opt_cfg(**bad))
+    schema.OPTIMIZER.validate(_opt_cfg(**bad))
 
 
 def _batch(key, b=8, t=10):

@@ -49,7 +49,7 @@ from lowrl.rl.advantages import compute_advantages
 from lowrl.rl.corrections import CorrectionConfig
 from lowrl.rl.losses import LossConfig
 from lowrl.sampling import sampler
-from lowrl.training import optimizer, rl_update
+from lowrl.training import optimizer, rl_update, schema
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, make_rl_update
 from lowrl.training.sft import sft_loss
 
@@ -141,45 +141,49 @@ class SequenceTask:
 # Config -> static setup.
 
 
+# One simulator setting: the loop's sections (lowrl.training.schema) with the simulator's defaults
+# and only the knobs it implements, plus its own task and recipe knobs.
+SCHEMA = schema.Schema((
+    schema.Section("", (schema.Knob("seed", 0, "seeds init, prompts, sampling and the eval set"),)),
+    schema.Section("task", (
+        schema.Knob("kind", "sort", "transform of the prompt's symbols", schema.OneOf(TASK_KINDS)),
+        schema.Knob("num_symbols", 8, "alphabet size (>= 2)"),
+        schema.Knob("length", 6, "symbols per prompt = completion tokens (the horizon, >= 1)"),
+        schema.Knob("reward", "per_token", "per_token (fraction of positions right) | exact (all "
+                    "right)", schema.OneOf(REWARD_KINDS)),
+    )),
+    # Widths are multiples of 16 so every recipe (NVFP4 blocks of 16) can quantize every GEMM.
+    schema.MODEL.with_defaults(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
+                               d_ff=64),
+    schema.Section("", (
+        schema.Knob("sampler_recipe", "bf16", "precision recipe of the sampler",
+                    schema.OneOf(precision.RECIPES)),
+        schema.Knob("trainer_recipe", "bf16", "precision recipe of the trainer",
+                    schema.OneOf(precision.RECIPES)),
+        schema.Knob("sampler_exact", True, "sampler logprobs from its full forward, as the "
+                    "loop's default"),
+        # nvfp4_naive scales activations per tensor: the sampler (or greedy eval) then uses
+        # static scales, max |input| per matmul over `calib_num_prompts` fixed train prompts +
+        # their targets in the trainer's forward, as an inference engine calibrates.
+        schema.Knob("act_calibration", "sync", "static activation scales: sync (recalibrated at "
+                    "every weight sync, stored in the version ring) or base (once, from the "
+                    "starting weights)", schema.OneOf(ACT_CALIBRATIONS)),
+        schema.Knob("calib_num_prompts", 64, "prompts (+ targets) of the calibration batch",
+                    schema.POSITIVE),
+    )),
+    schema.RL.with_defaults(steps=400, num_prompts=8, group_size=8),
+    schema.OPTIMIZER.with_defaults(lr=3e-3),
+    # Supervised warm start (FP32, inside the same jit): RL starts from a base with a modest
+    # reward (REFERENCE.md §5).
+    schema.SFT.only("steps", "lr", "batch_size").with_defaults(steps=0, batch_size=64),
+    schema.ASYNC_RL,
+    schema.Section("", (schema.EVAL_NUM_PROMPTS,)),
+))
+
+
 def default_config() -> ml_collections.ConfigDict:
-  """One simulator setting. `rl`, `optimizer` and `async_rl` use configs/base.py's names."""
-  c = ml_collections.ConfigDict()
-  c.seed = 0
-  c.task = ml_collections.ConfigDict()
-  c.task.kind = "sort"  # sort | reverse | copy the prompt's symbols
-  c.task.num_symbols = 8  # alphabet size
-  c.task.length = 6  # symbols per prompt = completion tokens (the horizon)
-  c.task.reward = "per_token"  # per_token (fraction of positions right) | exact (all right)
-  # Widths are multiples of 16 so every recipe (NVFP4 blocks of 16) can quantize every GEMM.
-  c.model = ml_collections.ConfigDict(
-      {"d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "d_ff": 64,
-       "tie_embeddings": True})
-  c.sampler_recipe = "bf16"  # precision recipe of the sampler (lowrl.precision.RECIPES)
-  c.trainer_recipe = "bf16"  # precision recipe of the trainer
-  c.sampler_exact = True  # sampler logprobs from its full forward, as the loop's default
-  # Static activation scales of a sampler (or greedy eval) whose recipe scales activations per
-  # tensor (nvfp4_naive): max |input| per matmul over `calib_num_prompts` fixed train prompts +
-  # their targets, in the trainer's forward, as an inference engine calibrates. "sync":
-  # recalibrated from the weights at every weight sync (stored with them in the version ring);
-  # "base": once, from the run's starting weights.
-  c.act_calibration = "sync"
-  c.calib_num_prompts = 64  # prompts (+ targets) of the calibration batch
-
-  c.rl = rl_update.default_rl_config()  # the loop's knobs and defaults
-  c.rl.steps = 400
-  c.rl.num_prompts = 8
-  c.rl.group_size = 8
-
-  c.optimizer = optimizer.default_optimizer_config()
-  c.optimizer.lr = 3e-3
-
-  # Supervised warm start (FP32, inside the same jit): RL starts from a base with a modest
-  # reward (REFERENCE.md §5). 0 = RL from the random init.
-  c.sft = ml_collections.ConfigDict({"steps": 0, "lr": 3e-3, "batch_size": 64})
-
-  c.async_rl = ml_collections.ConfigDict({"lag": 0, "sync_every": 1, "lag_distribution": "fixed"})
-  c.eval_num_prompts = 256
-  return c
+  """One simulator setting: SCHEMA's defaults (`rl`, `optimizer`, `async_rl` are the loop's)."""
+  return SCHEMA.defaults()
 
 
 def _frozen(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
@@ -218,9 +222,10 @@ class SimSetup:
 
 
 def build(cfg: ml_collections.ConfigDict) -> SimSetup:
-  """Validates a setting and builds its static pieces; raises ValueError naming the fix."""
+  """Validates a setting (SCHEMA: the loop's rl, optimizer and async_rl checks included, then the
+  types built from it) and builds its static pieces; raises ValueError naming the fix."""
   rl = cfg.rl
-  optimizer.validate_optimizer_config(cfg.optimizer)
+  SCHEMA.validate(cfg)
   task = SequenceTask(**cfg.task.to_dict())
   model_cfg = ModelConfig(vocab_size=task.vocab_size, max_seq_len=2 * task.length + 1,
                           **cfg.model.to_dict())
@@ -230,10 +235,6 @@ def build(cfg: ml_collections.ConfigDict) -> SimSetup:
   sampling = sampler.SamplingConfig(max_new_tokens=task.length, temperature=1.0,
                                     pad_id=task.bos_id)
   sampling.check(model_cfg)
-  if cfg.act_calibration not in ACT_CALIBRATIONS:
-    raise ValueError(f"act_calibration={cfg.act_calibration!r}; use one of {ACT_CALIBRATIONS}.")
-  if cfg.calib_num_prompts < 1:
-    raise ValueError(f"calib_num_prompts={cfg.calib_num_prompts} must be >= 1.")
   # Both policies sample (the trainer's in greedy eval), with static scales calibrated for every
   # tensor-scaled path: only activation tiles (2-D blocks) can fail here.
   for policy in policies:

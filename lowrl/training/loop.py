@@ -37,7 +37,7 @@ from lowrl.sampling.sampler import SampleOutput, Sampler, SamplingConfig, rescor
 from lowrl.tasks.base import Task
 from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
 from lowrl.tasks.registry import make_task
-from lowrl.training import diagnostics, optimizer, run_config, run_logs, sft
+from lowrl.training import diagnostics, optimizer, run_config, run_logs, schema, sft
 from lowrl.training.checkpointing import Checkpointer, verify_manifest
 from lowrl.training.rl_update import (UpdateConfig, make_logprob_fn, make_rl_update,
                                       update_config_from)
@@ -65,33 +65,11 @@ class Setup:
     return self.cfg.rl.num_prompts * self.cfg.rl.group_size
 
 
-def _positive(name: str, value, allow_zero: bool = False) -> None:
-  if value is None or (value < 0 if allow_zero else value <= 0):
-    raise ValueError(f"config.{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}.")
-
-
 def build(cfg: ml_collections.ConfigDict) -> Setup:
-  """Validates the config and builds the static pieces; raises ValueError naming the fix."""
+  """Validates the config (lowrl.training.schema.TRAIN, then the types built from it) and builds
+  the static pieces; raises ValueError naming the flag and the fix, before any compile."""
   rl = cfg.rl
-  run_config.check_values(cfg)
-  for name in ("rl.steps", "rl.num_prompts", "rl.group_size", "rl.max_new_tokens",
-               "eval_num_prompts", "eval_samples", "checkpoint_every", "log_every"):
-    node = cfg
-    for part in name.split("."):
-      node = node[part]
-    _positive(name, node)
-  _positive("sft.steps", cfg.sft.steps, allow_zero=True)
-  _positive("eval_every", cfg.eval_every, allow_zero=True)
-  if not rl.temperature > 0:
-    raise ValueError(f"config.rl.temperature={rl.temperature} must be > 0 for RL rollouts (the "
-                     "importance ratios need a stochastic sampler).")
-  if rl.ref_reset_every < 0:
-    raise ValueError(f"config.rl.ref_reset_every={rl.ref_reset_every} must be >= 0 (0 = never).")
-  optimizer.validate_optimizer_config(cfg.optimizer)
-  if cfg.optimizer.master_rounding == "stochastic" and cfg.optimizer.master_dtype != "bfloat16":
-    raise ValueError("optimizer.master_rounding=stochastic rounds BF16 master weights; set "
-                     "optimizer.master_dtype=bfloat16 too.")
-
+  schema.TRAIN.validate(cfg)
   task = _make_task(cfg.task)
   max_len = task.max_prompt_len + max(rl.max_new_tokens, task.max_answer_len)
   model_cfg = ModelConfig(vocab_size=task.tokenizer.vocab_size, max_seq_len=max_len,
@@ -119,19 +97,12 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
 
 
 def _make_task(task_cfg: ml_collections.ConfigDict) -> Task:
-  """The task of `config.task`, with both splits checked non-empty (before any SFT or compile)."""
+  """The task of a validated `config.task`, with both splits checked non-empty (before any SFT
+  or compile)."""
   kwargs = task_cfg.kwargs.to_dict()
   if task_cfg.name == "jsonl":
-    if not task_cfg.path and "path" not in kwargs:
-      raise ValueError("--config.task.name=jsonl needs --config.task.path=FILE (one "
-                       '{"prompt": ..., "answer": ...} object per line).')
     kwargs.setdefault("path", task_cfg.path)
     kwargs.setdefault("verifier", task_cfg.verifier or "exact")
-  else:
-    for knob in ("path", "verifier"):
-      if task_cfg[knob]:
-        raise ValueError(f"--config.task.{knob} only applies to --config.task.name=jsonl "
-                         f"(task is {task_cfg.name!r}); drop it.")
   task = make_task(task_cfg.name, **kwargs)
   for split in ("train", "eval"):
     task.sample(np.random.default_rng(0), 1, split)  # an empty split raises, naming the fix

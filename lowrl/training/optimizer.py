@@ -16,6 +16,7 @@ import optax
 
 from lowrl.quant.rounding import sr_cast_bf16
 
+# The choices of the optimizer knobs (their table: lowrl.training.schema.OPTIMIZER).
 MASTER_DTYPES = ("float32", "bfloat16")
 MASTER_ROUNDINGS = ("nearest", "stochastic")
 SCHEDULES = ("constant", "cosine", "linear")
@@ -27,42 +28,6 @@ def tree_all_finite(tree: Any) -> jax.Array:
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
             if jnp.issubdtype(x.dtype, jnp.inexact)]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
-
-
-def default_optimizer_config() -> ml_collections.ConfigDict:
-  """AdamW defaults shared by the training loop and the simulator."""
-  return ml_collections.ConfigDict({
-      "lr": 2e-4,  # AdamW peak learning rate (> 0, finite)
-      "schedule": "constant",  # constant | cosine | linear (after warmup)
-      "warmup_steps": 0,  # linear warmup from 0, in optimizer steps
-      "final_lr_fraction": 0.0,  # cosine/linear: the final lr as a fraction of lr
-      "b1": 0.9,  # Adam first-moment decay, in [0, 1)
-      "b2": 0.99,  # Adam second-moment decay, in [0, 1)
-      "eps": 1e-8,  # Adam denominator epsilon
-      "weight_decay": 0.0,  # decoupled (AdamW) weight decay
-      "grad_clip": 1.0,  # global gradient-norm clip (None = off)
-      "master_dtype": "float32",  # float32 | bfloat16
-      "master_rounding": "nearest",  # nearest | stochastic (bfloat16 master only)
-  })
-
-
-def validate_optimizer_config(cfg: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the fix for out-of-range optimizer settings."""
-  if not cfg.lr > 0:
-    raise ValueError(f"optimizer.lr must be > 0, got {cfg.lr}.")
-  if cfg.schedule not in SCHEDULES:
-    raise ValueError(f"optimizer.schedule={cfg.schedule!r}; use one of {SCHEDULES}.")
-  if cfg.warmup_steps < 0:
-    raise ValueError(f"optimizer.warmup_steps must be >= 0, got {cfg.warmup_steps}.")
-  if not (0 <= cfg.b1 < 1 and 0 <= cfg.b2 < 1):
-    raise ValueError(f"optimizer.b1/b2 must be in [0, 1), got {cfg.b1}, {cfg.b2}.")
-  if cfg.grad_clip is not None and cfg.grad_clip <= 0:
-    raise ValueError(f"optimizer.grad_clip must be > 0 or None, got {cfg.grad_clip}.")
-  if cfg.master_dtype not in MASTER_DTYPES:
-    raise ValueError(f"optimizer.master_dtype={cfg.master_dtype!r}; use one of {MASTER_DTYPES}.")
-  if cfg.master_rounding not in MASTER_ROUNDINGS:
-    raise ValueError(
-        f"optimizer.master_rounding={cfg.master_rounding!r}; use one of {MASTER_ROUNDINGS}.")
 
 
 def make_schedule(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
@@ -81,8 +46,10 @@ def make_schedule(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Sch
 
 
 def make_optimizer(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
-  """AdamW with optional global-norm clipping; state is always FP32."""
-  validate_optimizer_config(cfg)
+  """AdamW with optional global-norm clipping; state is always FP32.
+
+  `cfg` is a validated optimizer section (lowrl.training.schema.OPTIMIZER: knobs, defaults, checks).
+  """
   parts = []
   if cfg.grad_clip is not None:
     parts.append(optax.clip_by_global_norm(cfg.grad_clip))

@@ -45,7 +45,6 @@ import optax
 from lowrl.models import transformer
 from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
-from lowrl.rl.advantages import ADVANTAGE_MODES, validate_std_ddof
 from lowrl.rl.corrections import CorrectionConfig, correction_weights
 from lowrl.rl.losses import LossConfig, policy_loss
 from lowrl.rl.masked import masked_mean
@@ -85,56 +84,13 @@ class UpdateConfig:
                        "rl.old_logp_source=trainer.")
 
 
-def default_rl_config() -> ml_collections.ConfigDict:
-  """The RL knobs shared by the training loop (configs/base.py) and the fast simulator."""
-  c = ml_collections.ConfigDict()
-  c.steps = 40
-  c.num_prompts = 32
-  c.group_size = 8
-  c.advantage = "grpo"  # grpo | drgrpo | rloo
-  c.std_ddof = 0  # GRPO group std: 0 population (GRPO paper) | 1 sample (TRL, verl, tunix)
-  c.loss = "grpo"  # grpo | dapo | gspo | cispo
-  # "" = the loss's paper default (token_mean for dapo/cispo, seq_mean_token_mean for grpo/gspo);
-  # or seq_mean_token_mean | token_mean | seq_mean_token_sum_norm (Dr.GRPO).
-  c.aggregation = ""
-  c.clip_eps_low = 0.2  # PPO clip: ratio >= 1 - clip_eps_low
-  c.clip_eps_high = ml_collections.config_dict.placeholder(float)  # None = 0.28 dapo, else 0.2
-  c.cispo_eps_max = 4.0  # CISPO: the detached weight is min(ratio, cispo_eps_max)
-  c.mu = 1  # inner updates per batch against pi_old
-  c.num_minibatches = 1  # PPO minibatches per pass over the batch
-  # pi_old of the PPO ratio: trainer (recompute; decoupled PPO, the sampler is corrected for by
-  # rl.correction) | sampler (recorded; the ratio is then relative to the sampler and
-  # rl.correction must be none).
-  c.old_logp_source = "trainer"
-  c.kl_coef = 0.0  # beta of the KL-to-reference penalty (0 = no penalty)
-  c.kl_estimator = "k3"  # k1 | k2 | k3 (REFERENCE.md section 3)
-  c.correction = "none"  # none | tis | mis
-  c.correction_level = "token"  # token | sequence
-  c.tis_cap = 2.0  # TIS: weight truncated at this cap
-  c.mis_low = 0.5  # MIS: tokens/sequences with weight below this are masked
-  c.mis_high = 5.0  # MIS: tokens/sequences with weight above this are masked
-  return c
-
-
 def update_config_from(rl: ml_collections.ConfigDict, master_rounding: str,
-                       max_len: int) -> UpdateConfig:
-  """Validates the RL knobs of `default_rl_config` and builds the update's static config.
+                       max_len: int | None) -> UpdateConfig:
+  """The update's static config from an `rl` section (lowrl.training.schema.RL validates it).
 
-  Raises ValueError naming the `rl.*` flag to fix. `max_len` is the Dr.GRPO normaliser (the
-  horizon).
+  `max_len` is the Dr.GRPO normaliser (the horizon; None = T). The loss, correction and update
+  types raise ValueError for values outside their ranges.
   """
-  for name in ("steps", "num_prompts", "group_size"):
-    if rl[name] < 1:
-      raise ValueError(f"config.rl.{name} must be >= 1, got {rl[name]}.")
-  if rl.group_size < 2:
-    raise ValueError(f"config.rl.group_size={rl.group_size}: group-relative advantages need >= 2 "
-                     "samples per prompt.")
-  if rl.advantage not in ADVANTAGE_MODES:
-    raise ValueError(f"config.rl.advantage={rl.advantage!r}; use one of {ADVANTAGE_MODES}.")
-  validate_std_ddof(rl.std_ddof)
-  if (rl.num_prompts * rl.group_size) % rl.num_minibatches:
-    raise ValueError(f"rl.num_prompts * rl.group_size = {rl.num_prompts * rl.group_size} is not "
-                     f"divisible by rl.num_minibatches={rl.num_minibatches}.")
   loss = LossConfig(loss=rl.loss, clip_eps_low=rl.clip_eps_low, clip_eps_high=rl.clip_eps_high,
                     cispo_eps_max=rl.cispo_eps_max, aggregation=rl.aggregation or None,
                     max_len=max_len, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator)
