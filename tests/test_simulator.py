@@ -299,7 +299,7 @@ def _fixed_rollout(setup, key):
   _, logprob_fn = simulator.make_rl_step(setup)
   tokens = rl_update.TokenBatch(out.tokens, out.attention_mask)
   logp_now_BT = logprob_fn(params, tokens, None)[0]
-  return params, step_lib.Rollout(out, reward_B, logp_now_BT, logp_now_BT - 0.01)
+  return params, step_lib.Rollout(out, reward_B, logp_now_BT, logp_now_BT + 0.01)
 
 
 def test_simulator_runs_the_loops_step():
@@ -330,7 +330,8 @@ def test_simulator_runs_the_loops_step():
   assert float(m["reward/pass_rate"]) == np.mean(r >= 1)
   assert float(m["response_length"]) == setup.task.length  # no stop token: every row is full
   assert float(m["groups_kept"]) == 1.0
-  # logp_stale = logp_now - 0.01 on every completion token: the staleness k1 part is 0.01.
+  # logp_stale = logp_now + 0.01 on every completion token: the staleness k1 part,
+  # mean(logp_stale - logp_now), is 0.01 (up to FP32 rounding of the sums).
   assert float(m["drift/staleness/mismatch_kl"]) == pytest.approx(0.01, rel=1e-4)
 
 
