@@ -105,7 +105,8 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(async_run, base_dir
 def _synchronous_reference(cfg, steps: int):
   """The synchronous trainer without the schedule: sample with the current params, update.
 
-  Mirrors `loop.run`'s per-step keys and Trainer calls, minus VersionBuffer and copies.
+  Mirrors `loop.run`'s per-step keys, minus VersionBuffer and copies; each step is the loop's
+  own (`Trainer.rl_step`: rollout, then the jitted RL step).
   """
   setup = loop.build(cfg)
   base = sft.load_or_train_base(cfg.sft.base_dir, setup.task, cfg.task, setup.model_cfg, cfg.sft,
@@ -116,11 +117,9 @@ def _synchronous_reference(cfg, steps: int):
   base_key = jax.random.key(cfg.seed)
   rows = []
   for step in range(steps):
-    k_roll, k_upd = jax.random.split(jax.random.fold_in(base_key, step))
-    batch, _, info = trainer.rollout(params, params, step, k_roll, stale=False)
-    params, opt_state, m = trainer.update(params, opt_state, None, batch, k_upd)
-    rows.append({**{k: round(float(v), 6) for k, v in m.items()},
-                 "reward/mean": round(float(info["rewards"].mean()), 6)})
+    params, opt_state, m, _ = trainer.rl_step(params, params, opt_state, None, step,
+                                              jax.random.fold_in(base_key, step), stale=False)
+    rows.append({k: round(float(v), 6) for k, v in m.items()})
   return params, opt_state, rows
 
 

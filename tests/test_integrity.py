@@ -24,6 +24,7 @@ from lowrl.training import loop, run_config, run_logs
 from lowrl.training.checkpointing import (CheckpointError, Checkpointer, abstract_like,
                                           verify_manifest)
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, make_rl_update
+from lowrl.training.step import RLBatch
 
 
 def _tree(step: int):
@@ -135,9 +136,9 @@ def test_update_skips_a_non_finite_new_state():
   cfg = UpdateConfig(loss=LossConfig(), correction=CorrectionConfig(), mu=2)
   tx = optax.sgd(float("inf"))
   b, t = 4, 10
-  batch = {"tokens_BT": jax.random.randint(jax.random.key(1), (b, t), 3, 16),
-           "input_mask_BT": jnp.ones((b, t)), "loss_mask_BT": jnp.ones((b, t)).at[:, :5].set(0),
-           "logp_sampler_BT": jnp.zeros((b, t)), "adv_B": jnp.linspace(-1, 1, b)}
+  batch = RLBatch(tokens_BT=jax.random.randint(jax.random.key(1), (b, t), 3, 16),
+                  input_mask_BT=jnp.ones((b, t)), loss_mask_BT=jnp.ones((b, t)).at[:, :5].set(0),
+                  logp_sampler_BT=jnp.zeros((b, t)), adv_B=jnp.linspace(-1, 1, b))
   new, _, m = jax.jit(make_rl_update(logprob_fn, tx, cfg))(params, tx.init(params), None, batch,
                                                           jax.random.key(2))
   assert float(m["skipped_updates"]) == 2 and float(m["grad_norm"]) > 0

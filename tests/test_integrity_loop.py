@@ -123,15 +123,15 @@ def test_repeated_skipped_updates_stop_with_the_last_good_checkpoint(base_dir, t
 
   def init(self, *args, **kwargs):
     real_init(self, *args, **kwargs)
-    real_update, calls = self.update, [0]
+    real_step, calls = self.step, [0]
 
-    def update(*a):
+    def step(*a):
       calls[0] += 1
-      params, opt_state, m = real_update(*a)
+      params, opt_state, m = real_step(*a)
       if calls[0] > 2:
         m = dict(m, skipped_updates=1.0)
       return params, opt_state, m
-    self.update = update
+    self.step = step
   monkeypatch.setattr(loop.Trainer, "__init__", init)
 
   cfg = tiny_config(base_dir)

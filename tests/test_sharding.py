@@ -21,6 +21,8 @@ from lowrl.quant.quantize import fake_quant
 from lowrl.sampling import sampler as sampling
 from lowrl.sampling.sampler import SamplingConfig
 from lowrl.training import loop, optimizer
+from lowrl.training.rl_update import make_rl_update
+from lowrl.training.step import RLBatch
 
 MESHES = [(8, 1), (4, 2), (2, 4)]
 # H=8, K=4 heads of 8: every projection width and K divide by 4 (whole heads per tensor shard).
@@ -370,10 +372,10 @@ def _batch(setup, key):
   lengths = jax.random.randint(k2, (rows,), 1, t - prompt_len + 1)
   loss_mask = ((jnp.arange(t) >= prompt_len) & (jnp.arange(t) < prompt_len + lengths[:, None]))
   input_mask = jnp.arange(t) < prompt_len + lengths[:, None]
-  return {"tokens_BT": tokens, "input_mask_BT": input_mask.astype(jnp.float32),
-          "loss_mask_BT": loss_mask.astype(jnp.float32),
-          "logp_sampler_BT": -jax.random.uniform(k3, (rows, t)) * loss_mask,
-          "adv_B": jnp.linspace(-1.0, 1.0, rows)}
+  return RLBatch(tokens_BT=tokens, input_mask_BT=input_mask.astype(jnp.float32),
+                 loss_mask_BT=loss_mask.astype(jnp.float32),
+                 logp_sampler_BT=-jax.random.uniform(k3, (rows, t)) * loss_mask,
+                 adv_B=jnp.linspace(-1.0, 1.0, rows))
 
 
 def _update_config(recipe, mesh, model=(), passes=2):
@@ -396,10 +398,16 @@ def _run_update(cfg, plan, updates):
   init_host = host(init)  # before the update donates (on one device, `place` may not copy)
   state = trainer.place({"params": init, "opt_state": optimizer.init_opt_state(trainer.tx, init)})
   p, o = state["params"], state["opt_state"]
+  # The loop's update alone (its step also builds the batch), jitted with the loop's shardings.
+  p_sh, o_sh = trainer.state_shardings(p), trainer.state_shardings(o)
+  update = jax.jit(make_rl_update(trainer.logprob_fn, trainer.tx, setup.update_cfg),
+                   donate_argnums=(0, 1),
+                   in_shardings=(p_sh, o_sh, plan.replicated, plan.batch, plan.replicated),
+                   out_shardings=(p_sh, o_sh, plan.replicated))
   metrics = []
   for step in range(updates):
     batch = plan.put(_batch(setup, jax.random.key(10 + step)), plan.batch)
-    p, o, m = trainer.update(p, o, None, batch, jax.random.key(step))
+    p, o, m = update(p, o, None, batch, jax.random.key(step))
     metrics.append({k: float(v) for k, v in m.items()})
   specs = jax.tree.leaves(plan.param_specs(p), is_leaf=lambda x: isinstance(x, P))
   for leaf, spec in zip(jax.tree.leaves(p), specs):

@@ -16,7 +16,10 @@ import numpy as np
 import pytest
 
 from lowrl.asyncrl import simulator, sweep
+from lowrl.training import optimizer, rl_update
+from lowrl.training import step as step_lib
 from lowrl.rl.drift import DRIFT_PARTS
+from lowrl.sampling import SampleOutput
 from lowrl.training.schedule import AsyncSchedule
 
 STEPS = 8
@@ -283,3 +286,94 @@ def test_default_sweep_config_is_the_issue_grid():
   assert {s.knobs["sampler_recipe"] for s in settings} == {"bf16", "nvfp4_naive", "nvfp4_recipe"}
   assert {s.knobs["correction"] for s in settings} == {"none", "tis"}
   assert len({s.name for s in settings}) == len(settings)
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop's RL step, run by the simulator.
+
+
+def _fixed_rollout(setup, key):
+  """A sampled batch of `setup`'s shape with rewards and trainer scores (stale != now)."""
+  params = simulator.initial_params(setup, key)
+  out, reward_B, _ = simulator.rollout(setup, params, key)
+  _, logprob_fn = simulator.make_rl_step(setup)
+  tokens = rl_update.TokenBatch(out.tokens, out.attention_mask)
+  logp_now_BT = logprob_fn(params, tokens, None)[0]
+  return params, step_lib.Rollout(out, reward_B, logp_now_BT, logp_now_BT + 0.01)
+
+
+def test_simulator_runs_the_loops_step():
+  """One fixed rollout through the loop's step and the simulator's: bit-identical results.
+
+  The loop's Trainer builds its step from the same config pieces; here both step functions,
+  built by each side's own code from one config, run under the same jit (identical programs).
+  """
+  c = tiny_config()
+  c.rl.update(steps=2, num_prompts=2, group_size=4)
+  setup = simulator.build(c)
+  params, rollout = _fixed_rollout(setup, jax.random.key(3))
+  sim_step, logprob_fn = simulator.make_rl_step(setup)
+  loop_step = step_lib.make_step(
+      rl_update.make_logprob_fn(setup.model_cfg, setup.trainer_policy, setup.sampling),
+      setup.make_optimizer(), setup.update_cfg,
+      step_lib.BatchConfig(group_size=4, advantage="grpo", max_new_tokens=setup.task.length))
+  opt_state = optimizer.init_opt_state(setup.make_optimizer(), params)
+  results = [jax.jit(f)(params, opt_state, None, rollout, jax.random.key(4))
+             for f in (sim_step, loop_step)]
+  for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  m = results[0][2]
+  assert float(m["grad_norm"]) > 0  # a real update, not a no-op
+  # make_batch's metrics from the rollout, recomputed here from their definitions.
+  r = np.asarray(rollout.rewards_B)
+  assert float(m["reward/mean"]) == pytest.approx(r.mean(), rel=1e-6)
+  assert float(m["reward/pass_rate"]) == np.mean(r >= 1)
+  assert float(m["response_length"]) == setup.task.length  # no stop token: every row is full
+  assert float(m["groups_kept"]) == 1.0
+  # logp_stale = logp_now + 0.01 on every completion token: the staleness k1 part,
+  # mean(logp_stale - logp_now), is 0.01 (up to FP32 rounding of the sums).
+  assert float(m["drift/staleness/mismatch_kl"]) == pytest.approx(0.01, rel=1e-4)
+
+
+def test_make_batch_dynamic_sampling_and_overlong_penalty():
+  # Two groups of 2: the first has equal rewards (no signal), the second differs.
+  cfg = step_lib.BatchConfig(group_size=2, advantage="drgrpo", dynamic_sampling=True,
+                             overlong_buffer=2, max_new_tokens=4)
+  b, t = 4, 6
+  lengths = np.array([4, 1, 3, 2])
+  mask = (np.arange(t)[None] >= 2) & (np.arange(t)[None] < 2 + lengths[:, None])
+  out = SampleOutput(
+      tokens=jnp.zeros((b, t), jnp.int32), prompt_mask=jnp.zeros((b, t)).at[:, :2].set(1),
+      completion_mask=jnp.asarray(mask, jnp.float32), logprobs=jnp.zeros((b, t)),
+      model_logprobs=jnp.zeros((b, t)), prompt_lengths=jnp.full((b,), 2, jnp.int32),
+      completion_lengths=jnp.asarray(lengths, jnp.int32), prompt_width=2)
+  rewards = jnp.array([1.0, 1.0, 0.0, 1.0])
+  batch, m = step_lib.make_batch(out, rewards, cfg)
+  # DAPO overlong: 0 up to 4 - 2 = 2 tokens, then (2 - L) / 2: -1 at L = 4, -0.5 at L = 3.
+  # Shaped: (0, 1) and (-0.5, 1). Dr.GRPO: reward - group mean; the first group has signal
+  # only through the penalty.
+  expected_adv = np.array([-0.5, 0.5, -0.75, 0.75])
+  np.testing.assert_allclose(np.asarray(batch.adv_B), expected_adv, rtol=0, atol=1e-7)
+  # Dynamic sampling decides on the task rewards: group 0 (1, 1) leaves the loss.
+  np.testing.assert_array_equal(np.asarray(batch.loss_mask_BT),
+                                mask * np.array([0, 0, 1, 1])[:, None])
+  assert float(m["groups_kept"]) == 0.5 and float(m["reward/mean"]) == 0.75
+  assert float(m["reward/pass_rate"]) == 0.75 and float(m["response_length"]) == 2.5
+  with pytest.raises(ValueError, match="rl.overlong_buffer"):
+    step_lib.BatchConfig(group_size=2, overlong_buffer=5, max_new_tokens=4)
+
+
+def test_simulator_supports_kl_dynamic_sampling_and_top_k():
+  c = tiny_config()
+  c.rl.update(steps=3, kl_coef=0.1)
+  c.rl.dynamic_sampling = True
+  c.rl.top_k = 3
+  setup = simulator.build(c)
+  assert setup.sampling.top_k == 3 and setup.batch_cfg.dynamic_sampling
+  m = simulator.simulate(setup, AsyncSchedule(), SEEDS[:1]).metrics
+  assert np.all(np.isfinite(m["kl_ref"])) and m["kl_ref"][0, 0] == pytest.approx(0.0, abs=1e-6)
+  assert m["kl_ref"][0, -1] > 0  # the policy moved away from its start
+  assert np.all((m["groups_kept"] >= 0) & (m["groups_kept"] <= 1))
+  c.rl.overlong_buffer = c.task.length + 1
+  with pytest.raises(ValueError, match="rl.overlong_buffer"):
+    simulator.build(c)

@@ -16,6 +16,7 @@ from lowrl.rl.losses import LossConfig
 from lowrl.sampling.sampler import SamplingConfig
 from lowrl.training import loop, optimizer, schema
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, make_rl_update
+from lowrl.training.step import RLBatch
 
 MODEL = ModelConfig(vocab_size=16, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
                     d_ff=64, max_seq_len=16)
@@ -73,8 +74,8 @@ def test_optimizer_config_errors(bad, match):
 def _batch(key, b=8, t=10):
   tokens = jax.random.randint(key, (b, t), 3, MODEL.vocab_size)
   loss_mask = jnp.zeros((b, t)).at[:, 5:].set(1.0)
-  return {"tokens_BT": tokens, "input_mask_BT": jnp.ones((b, t)), "loss_mask_BT": loss_mask,
-          "logp_sampler_BT": jnp.zeros((b, t)), "adv_B": jnp.linspace(-1, 1, b)}
+  return RLBatch(tokens_BT=tokens, input_mask_BT=jnp.ones((b, t)), loss_mask_BT=loss_mask,
+                 logp_sampler_BT=jnp.zeros((b, t)), adv_B=jnp.linspace(-1, 1, b))
 
 
 def _update(policy_name="fp32", **cfg_kw):
@@ -90,7 +91,7 @@ def test_update_recomputes_pi_old_and_moves_params():
   params = transformer.init_params(MODEL, jax.random.key(0))
   batch = _batch(jax.random.key(1))
   logp, _ = logprob_fn(params, batch, None)
-  batch["logp_sampler_BT"] = logp * batch["loss_mask_BT"]
+  batch = batch._replace(logp_sampler_BT=logp * batch.loss_mask_BT)
   new, _, m = update(params, tx.init(params), None, batch, jax.random.key(2))
   # pi_old recomputed by the trainer with the same params: ratio 1, nothing clipped, and the
   # sampler's logprobs were the trainer's own, so the mismatch is exactly zero.
@@ -106,7 +107,7 @@ def test_update_skips_non_finite_gradient():
   _, tx, update = _update()
   params = transformer.init_params(MODEL, jax.random.key(0))
   batch = _batch(jax.random.key(1))
-  batch["adv_B"] = batch["adv_B"].at[0].set(jnp.nan)
+  batch = batch._replace(adv_B=batch.adv_B.at[0].set(jnp.nan))
   opt_state = tx.init(params)
   new, new_opt, m = update(params, opt_state, None, batch, jax.random.key(2))
   assert float(m["skipped_updates"]) == 1.0
@@ -173,13 +174,13 @@ def test_exact_mode_rollout_and_update_agree_bitwise_under_nvfp4():
   setup = loop.build(c)
   trainer = loop.Trainer(setup, log=lambda _: None)
   params = transformer.init_params(setup.model_cfg, jax.random.key(0))
-  batch, drift, _ = trainer.rollout(params, params, 0, jax.random.key(1), stale=False)
-  mask = batch["loss_mask_BT"]
+  rollout, _ = trainer.rollout(params, params, 0, jax.random.key(1), stale=False)
+  mask = rollout.out.completion_mask
   assert float(mask.sum()) > 0
-  np.testing.assert_array_equal(batch["logp_sampler_BT"] * mask, batch["logp_trainer_BT"] * mask)
-  assert float(drift["drift/total/mismatch_kl"]) == 0.0
-  ref = jax.tree.map(jnp.copy, params)  # the update donates `params`
-  _, _, m = trainer.update(params, trainer.init_opt_state(params), ref, batch, jax.random.key(2))
+  np.testing.assert_array_equal(rollout.out.logprobs * mask, rollout.logp_now_BT * mask)
+  ref = jax.tree.map(jnp.copy, params)  # the step donates `params`
+  _, _, m = trainer.step(params, trainer.init_opt_state(params), ref, rollout, jax.random.key(2))
+  assert float(m["drift/total/mismatch_kl"]) == 0.0
   assert float(m["mismatch/mismatch_kl"]) == 0.0
   assert float(m["ratio_mean"]) == pytest.approx(1.0, abs=1e-5)
   # rl.log_kl_ref: the KL to the reference is logged (here pi_ref = pi_old, so ~0) but, with
@@ -227,20 +228,20 @@ def test_update_loss_is_decoupled_ppo(source, correction):
   params = transformer.init_params(MODEL, jax.random.key(0))
   batch = _batch(jax.random.key(1))
   logp_new, _ = logprob_fn(params, batch, None)
-  mask = batch["loss_mask_BT"]
+  mask = batch.loss_mask_BT
   # pi_prox and pi_behav: the model's logprobs shifted per token, far enough that both the PPO
   # clip and the TIS cap are active on some tokens.
   k1, k2 = jax.random.split(jax.random.key(3))
   logp_prox = (logp_new + 0.3 * jax.random.normal(k1, mask.shape)) * mask
   logp_behav = (logp_new + 0.6 * jax.random.normal(k2, mask.shape)) * mask
-  batch.update(logp_trainer_BT=logp_prox, logp_sampler_BT=logp_behav)
+  batch = batch._replace(logp_trainer_BT=logp_prox, logp_sampler_BT=logp_behav)
   _, _, m = update(params, optax.sgd(0.0).init(params), None, batch, jax.random.key(2))
   if source == "sampler":  # pi_prox = pi_behav: the correction is 1 by definition
-    ref = _np_decoupled_ppo(logp_new, logp_behav, logp_behav, batch["adv_B"], mask,
+    ref = _np_decoupled_ppo(logp_new, logp_behav, logp_behav, batch.adv_B, mask,
                             lambda w: 1.0)
   else:
     c_fn = (lambda w: np.minimum(w, 1.5)) if correction == "tis" else (lambda w: 1.0)
-    ref = _np_decoupled_ppo(logp_new, logp_prox, logp_behav, batch["adv_B"], mask, c_fn)
+    ref = _np_decoupled_ppo(logp_new, logp_prox, logp_behav, batch.adv_B, mask, c_fn)
   # float32 terms of size O(1), 40 tokens summed: relative error well below 1e-5.
   assert float(m["loss"]) == pytest.approx(ref, rel=1e-5)
   if correction == "tis":  # the fixture exercises the cap
@@ -281,8 +282,8 @@ def test_logprob_fn_uses_the_sampled_distribution():
   params = transformer.init_params(MODEL, jax.random.key(0))
   batch = _batch(jax.random.key(1))
   logits = np.asarray(jax.jit(transformer.forward, static_argnums=(2, 3))(
-      params, batch["tokens_BT"], MODEL, policy))
-  tokens = np.asarray(batch["tokens_BT"])
+      params, batch.tokens_BT, MODEL, policy))
+  tokens = np.asarray(batch.tokens_BT)
   for t, k, p in ((0.5, 0, 1.0), (0.7, 6, 1.0), (1.3, 0, 0.6), (0.8, 9, 0.7)):
     sampling = SamplingConfig(max_new_tokens=4, temperature=t, top_k=k, top_p=p)
     logp, ent = jax.jit(make_logprob_fn(MODEL, policy, sampling))(params, batch, None)
@@ -311,22 +312,23 @@ def test_loop_rollout_scores_the_sampled_distribution():
   trainer = loop.Trainer(setup, log=lambda _: None)
   sampler_params = transformer.init_params(setup.model_cfg, jax.random.key(0))
   params = transformer.init_params(setup.model_cfg, jax.random.key(5))
-  batch, _, _ = trainer.rollout(sampler_params, params, 0, jax.random.key(1), stale=True)
-  mask = np.asarray(batch["loss_mask_BT"]) > 0
-  tokens = np.asarray(batch["tokens_BT"])
+  rollout, _ = trainer.rollout(sampler_params, params, 0, jax.random.key(1), stale=True)
+  out = rollout.out
+  mask = np.asarray(out.completion_mask) > 0
+  tokens = np.asarray(out.tokens)
   fwd = jax.jit(transformer.forward, static_argnums=(2, 3), static_argnames=())
   logq = {}
   for name, p in (("sampler", sampler_params), ("trainer", params)):
-    logits = np.asarray(fwd(p, batch["tokens_BT"], setup.model_cfg, setup.trainer_policy,
-                            mask_BT=batch["input_mask_BT"]))
+    logits = np.asarray(fwd(p, out.tokens, setup.model_cfg, setup.trainer_policy,
+                            mask_BT=out.attention_mask))
     ref, _ = _np_sampling_logq(logits[:, :-1], tokens[:, 1:], 0.5, 0, 1.0)
     logq[name] = np.pad(ref, ((0, 0), (1, 0)))
     # fp32 forwards in two programs: logits agree to ~1e-6, log q to 1e-4.
-    np.testing.assert_allclose(np.asarray(batch[f"logp_{name}_BT"])[mask], logq[name][mask],
-                               atol=1e-4)
+    recorded = out.logprobs if name == "sampler" else rollout.logp_now_BT
+    np.testing.assert_allclose(np.asarray(recorded)[mask], logq[name][mask], atol=1e-4)
   ref_params = jax.tree.map(jnp.copy, params)
-  _, _, m = trainer.update(params, trainer.init_opt_state(params), ref_params, batch,
-                           jax.random.key(2))
+  _, _, m = trainer.step(params, trainer.init_opt_state(params), ref_params, rollout,
+                         jax.random.key(2))
   w = np.exp(logq["trainer"] - logq["sampler"])[mask]
   assert 0 < np.mean(w > 1.2) < 1
   assert float(m["correction/is_weight_mean"]) == pytest.approx(np.mean(np.minimum(w, 1.2)),
@@ -342,12 +344,12 @@ def test_tokens_outside_pi_old_support_leave_the_loss():
   params = transformer.init_params(MODEL, jax.random.key(0))
   batch = _batch(jax.random.key(1))
   logp, _ = logprob_fn(params, batch, None)
-  mask = np.asarray(batch["loss_mask_BT"])
+  mask = np.asarray(batch.loss_mask_BT)
   outside = (np.asarray(logp) < -1e29) & (mask > 0)
   assert 0 < outside.sum() < mask.sum()
   # The sampler (other weights) had every token in its support; the trainer's pi_old did not.
-  batch["logp_sampler_BT"] = jnp.where(mask > 0, jnp.where(outside, -1.0, logp), 0.0)
-  batch["logp_trainer_BT"] = jnp.where(jnp.asarray(outside), -jnp.inf, logp)
+  batch = batch._replace(logp_sampler_BT=jnp.where(mask > 0, jnp.where(outside, -1.0, logp), 0.0),
+                         logp_trainer_BT=jnp.where(jnp.asarray(outside), -jnp.inf, logp))
   _, _, m = update(params, optax.adam(1e-2).init(params), None, batch, jax.random.key(2))
   assert float(m["skipped_updates"]) == 0.0 and np.isfinite(float(m["loss"]))
   assert float(m["correction/outside_support_frac"]) == pytest.approx(outside.sum() / mask.sum())

@@ -3,9 +3,11 @@
 The pieces are the real loop's (lowrl.training.loop), called from inside the scan: the decoder
 (`lowrl.models.transformer`) under the sampler's and the trainer's precision policies
 (`lowrl.precision`, quantized through `lowrl.quant`), the sampler's prefill + decode
-(`lowrl.sampling.sampler`, exact mode re-scoring included), group advantages, the pure RL update
-`make_rl_update` (losses, TIS/MIS corrections, optimizer), the drift decomposition
-(`lowrl.rl.drift`) and the staleness schedule (`AsyncSchedule`). What is small is the rest:
+(`lowrl.sampling.generate_in_jit`, exact mode re-scoring included), the loop's RL step
+(`lowrl.training.step.make_step`: overlong penalty, group advantages, dynamic sampling, the drift
+decomposition and the pure update with its losses, TIS/MIS corrections, KL to a reference and
+optimizer), the supervised step of the loop's base (`lowrl.training.sft.make_sft_step`) and the
+staleness schedule (`AsyncSchedule`). What is small is the rest:
 a tiny decoder on a synthetic sequential task whose reward is computed in JAX (`SequenceTask`),
 so nothing leaves the device between updates and thousands of updates run per minute on a CPU.
 
@@ -21,10 +23,12 @@ problems training never draws), the training scan (`make_train`), `evaluate` aga
   1. sync: if t % sync_every == 0, params (version t) go into their ring slot;
   2. sample: the ring's version sampler_version(t), in the sampler's precision, generates
      group_size completions for each of num_prompts prompts (temperature 1);
-  3. reward in JAX, group-relative advantages;
-  4. drift: the batch re-scored by the trainer with the sampler's (stale) weights and with the
-     current weights -> quantization / staleness / total parts;
-  5. the pure update (pi_old recompute, correction, mu x num_minibatches optimizer steps).
+  3. reward in JAX;
+  4. the trainer scores the batch with the sampler's (stale) weights and with the current
+     weights (pi_old), both in the trainer's precision;
+  5. the loop's RL step: batch (advantages), drift (quantization / staleness / total parts), the
+     pure update (correction, KL to the starting policy when rl.kl_coef > 0, mu x
+     num_minibatches optimizer steps).
 Every step's scalar metrics come back as [steps] arrays.
 """
 from __future__ import annotations
@@ -41,17 +45,19 @@ import numpy as np
 import optax
 
 from lowrl import precision, sharding
-from lowrl.rl.drift import sampler_trainer_drift, version_distance
-from lowrl.training.schedule import AsyncSchedule
 from lowrl.models import layout, transformer
 from lowrl.models.config import ModelConfig
-from lowrl.rl.advantages import compute_advantages
 from lowrl.rl.corrections import CorrectionConfig
+from lowrl.rl.drift import version_distance
 from lowrl.rl.losses import LossConfig
-from lowrl.sampling import sampler
+from lowrl.sampling import SampleOutput, SamplingConfig, generate_in_jit, rescore
+from lowrl.sampling import sampler  # build's checks (config validation, not this module's)
 from lowrl.training import optimizer, rl_update, schema
-from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, make_rl_update
-from lowrl.training.sft import sft_loss
+from lowrl.training.evaluation import eval_metrics
+from lowrl.training.rl_update import TokenBatch, UpdateConfig, make_logprob_fn
+from lowrl.training.schedule import AsyncSchedule
+from lowrl.training.sft import make_sft_step
+from lowrl.training.step import BatchConfig, Rollout, Step, make_step
 
 TASK_KINDS = ("sort", "reverse", "copy")
 REWARD_KINDS = ("per_token", "exact")
@@ -171,7 +177,7 @@ SCHEMA = schema.Schema((
         schema.Knob("calib_num_prompts", 64, "prompts (+ targets) of the calibration batch",
                     schema.POSITIVE),
     )),
-    schema.RL.with_defaults(steps=400, num_prompts=8, group_size=8),
+    schema.SIM_RL.with_defaults(steps=400, num_prompts=8, group_size=8),
     schema.OPTIMIZER.with_defaults(lr=3e-3),
     # Supervised warm start (FP32, inside the same jit): RL starts from a base with a modest
     # reward (REFERENCE.md §5).
@@ -198,7 +204,7 @@ class SimSetup:
   model_cfg: ModelConfig
   sampler_policy: precision.PrecisionPolicy
   trainer_policy: precision.PrecisionPolicy
-  sampling: sampler.SamplingConfig
+  sampling: SamplingConfig
   update_cfg: UpdateConfig
   optimizer: tuple[tuple[str, Any], ...]
   sft: tuple[tuple[str, Any], ...]
@@ -211,6 +217,7 @@ class SimSetup:
   std_ddof: int = 0
   act_calibration: str = "sync"
   calib_num_prompts: int = 64
+  batch_cfg: BatchConfig | None = None  # rollout -> batch of the RL step (set by `build`)
 
   @property
   def batch_size(self) -> int:
@@ -232,8 +239,8 @@ def build(cfg: ml_collections.ConfigDict) -> SimSetup:
   matmuls = layout.matmuls(model_cfg)
   policies = [precision.make_policy(precision.recipe(name), matmuls)
               for name in (cfg.sampler_recipe, cfg.trainer_recipe)]
-  sampling = sampler.SamplingConfig(max_new_tokens=task.length, temperature=1.0,
-                                    pad_id=task.bos_id)
+  sampling = SamplingConfig(max_new_tokens=task.length, temperature=rl.temperature,
+                            top_k=rl.top_k, top_p=rl.top_p, pad_id=task.bos_id)
   sampling.check(model_cfg)
   # Both policies sample (the trainer's in greedy eval), with static scales calibrated for every
   # tensor-scaled path: only activation tiles (2-D blocks) can fail here.
@@ -248,7 +255,8 @@ def build(cfg: ml_collections.ConfigDict) -> SimSetup:
                   _frozen(cfg.optimizer), _frozen(cfg.sft), rl.num_prompts, rl.group_size,
                   rl.steps, rl.advantage, cfg.sampler_exact, cfg.eval_num_prompts,
                   std_ddof=rl.std_ddof, act_calibration=cfg.act_calibration,
-                  calib_num_prompts=cfg.calib_num_prompts)
+                  calib_num_prompts=cfg.calib_num_prompts,
+                  batch_cfg=BatchConfig.from_rl(rl, task.length))
 
 
 def schedule_of(cfg: ml_collections.ConfigDict, seed: int | None = None) -> AsyncSchedule:
@@ -266,13 +274,13 @@ def _quant_key(policy: precision.PrecisionPolicy, key: jax.Array) -> jax.Array |
   return key if policy.needs_key else None
 
 
-def _generate(setup: SimSetup, policy: precision.PrecisionPolicy, config: sampler.SamplingConfig,
+def _generate(setup: SimSetup, policy: precision.PrecisionPolicy, config: SamplingConfig,
               params, prompt_BP: jax.Array, key: jax.Array, quant_key,
-              act_amax=None) -> sampler.SampleOutput:
+              act_amax=None) -> SampleOutput:
   """The sampler's prefill + decode inside the scan (the host-side checks ran in `build`)."""
-  return sampler.generate_in_jit(params, prompt_BP, jnp.ones(prompt_BP.shape, bool), key,
-                                 model_cfg=setup.model_cfg, policy=policy, config=config,
-                                 quant_key=quant_key, act_amax=act_amax)
+  return generate_in_jit(params, prompt_BP, jnp.ones(prompt_BP.shape, bool), key,
+                         model_cfg=setup.model_cfg, policy=policy, config=config,
+                         quant_key=quant_key, act_amax=act_amax)
 
 
 def calib_key(key: jax.Array) -> jax.Array:
@@ -298,12 +306,12 @@ def calibrate(setup: SimSetup, policy: precision.PrecisionPolicy, params,
 
 
 def rollout(setup: SimSetup, sampler_params, key: jax.Array, act_amax=None
-            ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
-  """One step's batch sampled by `sampler_params` in the sampler's precision, with rewards.
+            ) -> tuple[SampleOutput, jax.Array, jax.Array]:
+  """One step's sequences sampled by `sampler_params` in the sampler's precision, with rewards.
 
   `act_amax`: the static activation scales stored with `sampler_params` (`calibrate`), for a
-  sampler recipe that scales activations per tensor. Returns (batch for the update,
-  {"reward_B", "exact_B"}).
+  sampler recipe that scales activations per tensor. Returns (output, reward_B, exact_B); rows
+  are group-contiguous (group_size completions per prompt).
   """
   k_prompt, k_sample, k_quant = jax.random.split(key, 3)
   prompt_PL = setup.task.prompts(k_prompt, setup.num_prompts)
@@ -312,52 +320,47 @@ def rollout(setup: SimSetup, sampler_params, key: jax.Array, act_amax=None
   out = _generate(setup, policy, setup.sampling, sampler_params, prompt_BL, k_sample,
                   _quant_key(policy, k_quant), act_amax)
   if setup.sampler_exact:
-    out = sampler.rescore(out, sampler_params, model_cfg=setup.model_cfg, policy=policy,
-                          config=setup.sampling, quant_key=_quant_key(policy, k_quant),
-                          act_amax=act_amax)
+    out = rescore(out, sampler_params, model_cfg=setup.model_cfg, policy=policy,
+                  config=setup.sampling, quant_key=_quant_key(policy, k_quant),
+                  act_amax=act_amax)
   reward_B, exact_B = setup.task.rewards(prompt_BL, out.tokens[:, out.prompt_width:])
-  # log q of the sampled distribution, as the loop (identical to model_logprobs at temperature 1).
-  batch = {"tokens_BT": out.tokens, "input_mask_BT": out.attention_mask,
-           "loss_mask_BT": out.completion_mask, "logp_sampler_BT": out.logprobs,
-           "adv_B": compute_advantages(reward_B, setup.group_size, setup.advantage,
-                                       std_ddof=setup.std_ddof)}
-  return batch, {"reward_B": reward_B, "exact_B": exact_B}
+  return out, reward_B, exact_B
 
 
 def evaluate(setup: SimSetup, params, key: jax.Array) -> dict[str, jax.Array]:
-  """Greedy reward of the trainer's policy (trainer precision) on held-out prompts (the eval
-  split: problems never drawn for training)."""
+  """Greedy reward and exact-match rate of the trainer's policy (trainer precision) on held-out
+  prompts (the eval split: problems never drawn for training); `evaluation.eval_metrics`."""
   prompt_BP = setup.task.prompts(key, setup.eval_num_prompts, "eval")
-  greedy = dataclasses.replace(setup.sampling, temperature=0.0)
+  greedy = dataclasses.replace(setup.sampling, temperature=0.0, top_k=0, top_p=1.0)
   # A trainer recipe with per-tensor activation scales decodes as deployed: static scales
   # calibrated from the evaluated weights.
   act_amax = calibrate(setup, setup.trainer_policy, params, calib_key(key))
   out = _generate(setup, setup.trainer_policy, greedy, params, prompt_BP, key,
                   _quant_key(setup.trainer_policy, key), act_amax)
-  reward_B, exact_B = setup.task.rewards(prompt_BP, out.tokens[:, out.prompt_width:])
-  return {"reward": jnp.mean(reward_B), "exact": jnp.mean(exact_B)}
+  reward_B, _ = setup.task.rewards(prompt_BP, out.tokens[:, out.prompt_width:])
+  # Solved = reward 1 = every position right: the exact match under either reward kind.
+  m = eval_metrics(reward_B)
+  return {"reward": m["greedy_reward"], "exact": m["greedy"]}
 
 
 def warm_start(setup: SimSetup, key: jax.Array):
-  """Random init, then `sft.steps` supervised steps on the targets (FP32, like the loop's base)."""
+  """Random init, then `sft.steps` supervised steps on the targets: the loop's SFT step (FP32)
+  with this simulator's optimizer (Adam, constant lr, b2 0.99, gradients clipped at norm 1)."""
   params = transformer.init_params(setup.model_cfg, key)
   sft = dict(setup.sft)
   if not sft["steps"]:
     return params
-  policy = precision.PrecisionPolicy.unquantized(layout.matmuls(setup.model_cfg), "float32",
-                                                 name="sft_fp32")
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(sft["lr"], b2=0.99))
+  sft_step = make_sft_step(setup.model_cfg, tx)
   length = setup.task.length
   mask_T = jnp.concatenate([jnp.zeros(length + 1), jnp.ones(length)])
 
   def step(carry, k):
-    p, o = carry
     prompt_BP = setup.task.prompts(k, sft["batch_size"])
     tokens_BT = jnp.concatenate([prompt_BP, setup.task.targets(prompt_BP)], axis=1)
     mask_BT = jnp.broadcast_to(mask_T, tokens_BT.shape)
-    loss, grads = jax.value_and_grad(sft_loss)(p, tokens_BT, mask_BT, setup.model_cfg, policy)
-    updates, o = tx.update(grads, o, p)
-    return (optax.apply_updates(p, updates), o), loss
+    p, o, loss = sft_step(*carry, tokens_BT, mask_BT)
+    return (p, o), loss
 
   keys = jax.random.split(jax.random.fold_in(key, 1), sft["steps"])
   (params, _), _ = jax.lax.scan(step, (params, tx.init(params)), keys)
@@ -370,19 +373,29 @@ def initial_params(setup: SimSetup, key: jax.Array):
   return optimizer.to_master(warm_start(setup, k_init), dict(setup.optimizer)["master_dtype"])
 
 
+def make_rl_step(setup: SimSetup) -> tuple[Step, Any]:
+  """(the loop's RL step `lowrl.training.step.make_step` for this setup, the trainer's
+  `logprob_fn` that scores the rollouts)."""
+  logprob_fn = make_logprob_fn(setup.model_cfg, setup.trainer_policy, setup.sampling)
+  return make_step(logprob_fn, setup.make_optimizer(), setup.update_cfg,
+                   setup.batch_cfg), logprob_fn
+
+
 def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict[str, jax.Array]]]:
   """`train(params, key, plan) -> (final params, metrics)`: all the updates of a run, one scan.
 
   `plan` is `AsyncSchedule.ring_plan(setup.steps, num_slots)` (as arrays); `metrics` are
-  [steps] arrays of per-step scalars. Pure and jittable.
+  [steps] arrays of per-step scalars. Pure and jittable. With rl.kl_coef > 0 the KL penalty is
+  to the starting params (the loop's reference: its base).
   """
   tx = setup.make_optimizer()
-  logprob_fn = make_logprob_fn(setup.model_cfg, setup.trainer_policy)
-  update = make_rl_update(logprob_fn, tx, setup.update_cfg)
+  rl_step, logprob_fn = make_rl_step(setup)
+  use_ref = setup.update_cfg.loss.kl_coef > 0
 
   def train(params, key, plan):
     _, k_steps = jax.random.split(key)
     opt_state = optimizer.init_opt_state(tx, params)
+    ref_params = params if use_ref else None
     k_calib = calib_key(key)
     base_amax = calibrate(setup, setup.sampler_policy, params, k_calib)
 
@@ -406,17 +419,19 @@ def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict
       ring_version = ring_version.at[write_slot].set(
           jnp.where(write, t, ring_version[write_slot]))
       sampler_params, sampler_amax = jax.tree.map(lambda r: r[read_slot], ring)
-      k_roll, k_drift, k_upd = jax.random.split(jax.random.fold_in(k_steps, t), 3)
-      batch, info = rollout(setup, sampler_params, k_roll, sampler_amax)
-      drift = sampler_trainer_drift(logprob_fn, sampler_params, params, batch,
-                                    batch["logp_sampler_BT"], batch["loss_mask_BT"],
-                                    _quant_key(setup.trainer_policy, k_drift))
+      k_roll, k_score, k_upd = jax.random.split(jax.random.fold_in(k_steps, t), 3)
+      out, reward_B, exact_B = rollout(setup, sampler_params, k_roll, sampler_amax)
+      # The trainer's scores share one key, so with lag 0 the staleness part is exactly 0.
+      tokens = TokenBatch(out.tokens, out.attention_mask)
+      qk = _quant_key(setup.trainer_policy, k_score)
+      logp_stale_BT = logprob_fn(sampler_params, tokens, qk)[0]
+      logp_now_BT = logprob_fn(params, tokens, qk)[0]
       params_before = params
-      params, opt_state, m = update(params, opt_state, None, batch, k_upd)
+      params, opt_state, m = rl_step(params, opt_state, ref_params,
+                                     Rollout(out, reward_B, logp_now_BT, logp_stale_BT), k_upd)
       version = ring_version[read_slot]
-      m = {**m, **drift, "reward/mean": jnp.mean(info["reward_B"]),
-           "reward/exact": jnp.mean(info["exact_B"]), "sampler_version": version,
-           "drift/tokens": jnp.sum(batch["loss_mask_BT"]),
+      m = {**m, "reward/exact": jnp.mean(exact_B), "sampler_version": version,
+           "drift/tokens": jnp.sum(out.completion_mask),
            "drift/staleness/version_distance": version_distance(sampler_params, params_before),
            "sampler_version_lag": t - version}
       return (params, opt_state, ring, ring_version), m
@@ -461,7 +476,7 @@ def _eval_view(setup: SimSetup) -> SimSetup:
   return dataclasses.replace(setup, sampler_policy=setup.trainer_policy,
                              update_cfg=UpdateConfig(LossConfig(), CorrectionConfig()), steps=1,
                              num_prompts=1, group_size=2, advantage="grpo", sampler_exact=False,
-                             std_ddof=0)
+                             std_ddof=0, batch_cfg=None)
 
 
 @functools.lru_cache(maxsize=32)

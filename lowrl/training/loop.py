@@ -4,11 +4,14 @@ Everything static is built and validated by `build` before anything is compiled.
   1. the sampler generates a group of completions per prompt with the policy *version* and
      precision the asynchronous schedule says (version = current params when synchronous);
   2. the host decodes completions and scores them with the task's verifier;
-  3. the jitted pure update recomputes pi_old, applies the mismatch correction and runs mu
-     optimizer passes;
-  4. metrics (reward, mismatch, drift decomposition, entropy, clip fraction, gradient norm,
+  3. the trainer scores the sampled tokens (pi_old; and with the sampler's weights when they are
+     stale) with the sampler's jitted exact-mode scoring program (`lowrl.sampling.rescore`);
+  4. the jitted RL step (`lowrl.training.step`, shared with the simulator) builds the batch
+     (overlong penalty, group advantages, dynamic sampling), the drift decomposition, and runs
+     the pure update: mismatch correction and mu optimizer passes against that pi_old;
+  5. metrics (reward, mismatch, drift decomposition, entropy, clip fraction, gradient norm,
      weight quantization error, sample texts) go to TensorBoard and `metrics.jsonl`;
-  5. an orbax checkpoint every `checkpoint_every` steps (params, optimizer state, reference
+  6. an orbax checkpoint every `checkpoint_every` steps (params, optimizer state, reference
      params, parameter versions the schedule still needs, RNG key, step, data position).
 Prompts of step t are drawn from a generator seeded by (seed, t), so the data position is the
 step and a resumed run sees exactly the prompts an uninterrupted one would.
@@ -27,20 +30,19 @@ import ml_collections
 import numpy as np
 
 from lowrl import distributed, precision, sharding
-from lowrl.rl.drift import drift_metrics
-from lowrl.training.schedule import AsyncSchedule, VersionBuffer
 from lowrl.metrics.writer import create_writer
 from lowrl.models import layout, transformer
 from lowrl.models.config import ModelConfig
-from lowrl.rl.advantages import compute_advantages, group_has_signal, overlong_penalty
-from lowrl.sampling.sampler import SampleOutput, Sampler, SamplingConfig, rescore
+from lowrl.sampling import SampleOutput, Sampler, SamplingConfig, rescore
 from lowrl.tasks.base import Task
 from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
 from lowrl.tasks.registry import make_task
 from lowrl.training import diagnostics, optimizer, run_config, run_logs, schema, sft
 from lowrl.training.checkpointing import Checkpointer, verify_manifest
-from lowrl.training.rl_update import (UpdateConfig, make_logprob_fn, make_rl_update,
-                                      update_config_from)
+from lowrl.training.evaluation import eval_metrics
+from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, update_config_from
+from lowrl.training.schedule import AsyncSchedule, VersionBuffer
+from lowrl.training.step import BATCH_METRICS, BatchConfig, Rollout, make_step
 
 Log = Callable[[str], None]
 
@@ -59,6 +61,7 @@ class Setup:
   update_cfg: UpdateConfig
   schedule: AsyncSchedule
   plan: sharding.ShardingPlan | None = None  # None: one device
+  batch_cfg: BatchConfig | None = None  # rollout -> batch of the RL step (set by `build`)
 
   @property
   def batch_size(self) -> int:
@@ -93,7 +96,7 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   plan = _mesh_plan(cfg, model_cfg, trainer_policy, sampler_policy,
                     seq_len=task.max_prompt_len + rl.max_new_tokens)
   return Setup(cfg, task, model_cfg, trainer_policy, sampler_policy, sampling, eval_sampling,
-               update_cfg, schedule, plan)
+               update_cfg, schedule, plan, BatchConfig.from_rl(rl, rl.max_new_tokens))
 
 
 def _make_task(task_cfg: ml_collections.ConfigDict) -> Task:
@@ -139,13 +142,14 @@ class Trainer:
   """Holds the jitted functions of one run; the state lives in plain pytrees."""
 
   def __init__(self, setup: Setup, log: Log = print):
-    self.s = setup
+    self.setup = setup
     self.log = log
     cfg = setup.cfg
     self.tx = optimizer.make_optimizer(cfg.optimizer, cfg.rl.steps * cfg.rl.mu
                                        * cfg.rl.num_minibatches)
     self.logprob_fn = make_logprob_fn(setup.model_cfg, setup.trainer_policy, setup.sampling)
-    update = make_rl_update(self.logprob_fn, self.tx, setup.update_cfg)
+    # The pure RL step the simulator also runs (lowrl.training.step), unjitted.
+    self.step_fn = make_step(self.logprob_fn, self.tx, setup.update_cfg, setup.batch_cfg)
     # Every step runs on the mesh with explicit shardings: sampler and update take the same
     # sharded params (no gather in between), batches are split over the batch axes.
     self.plan = plan = setup.plan or sharding.single_device_plan()
@@ -157,16 +161,17 @@ class Trainer:
     self.init_opt_state = jax.jit(init_opt, in_shardings=(p_sh,), out_shardings=o_sh)
     ref_sh = p_sh if uses_reference(cfg) else plan.replicated
     batch, repl = plan.batch, plan.replicated
-    self.update = jax.jit(update, donate_argnums=(0, 1),
-                          in_shardings=(p_sh, o_sh, ref_sh, batch, repl),
-                          out_shardings=(p_sh, o_sh, repl))
+    self.step = jax.jit(self.step_fn, donate_argnums=(0, 1),
+                        in_shardings=(p_sh, o_sh, ref_sh, batch, repl),
+                        out_shardings=(p_sh, o_sh, repl))
+    # Rollouts in the sampler's precision (exact mode: re-scored by the sampler's own policy).
     self.sampler = Sampler(setup.model_cfg, setup.sampler_policy, setup.sampling,
                            exact=cfg.sampler_exact, plan=plan)
+    # Evaluation samples the trainer's policy: greedy, and at the rollout temperature.
     self.eval_sampler = Sampler(setup.model_cfg, setup.trainer_policy, setup.eval_sampling,
                                 plan=plan)
     self.eval_sampler_t = Sampler(setup.model_cfg, setup.trainer_policy, setup.sampling,
                                   plan=plan)
-    self.drift = jax.jit(drift_metrics, in_shardings=(batch,) * 4, out_shardings=repl)
     self._calibrate = jax.jit(transformer.calibrate_act_amax,
                               static_argnames=("model_cfg", "policy", "paths"))
     self.calib_tokens, self.calib_mask = self._calibration_batch(repl)
@@ -189,8 +194,8 @@ class Trainer:
     The trainer's pi_old, the drift parts and the exact-mode sampler all go through this one
     jitted program, so equal inputs give bit-identical logprobs.
     """
-    return rescore(out, params, model_cfg=self.s.model_cfg, policy=policy,
-                   config=self.s.sampling, quant_key=_quant_key(policy, key),
+    return rescore(out, params, model_cfg=self.setup.model_cfg, policy=policy,
+                   config=self.setup.sampling, quant_key=_quant_key(policy, key),
                    plan=self.plan).logprobs  # log q: the sampled distribution (temperature etc.)
 
   def act_amax(self, params, policy: precision.PrecisionPolicy) -> dict[str, jax.Array] | None:
@@ -200,18 +205,18 @@ class Trainer:
     do: calibrated (max |input| per matmul, trainer's precision) on a fixed batch of train prompts
     + reference answers from the weights being sampled, i.e. recalibrated at every weight sync.
     """
-    paths = policy.act_paths(layout.matmuls(self.s.model_cfg), "tensor")
+    paths = policy.act_paths(layout.matmuls(self.setup.model_cfg), "tensor")
     if not paths:
       return None
-    tp = self.s.trainer_policy
-    return self._calibrate(params, self.calib_tokens, model_cfg=self.s.model_cfg, policy=tp,
+    tp = self.setup.trainer_policy
+    return self._calibrate(params, self.calib_tokens, model_cfg=self.setup.model_cfg, policy=tp,
                            paths=paths, mask_BT=self.calib_mask,
-                           quant_key=_quant_key(tp, jax.random.key(self.s.cfg.seed)))
+                           quant_key=_quant_key(tp, jax.random.key(self.setup.cfg.seed)))
 
   def _calibration_batch(self, sharding_) -> tuple[jax.Array, jax.Array]:
     """64 fixed train examples, prompt + answer + eos (right-padded), and their token mask."""
-    task = self.s.task
-    examples = task.sample(np.random.default_rng([self.s.cfg.seed, 5]), 64, "train")
+    task = self.setup.task
+    examples = task.sample(np.random.default_rng([self.setup.cfg.seed, 5]), 64, "train")
     tokens, target_mask = encode_sft(task.tokenizer, [e.prompt for e in examples],
                                      [task.target_text(e) for e in examples],
                                      task.max_prompt_len + task.max_answer_len)
@@ -223,39 +228,40 @@ class Trainer:
 
   def prompts(self, step: int):
     """The step's prompts (data position = step), each repeated group_size times."""
-    cfg = self.s.cfg
+    cfg = self.setup.cfg
     rng = np.random.default_rng([cfg.seed, 2, step])
-    examples = self.s.task.sample(rng, cfg.rl.num_prompts, "train")
+    examples = self.setup.task.sample(rng, cfg.rl.num_prompts, "train")
     examples = [e for e in examples for _ in range(cfg.rl.group_size)]
-    tokens, lens = encode_prompts(self.s.task.tokenizer, [e.prompt for e in examples],
-                                  self.s.task.max_prompt_len)
+    tokens, lens = encode_prompts(self.setup.task.tokenizer, [e.prompt for e in examples],
+                                  self.setup.task.max_prompt_len)
     mask = np.arange(tokens.shape[1])[None, :] < lens[:, None]
     return examples, jnp.asarray(tokens), jnp.asarray(mask)
 
   def rewards(self, out: SampleOutput, examples) -> tuple[np.ndarray, list[str]]:
+    """The task verifier's float32 [B] rewards of the completions (host), and their text."""
     tokens = distributed.to_host(out.tokens)
-    completions = decode_batch(self.s.task.tokenizer, tokens,
+    completions = decode_batch(self.setup.task.tokenizer, tokens,
                                np.full((tokens.shape[0],), out.prompt_width))
-    return self.s.task.rewards(completions, examples).astype(np.float32), completions
+    return self.setup.task.rewards(completions, examples).astype(np.float32), completions
 
   # -- evaluation -------------------------------------------------------------------------------
 
   def evaluate(self, params, key: jax.Array) -> dict[str, float]:
-    """Held-out evaluation on a fixed set of eval-split prompts.
+    """Held-out evaluation on a fixed set of eval-split prompts (`evaluation.eval_metrics`).
 
     pass_at_1: the success rate of one sample at the rollout temperature (the unbiased estimate
     from `eval_samples` samples per prompt, as RL papers report it); greedy: temperature-0
     accuracy; reward: mean reward of the samples.
     """
-    cfg = self.s.cfg
+    cfg = self.setup.cfg
     rng = np.random.default_rng([cfg.seed, 3])
-    examples = self.s.task.sample(rng, cfg.eval_num_prompts, "eval")
-    tokens, lens = encode_prompts(self.s.task.tokenizer, [e.prompt for e in examples],
-                                  self.s.task.max_prompt_len)
+    examples = self.setup.task.sample(rng, cfg.eval_num_prompts, "eval")
+    tokens, lens = encode_prompts(self.setup.task.tokenizer, [e.prompt for e in examples],
+                                  self.setup.task.max_prompt_len)
     mask = np.arange(tokens.shape[1])[None, :] < lens[:, None]
     k_greedy, k_sample = jax.random.split(key)
-    qk = _quant_key(self.s.trainer_policy, key)
-    act_amax = self.act_amax(params, self.s.trainer_policy)
+    qk = _quant_key(self.setup.trainer_policy, key)
+    act_amax = self.act_amax(params, self.setup.trainer_policy)
     out = self.eval_sampler(params, jnp.asarray(tokens), jnp.asarray(mask), k_greedy,
                             quant_key=qk, act_amax=act_amax)
     greedy, _ = self.rewards(out, examples)
@@ -264,55 +270,47 @@ class Trainer:
                               jnp.asarray(np.repeat(mask, n, 0)), k_sample, quant_key=qk,
                               act_amax=act_amax)
     sampled, _ = self.rewards(out, [e for e in examples for _ in range(n)])
+    m = eval_metrics(greedy, sampled)
     # "pass_at_1", not "pass@1": TensorBoard tag names cannot hold "@".
-    return {"pass_at_1": float(np.mean(sampled >= 1.0)), "greedy": float(np.mean(greedy >= 1.0)),
-            "reward": float(np.mean(sampled))}
+    return {k: float(m[k]) for k in ("pass_at_1", "greedy", "reward")}
 
   # -- one step ---------------------------------------------------------------------------------
 
-  def rollout(self, sampler_params, params, step: int, key: jax.Array, stale: bool):
-    """Samples the step's batch with `sampler_params` (in the sampler's precision).
+  def rollout(self, sampler_params, params, step: int, key: jax.Array,
+              stale: bool) -> tuple[Rollout, dict[str, Any]]:
+    """Samples the step's batch with `sampler_params` (in the sampler's precision) and scores it.
 
-    Also scores the sampled tokens with the current `params` in the trainer's precision (the
-    trainer's pi_old) and, when the sampler's version is `stale`, with the sampler's weights in the
-    trainer's precision, for the drift decomposition. Returns (batch, drift metrics, host info).
+    The trainer scores the sampled tokens with the current `params` in the trainer's precision
+    (pi_old) and, when the sampler's version is `stale`, with the sampler's weights in the
+    trainer's precision, for the drift decomposition. Returns (the step's Rollout, host info:
+    rewards, completions, examples).
     """
-    rl = self.s.cfg.rl
     examples, tokens_BP, mask_BP = self.prompts(step)
     k_sample, k_quant = jax.random.split(key)
-    out = self.sampler(sampler_params, tokens_BP, mask_BP, k_sample,
-                       quant_key=_quant_key(self.s.sampler_policy, k_quant),
-                       trainer_quant_key=_quant_key(self.s.sampler_policy, k_quant),
-                       act_amax=self.act_amax(sampler_params, self.s.sampler_policy))
-    logp_now_BT = self.score(params, self.s.trainer_policy, out, k_quant)
-    logp_stale_BT = (self.score(sampler_params, self.s.trainer_policy, out, k_quant) if stale
+    # Exact mode re-scores in the sampler's precision with the same key it sampled with.
+    sampler_qk = _quant_key(self.setup.sampler_policy, k_quant)
+    out = self.sampler(sampler_params, tokens_BP, mask_BP, k_sample, quant_key=sampler_qk,
+                       trainer_quant_key=sampler_qk,
+                       act_amax=self.act_amax(sampler_params, self.setup.sampler_policy))
+    logp_now_BT = self.score(params, self.setup.trainer_policy, out, k_quant)
+    logp_stale_BT = (self.score(sampler_params, self.setup.trainer_policy, out, k_quant) if stale
                      else logp_now_BT)
-    drift = self.drift(out.logprobs, logp_stale_BT, logp_now_BT, out.completion_mask)
     rewards, completions = self.rewards(out, examples)
-    lengths = distributed.to_host(out.completion_lengths)
-    shaped = rewards
-    if rl.overlong_buffer > 0:
-      shaped = rewards + np.asarray(overlong_penalty(jnp.asarray(lengths), rl.max_new_tokens,
-                                                     rl.overlong_buffer))
-    adv_B = compute_advantages(jnp.asarray(shaped), rl.group_size, rl.advantage,
-                               std_ddof=rl.std_ddof)
-    loss_mask_BT = out.completion_mask
-    kept = 1.0
-    if rl.dynamic_sampling:
-      # DAPO dynamic sampling with static shapes: groups without signal are masked out.
-      signal_B = group_has_signal(jnp.asarray(rewards), rl.group_size)
-      kept = float(jnp.mean(signal_B))
-      signal_B = self.plan.put(signal_B, self.plan.batch)  # host value -> the rollout's layout
-      loss_mask_BT = loss_mask_BT * signal_B[:, None].astype(jnp.float32)
-    # log q on both sides: the distribution sampled from (temperature, top-k, top-p), which the
-    # update's ratio and correction also use (lowrl.training.rl_update).
-    batch = {"tokens_BT": out.tokens, "input_mask_BT": out.attention_mask,
-             "loss_mask_BT": loss_mask_BT, "logp_sampler_BT": out.logprobs,
-             "logp_trainer_BT": logp_now_BT, "adv_B": adv_B}
-    batch = self.plan.put(batch, self.plan.batch)
-    info = {"rewards": rewards, "lengths": lengths, "completions": completions,
-            "examples": examples, "groups_kept": kept}
-    return batch, drift, info
+    rollout = self.plan.put(Rollout(out, jnp.asarray(rewards), logp_now_BT, logp_stale_BT),
+                            self.plan.batch)
+    return rollout, {"rewards": rewards, "completions": completions, "examples": examples}
+
+  def rl_step(self, sampler_params, params, opt_state, ref_params, step: int, key: jax.Array,
+              stale: bool) -> tuple[Any, Any, dict[str, jax.Array], dict[str, Any]]:
+    """One RL step: rollout, then the jitted step (donates `params` and `opt_state`).
+
+    `key` is the step's key (fold_in(run key, step)). Returns (params, opt_state, metrics,
+    host info of the rollout).
+    """
+    k_roll, k_upd = jax.random.split(key)
+    rollout, info = self.rollout(sampler_params, params, step, k_roll, stale=stale)
+    params, opt_state, metrics = self.step(params, opt_state, ref_params, rollout, k_upd)
+    return params, opt_state, metrics, info
 
 
 class NonFiniteError(RuntimeError):
@@ -344,78 +342,31 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print, *,
   primary = distributed.is_primary()  # only process 0 logs and writes files (orbax: all save)
   if not primary:
     log = lambda _: None  # noqa: E731
-  os.makedirs(workdir, exist_ok=True)
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint_every)
-  resuming = bool(ckpt.all_steps())
-  if ckpt.unfinished:
-    log(f"[checkpoint] removed unfinished saves {ckpt.unfinished} (never restorable)")
-  if not resuming and primary and run_logs.has_logs(workdir):
-    # An earlier attempt left logs but no checkpoint to resume from: keep them, start afresh.
-    dest = run_logs.move_aside(workdir)
-    log(f"[warn] {workdir} has logs of an earlier attempt but no finished checkpoint: they were "
-        f"moved to {dest}; starting from step 0.")
-  changes = run_config.check_or_write(workdir, cfg, resuming=resuming,
-                                      allow_change=allow_config_change, write=primary)
-  log("[config]\n" + run_config.describe(cfg))
-  for c in changes:
-    log(f"[config] changed since the last start (--allow_config_change): {c}")
+  ckpt, resuming = _open_workdir(cfg, workdir, log, allow_config_change)
   summary = _finished_summary(workdir, ckpt, cfg.rl.steps)
   if summary is not None and not reevaluate:
     log(f"[done] {workdir} holds a finished run ({cfg.rl.steps} steps); nothing to do "
         "(--reevaluate evaluates it again).")
     log(json.dumps(summary, indent=2))
     return summary
+  _log_setup(setup, workdir, log)
 
-  log(f"[setup] task={cfg.task.name} model={setup.model_cfg.num_params():,} params "
-      f"trainer={setup.trainer_policy.name} sampler={setup.sampler_policy.name} "
-      f"async lag={setup.schedule.lag} sync_every={setup.schedule.sync_every} "
-      f"config {run_config.fingerprint(cfg)} ({os.path.join(workdir, run_config.CONFIG_FILE)})")
-  log(precision.format_table(precision.assignment_table(setup.trainer_policy,
-                                                          layout.matmuls(setup.model_cfg))))
-  log(f"[mesh] {dict(setup.plan.mesh.shape)} over {jax.device_count()} {jax.default_backend()} "
-      f"devices, {jax.process_count()} process(es)")
-  for note in setup.plan.fallbacks(transformer.param_shapes(setup.model_cfg)):
-    log(f"[mesh] {note}")
-
-  base_dir = cfg.sft.base_dir or os.path.join(workdir, "base")
   t0 = time.time()
   tb_dir = os.path.join(workdir, run_logs.TB_DIR)
+  base_dir = cfg.sft.base_dir or os.path.join(workdir, "base")
   # The SFT loss (when this run trains the base) goes to a TensorBoard run of its own, `tb/sft`:
   # its steps are SFT steps, and a resume's purge of RL steps must not touch them.
   with create_writer(os.path.join(tb_dir, "sft"), enabled=primary and not resuming) as sft_tb:
     base = _load_base(base_dir, setup, log,
                       on_sft_loss=lambda i, v: sft_tb.scalars(i, {"sft/loss": v}))
-  base = optimizer.to_master(base, cfg.optimizer.master_dtype)
   trainer = Trainer(setup, log)
-  rl = cfg.rl
-  use_ref = uses_reference(cfg)
-  versions = VersionBuffer(setup.schedule)
-
-  base = trainer.place(base)
-  # The update donates `params`: the reference needs buffers of its own.
-  state = _state(base, trainer.init_opt_state(base),
-                 jax.random.key_data(jax.random.key(cfg.seed)),
-                 jax.tree.map(jnp.copy, base) if use_ref else None, {})
-  state = trainer.place(state)
-  start = 0
-  if resuming:
-    def abstract_for(step: int):
-      shapes = jax.eval_shape(lambda: _with_versions(state, setup, step))
-      # Restores onto this run's mesh, whatever mesh saved it.
-      return sharding.abstract(shapes, trainer.state_shardings(shapes))
-    state, meta, start = ckpt.restore_newest_intact(abstract_for, log)
-    log(f"[resume] from step {start} (data position {meta['data_position']}) in {workdir}")
-  params, opt_state = state["params"], state["opt_state"]
-  ref_params = state.get("ref_params")
-  base_key = jax.random.wrap_key_data(state["rng"])
-  for v, p in state.get("versions", {}).items():
-    versions.put(int(v), p)
+  start, state, versions = _initial_state(setup, trainer, ckpt, base, resuming, workdir, log)
 
   # Points logged after the resumed checkpoint (before an interruption) are replaced.
   writer = create_writer(tb_dir, enabled=primary, purge_step=start + 1 if start else None)
   try:
-    summary = _train(setup, trainer, ckpt, writer, workdir, start, params, opt_state, ref_params,
-                     base_key, versions, log, reevaluate=reevaluate and start == rl.steps)
+    summary = _train(setup, trainer, ckpt, writer, workdir, start, state, versions, log,
+                     reevaluate=reevaluate and start == cfg.rl.steps)
   finally:
     writer.close()  # flushes: points logged before an error are kept
   summary["wall_s"] = time.time() - t0
@@ -428,55 +379,133 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print, *,
   return summary
 
 
+def _open_workdir(cfg: ml_collections.ConfigDict, workdir: str, log: Log,
+                  allow_config_change: bool) -> tuple[Checkpointer, bool]:
+  """The run's checkpointer and whether it resumes; checks (or writes) the workdir's config.
+
+  An earlier attempt's logs without a checkpoint to resume from are moved aside.
+  """
+  primary = distributed.is_primary()
+  os.makedirs(workdir, exist_ok=True)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint_every)
+  resuming = bool(ckpt.all_steps())
+  if ckpt.unfinished:
+    log(f"[checkpoint] removed unfinished saves {ckpt.unfinished} (never restorable)")
+  if not resuming and primary and run_logs.has_logs(workdir):
+    dest = run_logs.move_aside(workdir)
+    log(f"[warn] {workdir} has logs of an earlier attempt but no finished checkpoint: they were "
+        f"moved to {dest}; starting from step 0.")
+  changes = run_config.check_or_write(workdir, cfg, resuming=resuming,
+                                      allow_change=allow_config_change, write=primary)
+  log("[config]\n" + run_config.describe(cfg))
+  for c in changes:
+    log(f"[config] changed since the last start (--allow_config_change): {c}")
+  return ckpt, resuming
+
+
+def _log_setup(setup: Setup, workdir: str, log: Log) -> None:
+  """The run's static setup: task, model, recipes, schedule, precision table, mesh."""
+  cfg = setup.cfg
+  log(f"[setup] task={cfg.task.name} model={setup.model_cfg.num_params():,} params "
+      f"trainer={setup.trainer_policy.name} sampler={setup.sampler_policy.name} "
+      f"async lag={setup.schedule.lag} sync_every={setup.schedule.sync_every} "
+      f"config {run_config.fingerprint(cfg)} ({os.path.join(workdir, run_config.CONFIG_FILE)})")
+  log(precision.format_table(precision.assignment_table(setup.trainer_policy,
+                                                          layout.matmuls(setup.model_cfg))))
+  log(f"[mesh] {dict(setup.plan.mesh.shape)} over {jax.device_count()} {jax.default_backend()} "
+      f"devices, {jax.process_count()} process(es)")
+  for note in setup.plan.fallbacks(transformer.param_shapes(setup.model_cfg)):
+    log(f"[mesh] {note}")
+
+
+def _initial_state(setup: Setup, trainer: Trainer, ckpt: Checkpointer, base, resuming: bool,
+                   workdir: str, log: Log) -> tuple[int, dict[str, Any], VersionBuffer]:
+  """(start step, state tree, version buffer): from the base, or from the newest intact
+  checkpoint when resuming. The state tree is `_state`'s, on the mesh."""
+  cfg = setup.cfg
+  base = trainer.place(optimizer.to_master(base, cfg.optimizer.master_dtype))
+  # The update donates `params`: the reference needs buffers of its own.
+  state = _state(base, trainer.init_opt_state(base),
+                 jax.random.key_data(jax.random.key(cfg.seed)),
+                 jax.tree.map(jnp.copy, base) if uses_reference(cfg) else None, {})
+  state = trainer.place(state)
+  start = 0
+  if resuming:
+    def abstract_for(step: int):
+      shapes = jax.eval_shape(lambda: _with_versions(state, setup, step))
+      # Restores onto this run's mesh, whatever mesh saved it.
+      return sharding.abstract(shapes, trainer.state_shardings(shapes))
+    state, meta, start = ckpt.restore_newest_intact(abstract_for, log)
+    log(f"[resume] from step {start} (data position {meta['data_position']}) in {workdir}")
+  versions = VersionBuffer(setup.schedule)
+  for v, p in state.get("versions", {}).items():
+    versions.put(int(v), p)
+  return start, state, versions
+
+
+def _eval_start(setup: Setup, trainer: Trainer, writer, workdir: str, start: int, params,
+                eval_key: jax.Array, log: Log) -> dict[str, float]:
+  """The step-0 evaluation: run (and logged) at a fresh start, read back when resuming."""
+  cfg = setup.cfg
+  primary = distributed.is_primary()
+  if start:
+    with open(os.path.join(workdir, run_logs.EVAL_START)) as f:
+      eval_start = json.load(f)
+    if primary:
+      run_logs.trim_metrics(workdir, start)
+    return eval_start
+  if primary:
+    open(os.path.join(workdir, run_logs.METRICS), "w").close()
+  ev = trainer.evaluate(params, eval_key)
+  log(f"[eval] step 0 held-out pass@1 {ev['pass_at_1']:.3f} greedy {ev['greedy']:.3f}")
+  writer.scalars(0, {f"eval/{k}": v for k, v in ev.items()})
+  writer.texts(0, {"config": "```\n" + run_config.describe(cfg) + "\n```"})
+  writer.hparams(run_config.flatten(cfg), ["eval/pass_at_1", "eval/greedy", "reward/mean"])
+  if primary:
+    run_logs.write_json(workdir, run_logs.EVAL_START, ev)
+  return ev
+
+
+def _log_order(metrics: dict[str, Any]) -> dict[str, Any]:
+  """The step's metrics in metrics.jsonl's column order: the update's, the drift parts, then
+  `make_batch`'s (a jitted dict comes back sorted)."""
+  drift = sorted(k for k in metrics if k.startswith("drift/"))
+  update = sorted(k for k in metrics if k not in BATCH_METRICS and not k.startswith("drift/"))
+  return {k: metrics[k] for k in (*update, *drift, *BATCH_METRICS)}
+
+
 def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: str, start: int,
-           params, opt_state, ref_params, base_key, versions: VersionBuffer, log: Log, *,
+           state: dict[str, Any], versions: VersionBuffer, log: Log, *,
            reevaluate: bool) -> dict[str, Any]:
   """The RL steps from `start`, then the final evaluation; returns the summary (no wall time)."""
   cfg, rl = setup.cfg, setup.cfg.rl
   primary = distributed.is_primary()
   use_ref = uses_reference(cfg)
+  params, opt_state = state["params"], state["opt_state"]
+  ref_params = state.get("ref_params")
+  base_key = jax.random.wrap_key_data(state["rng"])
   metrics_path = os.path.join(workdir, run_logs.METRICS)
   eval_key = jax.random.fold_in(base_key, -1 % 2**31)
-  if start == 0:
-    if primary:
-      open(metrics_path, "w").close()
-    ev = trainer.evaluate(params, eval_key)
-    log(f"[eval] step 0 held-out pass@1 {ev['pass_at_1']:.3f} greedy {ev['greedy']:.3f}")
-    writer.scalars(0, {f"eval/{k}": v for k, v in ev.items()})
-    writer.texts(0, {"config": "```\n" + run_config.describe(cfg) + "\n```"})
-    writer.hparams(run_config.flatten(cfg), ["eval/pass_at_1", "eval/greedy", "reward/mean"])
-    if primary:
-      run_logs.write_json(workdir, run_logs.EVAL_START, ev)
-    eval_start = ev
-  else:
-    with open(os.path.join(workdir, run_logs.EVAL_START)) as f:
-      eval_start = json.load(f)
-    if primary:
-      run_logs.trim_metrics(workdir, start)
+  eval_start = _eval_start(setup, trainer, writer, workdir, start, params, eval_key, log)
 
-  # Only the schedule's versions need copies: the update donates (and so frees) `params`.
+  # Only the schedule's versions need copies: the step donates (and so frees) `params`.
   needs_copy = setup.schedule.lag > 0 or setup.schedule.sync_every > 1
   copy = (lambda t: jax.tree.map(jnp.copy, t)) if needs_copy else (lambda t: t)
   versions.put(start, copy(params))
   eta = run_logs.Eta(rl.steps)
   skipped_in_a_row = 0
   for step in range(start, rl.steps):
-    key = jax.random.fold_in(base_key, step)
-    k_roll, k_upd = jax.random.split(key)
     sv = setup.schedule.sampler_version(step)
-    sampler_params = versions.get(sv)
-    batch, drift, info = trainer.rollout(sampler_params, params, step, k_roll, stale=sv != step)
-    params, opt_state, m = trainer.update(params, opt_state, ref_params, batch, k_upd)
+    params, opt_state, m, info = trainer.rl_step(versions.get(sv), params, opt_state, ref_params,
+                                                 step, jax.random.fold_in(base_key, step),
+                                                 stale=sv != step)
     versions.put(step + 1, copy(params))
     versions.evict_before(step + 1)
     if use_ref and rl.ref_reset_every and (step + 1) % rl.ref_reset_every == 0:
       ref_params = jax.tree.map(jnp.copy, params)
 
-    m = {k: float(v) for k, v in {**m, **drift}.items()}
-    rewards = info["rewards"]
-    m.update({"reward/mean": float(rewards.mean()), "reward/pass_rate": float((rewards >= 1).mean()),
-              "response_length": float(info["lengths"].mean()), "groups_kept": info["groups_kept"],
-              "sampler_version_lag": float(step - sv), "versions_held": float(len(versions))})
+    m = {k: float(v) for k, v in _log_order(m).items()}
+    m.update({"sampler_version_lag": float(step - sv), "versions_held": float(len(versions))})
     done = step + 1
     skipped_in_a_row = skipped_in_a_row + 1 if m["skipped_updates"] > 0 else 0
     if skipped_in_a_row:
@@ -486,18 +515,7 @@ def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: 
       ev = trainer.evaluate(params, eval_key)
       m.update({f"eval/{k}": v for k, v in ev.items()})
     if done % cfg.log_every == 0 or done == rl.steps:
-      werr = {k: float(v) for k, v in trainer.weight_errors(params).items()}
-      if werr:
-        writer.histograms(done, {"quant_error/weights": np.array(list(werr.values()))})
-        m.update({f"quant_error/{k}": v for k, v in werr.items()})
-      writer.scalars(done, m)
-      writer.texts(done, {"samples": _sample_text(info, cfg.num_text_samples)})
-      if primary:
-        with open(metrics_path, "a") as f:
-          f.write(run_logs.metrics_line(done, m) + "\n")
-      log(f"[rl] step {done}/{rl.steps} reward {m['reward/mean']:.3f} "
-          f"pass {m['reward/pass_rate']:.3f} mismatch_kl {m['mismatch/mismatch_kl']:.2e} "
-          f"ess {m['mismatch/ess']:.3f} len {m['response_length']:.1f} {eta.update(done)}")
+      _log_step(trainer, writer, metrics_path, done, params, m, info, eta, log)
     if skipped_in_a_row >= cfg.max_skipped_steps:
       raise NonFiniteError(
           f"{skipped_in_a_row} consecutive steps (up to step {done}) had skipped optimizer "
@@ -519,6 +537,25 @@ def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: 
   return {"eval_start": eval_start, "eval_end": ev_end, "steps": rl.steps,
           "final_train_reward": lines[-1].get("reward/mean") if lines else None,
           "config_fingerprint": run_config.fingerprint(cfg)}
+
+
+def _log_step(trainer: Trainer, writer, metrics_path: str, done: int, params,
+              m: dict[str, float], info: dict[str, Any], eta: run_logs.Eta, log: Log) -> None:
+  """Step `done`'s point: weight quantization errors added to `m`, TensorBoard, metrics.jsonl,
+  the console line."""
+  werr = {k: float(v) for k, v in trainer.weight_errors(params).items()}
+  if werr:
+    writer.histograms(done, {"quant_error/weights": np.array(list(werr.values()))})
+    m.update({f"quant_error/{k}": v for k, v in werr.items()})
+  writer.scalars(done, m)
+  writer.texts(done, {"samples": _sample_text(info, trainer.setup.cfg.num_text_samples)})
+  if distributed.is_primary():
+    with open(metrics_path, "a") as f:
+      f.write(run_logs.metrics_line(done, m) + "\n")
+  steps = trainer.setup.cfg.rl.steps
+  log(f"[rl] step {done}/{steps} reward {m['reward/mean']:.3f} "
+      f"pass {m['reward/pass_rate']:.3f} mismatch_kl {m['mismatch/mismatch_kl']:.2e} "
+      f"ess {m['mismatch/ess']:.3f} len {m['response_length']:.1f} {eta.update(done)}")
 
 
 def _load_base(base_dir: str, setup: Setup, log: Log,

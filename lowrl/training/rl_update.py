@@ -1,18 +1,17 @@
 """The RL update: one pure function of (params, opt_state, ref_params, batch, key).
 
-It recomputes the trainer's logprobs of the sampled tokens (pi_old and the mismatch metrics), builds
-the sampler/trainer correction weights, then runs `mu` passes of `num_minibatches` optimizer steps
-on the batch against that fixed pi_old. A non-finite loss, gradient or updated state skips that
-optimizer step (params and optimizer state unchanged) and is counted in the metrics.
+`batch` is a `lowrl.training.step.RLBatch` (its docstring has the layout). The update takes
+pi_old from `batch.logp_trainer_BT`, builds the sampler/trainer correction weights, then runs
+`mu` passes of `num_minibatches` optimizer steps on the batch against that fixed pi_old. A
+non-finite loss, gradient or updated state skips that optimizer step (params and optimizer state
+unchanged) and is counted in the metrics.
 
-Batch layout (all [B, T], aligned so that column t refers to token t, see ARCHITECTURE.md):
-  tokens_BT       int32, prompt + completion (+ padding)
-  input_mask_BT   bool/float, 1 on real (non-padding) tokens
-  loss_mask_BT    float32, 1 on completion tokens that count in the loss
-  logp_sampler_BT float32, log q_sampler(token t), the sampler's recorded `logprobs` (0 off loss_mask)
-  logp_trainer_BT float32, optional: the trainer's log q of the same tokens with the params that
-                  start this update (pi_old as the trainer sees it); recomputed here if absent
-  adv_B           float32 advantages
+pi_old is scored *outside* this function, by the same jitted scoring program the sampler uses
+in exact mode (lowrl.sampling.rescore): two different XLA programs round BF16 activations
+differently, and NVFP4 amplifies a one-ulp difference into a different code, so only the
+identical program gives bit-identical logprobs (mismatch exactly 0 when sampler = trainer).
+Only a batch without `logp_trainer_BT` (None) has pi_old recomputed here, inside the update's
+own program.
 
 Every logprob is of the distribution rollouts are sampled from, q = softmax(logits / temperature)
 restricted to top-k / top-p (`make_logprob_fn`'s `sampling`): the importance weight of the
@@ -23,19 +22,14 @@ Decoupled PPO (Hilton et al. 2021, "Batch size-invariance for policy optimizatio
 behaviour policy pi_behav = the sampler, proximal policy pi_prox = pi_old. Per token the loss is
   -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) * sg(c),  r = pi_theta / pi_prox,
   c = correction(pi_prox / pi_behav) (rl.correction: 1 for none, truncated for TIS, masked for MIS).
-old_logp_source=trainer: pi_prox = the trainer's recompute. old_logp_source=sampler: pi_prox =
+old_logp_source=trainer: pi_prox = the trainer's score. old_logp_source=sampler: pi_prox =
 pi_behav, so c is 1 by definition: rl.correction must be none (UpdateConfig rejects TIS/MIS, which
 would divide by the sampler twice).
-
-pi_old is recomputed *outside* this function, by the same jitted scoring program the sampler uses
-in exact mode (lowrl.sampling.rescore): two different XLA programs round BF16 activations
-differently, and NVFP4 amplifies a one-ulp difference into a different code, so only the
-identical program gives bit-identical logprobs (mismatch exactly 0 when sampler = trainer).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,12 +43,19 @@ from lowrl.rl.corrections import CorrectionConfig, correction_weights
 from lowrl.rl.losses import LossConfig, policy_loss
 from lowrl.rl.masked import masked_mean
 from lowrl.rl.mismatch import mismatch_metrics
-from lowrl.sampling import sampler as sampler_lib
-from lowrl.sampling.sampler import SamplingConfig
+from lowrl.sampling import SamplingConfig, sampling_logits
 from lowrl.training.optimizer import apply_update, tree_all_finite
 
-Batch = dict[str, jax.Array]
+if TYPE_CHECKING:  # step.py builds on this module
+  from lowrl.training.step import RLBatch
 OLD_LOGP_SOURCES = ("trainer", "sampler")
+
+
+class TokenBatch(NamedTuple):
+  """What a `make_logprob_fn` function reads of a batch (an `RLBatch` has these fields too)."""
+
+  tokens_BT: jax.Array
+  input_mask_BT: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,11 +109,13 @@ _OUTSIDE_SUPPORT_LOGIT = -1e30
 
 def make_logprob_fn(model_cfg: ModelConfig, policy: PrecisionPolicy,
                     sampling: SamplingConfig | None = None
-                    ) -> Callable[[Any, Batch, jax.Array | None], tuple[jax.Array, jax.Array]]:
+                    ) -> Callable[[Any, TokenBatch | RLBatch, jax.Array | None], tuple[jax.Array, jax.Array]]:
   """(params, batch, quant_key) -> (logp_BT, entropy_BT) of the batch's tokens, FP32.
 
+  `batch` needs only `tokens_BT` and `input_mask_BT` (a `TokenBatch` or an `RLBatch`).
+
   The distribution is the one rollouts are sampled from: `sampling`'s transform (logits /
-  temperature, top-k, top-p; `lowrl.sampling.sampler.sampling_logits`) applied to the model's
+  temperature, top-k, top-p; `lowrl.sampling.sampling_logits`) applied to the model's
   logits, the same transform the sampler's `logprobs` and `rescore(...).logprobs` use. None, or
   a config that leaves the distribution unchanged, = the raw model. A token outside the top-k /
   top-p support gets logp ~ -1e30 (probability exactly 0).
@@ -122,14 +125,14 @@ def make_logprob_fn(model_cfg: ModelConfig, policy: PrecisionPolicy,
   transform = sampling is not None and sampling.modifies_distribution
 
   def logprob_fn(params, batch, quant_key):
-    tokens_BT, mask_BT = batch["tokens_BT"], batch["input_mask_BT"]
+    tokens_BT, mask_BT = batch.tokens_BT, batch.input_mask_BT
     quant_key = quant_key if policy.needs_key else None
     if not transform:
       return transformer.token_logprobs_and_entropy(params, tokens_BT, model_cfg, policy,
                                                     mask_BT=mask_BT, quant_key=quant_key)
     logits_BTV = transformer.forward(params, tokens_BT, model_cfg, policy, mask_BT=mask_BT,
                                      quant_key=quant_key)
-    q_logits_BTV = sampler_lib.sampling_logits(logits_BTV, sampling)
+    q_logits_BTV = sampling_logits(logits_BTV, sampling)
     q_logits_BTV = jnp.maximum(q_logits_BTV, _OUTSIDE_SUPPORT_LOGIT)
     return transformer.logprobs_from_logits(q_logits_BTV, tokens_BT, mask_BT)
   return logprob_fn
@@ -142,19 +145,19 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
   kl_coef == 0, the KL to it is logged but not penalised.
   """
 
-  def update(params, opt_state, ref_params, batch: Batch, key: jax.Array):
+  def update(params, opt_state, ref_params, batch: RLBatch, key: jax.Array):
     key_fwd, key_opt = jax.random.split(key)
-    mask_BT = batch["loss_mask_BT"].astype(jnp.float32)
+    mask_BT = batch.loss_mask_BT.astype(jnp.float32)
     batch_size = mask_BT.shape[0]
     if batch_size % cfg.num_minibatches:
       raise ValueError(f"batch of {batch_size} sequences is not divisible into "
                        f"rl.num_minibatches={cfg.num_minibatches}.")
 
-    if "logp_trainer_BT" in batch:
-      logp_trainer_BT = jax.lax.stop_gradient(batch["logp_trainer_BT"])
-    else:  # no external scorer (e.g. the fast simulator): recompute inside this program
+    if batch.logp_trainer_BT is not None:
+      logp_trainer_BT = jax.lax.stop_gradient(batch.logp_trainer_BT)
+    else:  # no external scorer: recompute inside this program
       logp_trainer_BT = jax.lax.stop_gradient(logprob_fn(params, batch, key_fwd)[0])
-    logp_sampler_BT = batch["logp_sampler_BT"]
+    logp_sampler_BT = batch.logp_sampler_BT
     logp_old_BT = logp_trainer_BT if cfg.old_logp_source == "trainer" else logp_sampler_BT
     is_w_BT, corr_metrics = correction_weights(logp_trainer_BT, logp_sampler_BT, mask_BT,
                                                cfg.correction)
@@ -169,19 +172,19 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
     if ref_params is not None:  # penalised if kl_coef > 0, else only logged
       logp_ref_BT = jax.lax.stop_gradient(logprob_fn(ref_params, batch, key_fwd)[0])
 
-    full = dict(batch, logp_old_BT=logp_old_BT, is_w_BT=is_w_BT, loss_mask_BT=loss_mask_BT)
-    if logp_ref_BT is not None:
-      full["logp_ref_BT"] = logp_ref_BT
+    full = {"batch": batch._replace(loss_mask_BT=loss_mask_BT, logp_trainer_BT=None),
+            "logp_old_BT": logp_old_BT, "is_w_BT": is_w_BT, "logp_ref_BT": logp_ref_BT}
     mb = batch_size // cfg.num_minibatches
     minibatches = jax.tree.map(
         lambda x: x.reshape((cfg.num_minibatches, mb) + x.shape[1:]), full)
 
     def loss_fn(p, b):
-      logp_BT, entropy_BT = logprob_fn(p, b, key_fwd)
-      loss, m = policy_loss(logp_BT, b["logp_old_BT"], b["adv_B"], b["loss_mask_BT"], cfg.loss,
-                            logp_ref_BT=b.get("logp_ref_BT"),
+      mb_batch = b["batch"]
+      logp_BT, entropy_BT = logprob_fn(p, mb_batch, key_fwd)
+      loss, m = policy_loss(logp_BT, b["logp_old_BT"], mb_batch.adv_B, mb_batch.loss_mask_BT,
+                            cfg.loss, logp_ref_BT=b["logp_ref_BT"],
                             is_weights_BT=b["is_w_BT"] if use_is else None)
-      m["entropy"] = jax.lax.stop_gradient(masked_mean(entropy_BT, b["loss_mask_BT"]))
+      m["entropy"] = jax.lax.stop_gradient(masked_mean(entropy_BT, mb_batch.loss_mask_BT))
       return loss, m
 
     def step(carry, i):

@@ -313,21 +313,33 @@ RL = Section("rl", (
     Knob("mis_high", 5.0, "MIS: tokens/sequences with weight above this are masked"),
 ), checks=(_rl_update_check,))
 
-# The loop's rollouts (the simulator samples at temperature 1 without these).
-TRAIN_RL = RL.extended(
-    Knob("max_new_tokens", 8, "completion budget in tokens"),
+# How rollouts are sampled and filtered: both run kinds.
+_SAMPLING_KNOBS = (
     Knob("temperature", 1.0, "rollout temperature",
          AtLeast(0, strict=True, hint="RL rollouts: the importance ratios need a stochastic "
                  "sampler")),
     Knob("top_k", 0, "top-k sampling; 0 = off"),
     Knob("top_p", 1.0, "nucleus sampling in (0, 1]; 1 = off"),
+)
+_DAPO_KNOBS = (
+    Knob("dynamic_sampling", False, "DAPO: drop groups with identical rewards"),
+    Knob("overlong_buffer", 0, "DAPO overlong penalty ramp length in tokens (0 = off)"),
+)
+
+# The loop's rl section.
+TRAIN_RL = RL.extended(
+    Knob("max_new_tokens", 8, "completion budget in tokens"),
+    *_SAMPLING_KNOBS,
     Knob("ref_reset_every", 0, "steps between resets of pi_ref to the current policy",
          AtLeast(0, hint="0 = never")),
     Knob("log_kl_ref", True, "keep pi_ref (the base) to log KL(pi || pi_ref) even when "
          "kl_coef = 0"),
-    Knob("dynamic_sampling", False, "DAPO: drop groups with identical rewards"),
-    Knob("overlong_buffer", 0, "DAPO overlong penalty ramp length in tokens (0 = off)"),
+    *_DAPO_KNOBS,
     checks=(_sampling_check,))
+
+# The simulator's rl section: its horizon is the task's length (no max_new_tokens), its
+# reference is the run's starting policy (never reset); the sampling checks run in its build.
+SIM_RL = RL.extended(*_SAMPLING_KNOBS, *_DAPO_KNOBS)
 
 OPTIMIZER = Section("optimizer", (
     Knob("lr", 2e-4, "AdamW peak learning rate", AtLeast(0, strict=True)),

@@ -39,6 +39,29 @@ def sft_loss(params, tokens_BT, loss_mask_BT, model_cfg: ModelConfig,
   return -masked_mean(logp_BT, loss_mask_BT)
 
 
+def sft_policy(model_cfg: ModelConfig) -> PrecisionPolicy:
+  """The base's precision: unquantized FP32 (the base is precision-agnostic)."""
+  return PrecisionPolicy.unquantized(layout.matmuls(model_cfg), "float32", name="sft_fp32")
+
+
+def make_sft_step(model_cfg: ModelConfig, tx: optax.GradientTransformation
+                  ) -> Callable[..., tuple[Any, Any, jax.Array]]:
+  """`step(params, opt_state, tokens_BT, loss_mask_BT) -> (params, opt_state, loss)`: one
+  supervised step (`sft_loss` in FP32, then `tx`); pure and jittable.
+
+  Shared by the loop's base (`train_base`, jitted per step) and the simulator's warm start
+  (inside a `lax.scan`); each passes its own optimizer.
+  """
+  policy = sft_policy(model_cfg)
+
+  def step(params, opt_state, tokens_BT, loss_mask_BT):
+    loss, grads = jax.value_and_grad(sft_loss)(params, tokens_BT, loss_mask_BT, model_cfg, policy)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step
+
+
 def fingerprint(task_cfg, model_cfg: ModelConfig, sft_cfg, seed: int) -> str:
   """Short hash of everything that determines the base."""
   sft = dict(sft_cfg.to_dict() if hasattr(sft_cfg, "to_dict") else sft_cfg)
@@ -54,7 +77,6 @@ def train_base(task: Task, model_cfg: ModelConfig, sft_cfg: ml_collections.Confi
                on_loss: Callable[[int, float], None] | None = None) -> Any:
   """Trains the base from scratch; deterministic in `seed`. `on_loss(step, loss)` is called at
   each logged step (e.g. to write it to TensorBoard)."""
-  policy = PrecisionPolicy.unquantized(layout.matmuls(model_cfg), "float32", name="sft_fp32")
   params = transformer.init_params(model_cfg, jax.random.key(seed))
   tx = optax.chain(
       optax.clip_by_global_norm(1.0),
@@ -65,12 +87,7 @@ def train_base(task: Task, model_cfg: ModelConfig, sft_cfg: ml_collections.Confi
   opt_state = tx.init(params)
   max_len = task.max_prompt_len + task.max_answer_len
 
-  def step(params, opt_state, tokens_BT, loss_mask_BT):
-    loss, grads = jax.value_and_grad(sft_loss)(params, tokens_BT, loss_mask_BT, model_cfg, policy)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  step = jax.jit(step, donate_argnums=(0, 1))
+  step = jax.jit(make_sft_step(model_cfg, tx), donate_argnums=(0, 1))
   rng = np.random.default_rng([seed, 1])
   eta = run_logs.Eta(sft_cfg.steps)  # from steady-state steps: step 1 compiles
   for i in range(sft_cfg.steps):
