@@ -144,7 +144,8 @@ def test_every_knob_has_a_meaning_and_choices_are_listed():
 
 def test_simulator_shares_the_loop_sections():
   sim, train = simulator.default_config(), base.get_config("bf16")
-  assert set(sim.rl.keys()) == set(schema.RL.defaults().keys()) < set(train.rl.keys())
+  assert set(schema.RL.defaults().keys()) < set(sim.rl.keys())
+  assert set(sim.rl.keys()) == set(schema.SIM_RL.defaults().keys()) < set(train.rl.keys())
   assert set(sim.optimizer.keys()) == set(train.optimizer.keys())
   assert set(sim.model.keys()) == set(train.model.keys())
   assert set(sim.sft.keys()) == {"steps", "lr", "batch_size"}
