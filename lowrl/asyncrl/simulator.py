@@ -3,7 +3,7 @@
 The pieces are the real loop's (lowrl.training.loop), called from inside the scan: the decoder
 (`lowrl.models.transformer`) under the sampler's and the trainer's precision policies
 (`lowrl.precision`, quantized through `lowrl.quant`), the sampler's prefill + decode
-(`lowrl.sampling.sampler`, exact mode re-scoring included), group advantages, the pure RL update
+(`lowrl.sampling`, exact mode re-scoring included), group advantages, the pure RL update
 `make_rl_update` (losses, TIS/MIS corrections, optimizer), the drift decomposition
 (`lowrl.rl.drift`) and the staleness schedule (`AsyncSchedule`). What is small is the rest:
 a tiny decoder on a synthetic sequential task whose reward is computed in JAX (`SequenceTask`),
@@ -48,7 +48,7 @@ from lowrl.models.config import ModelConfig
 from lowrl.rl.advantages import compute_advantages
 from lowrl.rl.corrections import CorrectionConfig
 from lowrl.rl.losses import LossConfig
-from lowrl.sampling import sampler
+from lowrl import sampling as sampler
 from lowrl.training import optimizer, rl_update
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, make_rl_update
 from lowrl.training.sft import sft_loss

@@ -33,7 +33,7 @@ from lowrl.metrics.writer import create_writer
 from lowrl.models import layout, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.rl.advantages import compute_advantages, group_has_signal, overlong_penalty
-from lowrl.sampling.sampler import SampleOutput, Sampler, SamplingConfig, rescore
+from lowrl.sampling import SampleOutput, Sampler, SamplingConfig, rescore
 from lowrl.tasks.base import Task
 from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
 from lowrl.tasks.registry import make_task

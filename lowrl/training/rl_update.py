@@ -50,8 +50,8 @@ from lowrl.rl.corrections import CorrectionConfig, correction_weights
 from lowrl.rl.losses import LossConfig, policy_loss
 from lowrl.rl.masked import masked_mean
 from lowrl.rl.mismatch import mismatch_metrics
-from lowrl.sampling import sampler as sampler_lib
-from lowrl.sampling.sampler import SamplingConfig
+from lowrl import sampling as sampler_lib
+from lowrl.sampling import SamplingConfig
 from lowrl.training.optimizer import apply_update, tree_all_finite
 
 Batch = dict[str, jax.Array]
@@ -156,7 +156,7 @@ def make_logprob_fn(model_cfg: ModelConfig, policy: PrecisionPolicy,
   """(params, batch, quant_key) -> (logp_BT, entropy_BT) of the batch's tokens, FP32.
 
   The distribution is the one rollouts are sampled from: `sampling`'s transform (logits /
-  temperature, top-k, top-p; `lowrl.sampling.sampler.sampling_logits`) applied to the model's
+  temperature, top-k, top-p; `lowrl.sampling.sampling_logits`) applied to the model's
   logits, the same transform the sampler's `logprobs` and `rescore(...).logprobs` use. None, or
   a config that leaves the distribution unchanged, = the raw model. A token outside the top-k /
   top-p support gets logp ~ -1e30 (probability exactly 0).

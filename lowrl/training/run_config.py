@@ -21,7 +21,7 @@ from lowrl.training.schedule import AsyncSchedule
 from lowrl.rl.corrections import CORRECTION_LEVELS, CORRECTION_MODES
 from lowrl.rl.kl import KL_ESTIMATORS
 from lowrl.rl.losses import AGGREGATIONS, LOSSES
-from lowrl.sampling.sampler import SamplingConfig
+from lowrl.sampling import SamplingConfig
 from lowrl.training.rl_update import OLD_LOGP_SOURCES
 
 CONFIG_FILE = "config.json"
