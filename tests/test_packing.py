@@ -69,7 +69,7 @@ def test_bytes_per_param():
     QuantConfig("nvfp4", block_2d=True), QuantConfig("mxfp4", axis=0),
     QuantConfig("mxfp8_e4m3", axis=1), QuantConfig("fp8_e4m3")], ids=str)
 def test_packed_weight_is_fake_quant_and_stores_bytes_per_param(cfg):
-  x = jax.random.normal(jax.random.key(3), (64, 48), jnp.float32) * 3.0
+  x = jax.random.normal(jax.random.key(3), (64, 96), jnp.float32) * 3.0
   w = pack_qtensor(quantize(x, cfg))
   assert isinstance(w, PackedWeight) and w.nibbles == (cfg.fmt in ("nvfp4", "mxfp4"))
   # Held packed, it dequantizes to exactly what the forward's weight quantizer computes.

@@ -285,9 +285,8 @@ def test_sharded_sampler_matches_one_device(shape):
   assert cache["layers"][0]["k"].sharding.spec == P("data", None, "model")
   assert cache["mask"].sharding.spec == P("data")
   # The compiled sampler takes the params exactly as the trainer holds them: no resharding.
-  compiled = decode_program.lower(params, PROMPTS.astype(jnp.int32), PMASK, jax.random.key(2),
-                                 cache, None, None, model_cfg=MODEL, policy=FP32,
-                                 config=SAMPLING, plan=plan).compile()
+  compiled = decode_program(MODEL, FP32, SAMPLING, plan).lower(
+      params, PROMPTS.astype(jnp.int32), PMASK, jax.random.key(2), cache, None, None).compile()
   for x, got in zip(jax.tree.leaves(params), jax.tree.leaves(compiled.input_shardings[0][0])):
     assert got.is_equivalent_to(x.sharding, x.ndim)
 

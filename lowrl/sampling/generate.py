@@ -6,9 +6,9 @@ column P - 1, and the completion occupies columns [P, P + N) of every row, N = m
 The trainer re-scores `out.tokens` with `mask_BT=out.attention_mask` and reads the completion
 columns; `token_logprobs`' alignment (logp[:, t] scores tokens[:, t]) makes the columns line up.
 
-One program (`_decode_program`) serves every caller: `generate` places its inputs on a
-`ShardingPlan` (one device is the trivial plan) and the program pins its outputs to the plan's
-shardings; `generate_in_jit` traces the same program inside a caller's jit, unplaced. The
+One program (`_decode`, jitted by `_decode_program`) serves every caller: `generate` places its
+inputs on a `ShardingPlan` (one device is the trivial plan) and the program's outputs come out in
+the plan's layout; `generate_in_jit` traces the same program inside a caller's jit, unplaced. The
 policy's deterministic weight quantizers are applied once, at the top of the program
 (`weights.quantize_weights`), not in the prefill and again at every decode step.
 """
@@ -160,25 +160,25 @@ def _decode(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax, 
   return out, state.cache
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg", "policy", "config", "plan"),
-                   donate_argnames=("cache",))
-def _decode_program(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax, *,
-                    model_cfg, policy, config, plan):
-  """`_decode` as one jitted program; with a plan, outputs are pinned to its shardings (rollouts
-  over the batch axes, the cache as `plan.cache_shardings`), inputs arrive placed by `generate`."""
-  out, cache = _decode(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax,
-                       model_cfg=model_cfg, policy=policy, config=config)
-  if plan is None:
-    return out, cache
-  return (jax.lax.with_sharding_constraint(out, plan.batch),
-          jax.lax.with_sharding_constraint(cache, plan.cache_shardings(model_cfg)))
+@functools.lru_cache(maxsize=64)
+def _decode_program(model_cfg: ModelConfig, policy: PrecisionPolicy, config: SamplingConfig,
+                    plan: ShardingPlan | None):
+  """`_decode` jitted for one static setting, the cache (argument 4) donated. With a plan, the
+  outputs come out in its layout (rollouts over the batch axes, the cache as
+  `plan.cache_shardings`) and the inputs arrive placed by `generate`; None: placed by the caller
+  (`generate_in_jit`, inside the caller's jit)."""
+  layout_kw = {} if plan is None else {
+      "out_shardings": (plan.batch, plan.cache_shardings(model_cfg))}
+  return jax.jit(functools.partial(_decode, model_cfg=model_cfg, policy=policy, config=config),
+                 donate_argnums=(4,), **layout_kw)
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg", "batch", "length", "dtype", "plan"))
-def _new_cache(*, model_cfg, batch, length, dtype, plan):
-  """An empty KV cache allocated directly in `plan`'s layout (never whole on one device)."""
-  cache = transformer.init_cache(model_cfg, batch, length, dtype)
-  return jax.lax.with_sharding_constraint(cache, plan.cache_shardings(model_cfg))
+@functools.lru_cache(maxsize=64)
+def _cache_allocator(model_cfg: ModelConfig, batch: int, length: int, dtype: Any,
+                     plan: ShardingPlan):
+  """Allocates an empty KV cache directly in `plan`'s layout (never whole on one device)."""
+  return jax.jit(lambda: transformer.init_cache(model_cfg, batch, length, dtype),
+                 out_shardings=plan.cache_shardings(model_cfg))
 
 
 def generate_in_jit(params: Params, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
@@ -193,8 +193,8 @@ def generate_in_jit(params: Params, prompt_BP: jax.Array, prompt_mask_BP: jax.Ar
   batch, p = prompt_BP.shape
   params, policy = weights.dequantize_packed(params, model_cfg, policy)
   cache = transformer.init_cache(model_cfg, batch, p + config.max_new_tokens, policy.dtype)
-  out, _ = _decode_program(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax,
-                           model_cfg=model_cfg, policy=policy, config=config, plan=None)
+  out, _ = _decode_program(model_cfg, policy, config, None)(
+      params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax)
   return out
 
 
@@ -248,12 +248,11 @@ def generate(params: Params, prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Ar
   plan.check_batch(batch, "the sampler's batch (prompts)")
   params, policy = weights.dequantize_packed(params, model_cfg, policy)
   if cache is None:
-    cache = _new_cache(model_cfg=model_cfg, batch=batch, length=p + config.max_new_tokens,
-                       dtype=policy.dtype, plan=plan)
+    cache = _cache_allocator(model_cfg, batch, p + config.max_new_tokens, policy.dtype, plan)()
   batch_sh, repl = plan.batch, plan.replicated
   args = plan.put(
       (params, jnp.asarray(prompt_tokens_BP, jnp.int32), jnp.asarray(prompt_mask_BP), rng, cache,
        quant_key, act_amax),
       (plan.param_shardings(params), batch_sh, batch_sh, repl, plan.cache_shardings(model_cfg),
        repl, repl))
-  return _decode_program(*args, model_cfg=model_cfg, policy=policy, config=config, plan=plan)
+  return _decode_program(model_cfg, policy, config, plan)(*args)

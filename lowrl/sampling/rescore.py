@@ -24,26 +24,28 @@ from lowrl.sharding import ShardingPlan
 Params = Any
 
 
-def _on_batch(x_BL: jax.Array, plan: ShardingPlan | None) -> jax.Array:
-  return x_BL if plan is None else jax.lax.with_sharding_constraint(x_BL, plan.batch)
-
-
-# Module-level jits: a trainer's `jax.jit(transformer.token_logprobs, ...)` traces the same
-# computation for the same shapes, which is what makes exact mode bit-identical.
-@functools.partial(jax.jit, static_argnames=("model_cfg", "policy", "plan"))
-def _model_logprobs(params, tokens_BL, mask_BL, quant_key, act_amax, *, model_cfg, policy, plan):
-  return _on_batch(transformer.token_logprobs(params, tokens_BL, model_cfg, policy,
-                                              mask_BT=mask_BL, quant_key=quant_key,
-                                              act_amax=act_amax), plan)
-
-
-@functools.partial(jax.jit, static_argnames=("model_cfg", "policy", "config", "plan"))
-def _sampled_logprobs(params, tokens_BL, mask_BL, quant_key, act_amax, *, model_cfg, policy,
-                      config, plan):
+def _score(params, tokens_BL, mask_BL, quant_key, act_amax, *, model_cfg, policy, config):
+  """log p of every token (config None: `transformer.token_logprobs` itself, the trainer's
+  function) or log q under `config`'s sampling transform of the same forward's logits."""
+  if config is None:
+    return transformer.token_logprobs(params, tokens_BL, model_cfg, policy, mask_BT=mask_BL,
+                                      quant_key=quant_key, act_amax=act_amax)
   logits_BLV = transformer.forward(params, tokens_BL, model_cfg, policy, mask_BT=mask_BL,
                                    quant_key=quant_key, act_amax=act_amax)
   logq_BL = sampling_logprobs(logits_BLV[:, :-1], tokens_BL[:, 1:], config)
-  return _on_batch(jnp.pad(logq_BL, ((0, 0), (1, 0))), plan)
+  return jnp.pad(logq_BL, ((0, 0), (1, 0)))
+
+
+# A trainer's `jax.jit(transformer.token_logprobs, ...)` traces the same computation for the same
+# shapes, which is what makes exact mode bit-identical.
+@functools.lru_cache(maxsize=64)
+def _scoring_program(model_cfg: ModelConfig, policy: PrecisionPolicy,
+                     config: SamplingConfig | None, plan: ShardingPlan | None):
+  """`_score` jitted for one static setting; with a plan its output is split over the batch
+  axes (inputs arrive placed by `rescore`)."""
+  layout_kw = {} if plan is None else {"out_shardings": plan.batch}
+  return jax.jit(functools.partial(_score, model_cfg=model_cfg, policy=policy, config=config),
+                 **layout_kw)
 
 
 def rescore(out: SampleOutput, params: Params, *, model_cfg: ModelConfig,
@@ -70,8 +72,7 @@ def rescore(out: SampleOutput, params: Params, *, model_cfg: ModelConfig,
   if plan is not None:
     args = plan.put(args, (plan.param_shardings(params), plan.batch, plan.batch, plan.replicated,
                            plan.replicated))
-  static = dict(model_cfg=model_cfg, policy=policy, plan=plan)
-  logp = jnp.where(comp, _model_logprobs(*args, **static), 0.0)
-  logq = jnp.where(comp, _sampled_logprobs(*args, **static, config=config), 0.0) \
+  logp = jnp.where(comp, _scoring_program(model_cfg, policy, None, plan)(*args), 0.0)
+  logq = jnp.where(comp, _scoring_program(model_cfg, policy, config, plan)(*args), 0.0) \
       if config.modifies_distribution else logp
   return out.replace(logprobs=logq, model_logprobs=logp)
