@@ -45,7 +45,8 @@ import numpy as np
 from lowrl import precision
 from lowrl.models import config as model_config
 from lowrl.models import layout, transformer
-from lowrl.sampling import sampler as sampling
+from lowrl import sampling
+from lowrl.quant import PackedWeight
 
 _MODEL = flags.DEFINE_string("model", "small", f"Model preset: {model_config.preset_names()}.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per call.")
@@ -225,7 +226,7 @@ def packed_sizes(model_cfg, params, recipes) -> dict[str, dict[str, float]]:
     if not stats["quantized_params"]:
       continue
     weights = [x for x in jax.tree.leaves(packed, is_leaf=lambda x: isinstance(
-        x, sampling.PackedWeight)) if isinstance(x, sampling.PackedWeight)]
+        x, PackedWeight)) if isinstance(x, PackedWeight)]
     n = stats["quantized_params"]
     part = lambda f: sum(int(f(w).nbytes) for w in weights if f(w) is not None) / n  # noqa: E731
     out[name] = {"bytes_per_quantized_param": stats["bytes_per_quantized_param"],

@@ -17,8 +17,8 @@ from lowrl import precision
 from lowrl.models import config as model_config
 from lowrl.models import transformer
 from lowrl.quant.config import QDotConfig, QuantConfig
-from lowrl.sampling import sampler as sampling
-from lowrl.sampling.sampler import SamplingConfig
+from lowrl import sampling
+from lowrl.sampling import SamplingConfig
 
 TINY = model_config.preset("tiny")
 SPIKE = 63  # the token with the one-hot embedding

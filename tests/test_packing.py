@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lowrl.quant import QuantConfig, bytes_per_param, pack_e2m1, quantize, unpack_e2m1
+from lowrl.quant import (PackedWeight, QuantConfig, bytes_per_param, fake_quant, pack_e2m1,
+                         pack_qtensor, quantize, unpack_e2m1)
 
 E2M1 = jnp.float4_e2m1fn
 
@@ -61,3 +62,18 @@ def test_bytes_per_param():
   assert bytes_per_param(QuantConfig("nvfp4", per_token=True), shape) == (4.5 + 32 / 4096) / 8
   assert bytes_per_param(QuantConfig("nvfp4", block_2d=True), shape) == (4 + 8 / 256 + 32 / n) / 8
   assert bytes_per_param(QuantConfig("mxfp4", block_size=16), shape) == 4.5 / 8
+
+
+@pytest.mark.parametrize("cfg", [
+    QuantConfig("nvfp4", axis=0), QuantConfig("nvfp4", axis=1, per_token=True),
+    QuantConfig("nvfp4", block_2d=True), QuantConfig("mxfp4", axis=0),
+    QuantConfig("mxfp8_e4m3", axis=1), QuantConfig("fp8_e4m3")], ids=str)
+def test_packed_weight_is_fake_quant_and_stores_bytes_per_param(cfg):
+  x = jax.random.normal(jax.random.key(3), (64, 96), jnp.float32) * 3.0
+  w = pack_qtensor(quantize(x, cfg))
+  assert isinstance(w, PackedWeight) and w.nibbles == (cfg.fmt in ("nvfp4", "mxfp4"))
+  # Held packed, it dequantizes to exactly what the forward's weight quantizer computes.
+  np.testing.assert_array_equal(np.asarray(w.dequantize()), np.asarray(fake_quant(x, cfg)))
+  assert w.num_elements == x.size
+  # Its storage is the format's documented cost (codes + block scales + outer scales).
+  assert w.nbytes == pytest.approx(bytes_per_param(cfg, x.shape) * x.size, rel=0, abs=1e-9)

@@ -11,8 +11,8 @@ from lowrl import precision
 from lowrl.models import config as model_config
 from lowrl.models import transformer
 from lowrl.quant.packing import bytes_per_param
-from lowrl.sampling import sampler as sampling
-from lowrl.sampling.sampler import SamplingConfig
+from lowrl import sampling
+from lowrl.sampling import SamplingConfig
 
 TINY = model_config.preset("tiny")  # V=64
 FP32 = precision.PrecisionPolicy.unquantized(layout.matmuls(TINY))
@@ -254,6 +254,24 @@ def test_exact_sampler_with_a_bf16_trainer(recipe_outs):
   comp = np.asarray(kv.completion_mask) > 0
   np.testing.assert_array_equal(np.asarray(out.model_logprobs)[comp], np.asarray(trainer)[comp])
   np.testing.assert_array_equal(out.tokens, kv.tokens)
+
+
+def test_in_jit_generate_and_rescore_are_the_host_programs(recipe_outs):
+  """The simulator's path (generate_in_jit + rescore inside its own jit) computes what the host
+  path does, bit for bit: one decode program and one scoring program serve both."""
+  kv, exact, _ = recipe_outs
+
+  @jax.jit
+  def run(params, prompts, mask, key):
+    out = sampling.generate_in_jit(params, prompts, mask, key, model_cfg=TINY, policy=RECIPE,
+                                   config=RL)
+    return out, sampling.rescore(out, params, model_cfg=TINY, policy=RECIPE, config=RL)
+
+  out, rescored = run(_params(), jnp.tile(PROMPTS, (2, 1)), jnp.tile(PMASK, (2, 1)),
+                      jax.random.key(3))
+  for got, want in ((out, kv), (rescored, exact)):
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(x, y)
 
 
 def test_packed_rollout_weights(recipe_outs):

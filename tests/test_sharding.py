@@ -18,8 +18,9 @@ from lowrl.models.config import ModelConfig
 from lowrl.quant.config import QDotConfig, QuantConfig
 from lowrl.quant.qdot import quantized_dot_general
 from lowrl.quant.quantize import fake_quant
-from lowrl.sampling import sampler as sampling
-from lowrl.sampling.sampler import SamplingConfig
+from lowrl import sampling
+from lowrl.sampling.generate import _decode_program as decode_program
+from lowrl.sampling import SamplingConfig
 from lowrl.training import loop, optimizer
 from lowrl.training.rl_update import make_rl_update
 from lowrl.training.step import RLBatch
@@ -310,9 +311,8 @@ def test_sharded_sampler_matches_one_device(shape):
   assert cache["layers"][0]["k"].sharding.spec == P("data", None, "model")
   assert cache["mask"].sharding.spec == P("data")
   # The compiled sampler takes the params exactly as the trainer holds them: no resharding.
-  fns = sampling._sharded_fns(MODEL, FP32, SAMPLING, plan, sampling._params_key(params))
-  compiled = fns.generate.lower(params, PROMPTS.astype(jnp.int32), PMASK, jax.random.key(2),
-                                cache, None, None).compile()
+  compiled = decode_program(MODEL, FP32, SAMPLING, plan).lower(
+      params, PROMPTS.astype(jnp.int32), PMASK, jax.random.key(2), cache, None, None).compile()
   for x, got in zip(jax.tree.leaves(params), jax.tree.leaves(compiled.input_shardings[0][0])):
     assert got.is_equivalent_to(x.sharding, x.ndim)
 

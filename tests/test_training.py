@@ -13,7 +13,7 @@ from lowrl.models import transformer
 from lowrl.models.config import ModelConfig
 from lowrl.rl.corrections import CorrectionConfig
 from lowrl.rl.losses import LossConfig
-from lowrl.sampling.sampler import SamplingConfig
+from lowrl.sampling import SamplingConfig
 from lowrl.training import loop, optimizer, schema
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, make_rl_update
 from lowrl.training.step import RLBatch

@@ -50,8 +50,8 @@ from lowrl.models.config import ModelConfig
 from lowrl.rl.corrections import CorrectionConfig
 from lowrl.rl.drift import version_distance
 from lowrl.rl.losses import LossConfig
-from lowrl.sampling import SampleOutput, SamplingConfig, generate_in_jit, rescore
-from lowrl.sampling import sampler  # build's checks (config validation, not this module's)
+from lowrl.sampling import (SampleOutput, SamplingConfig, check_row_local, generate_in_jit,
+                            rescore)
 from lowrl.training import optimizer, rl_update, schema
 from lowrl.training.evaluation import eval_metrics
 from lowrl.training.rl_update import TokenBatch, UpdateConfig, make_logprob_fn
@@ -245,7 +245,7 @@ def build(cfg: ml_collections.ConfigDict) -> SimSetup:
   # Both policies sample (the trainer's in greedy eval), with static scales calibrated for every
   # tensor-scaled path: only activation tiles (2-D blocks) can fail here.
   for policy in policies:
-    sampler.check_row_local(policy, model_cfg, dict.fromkeys(
+    check_row_local(policy, model_cfg, dict.fromkeys(
         policy.act_paths(matmuls, "tensor"), 0.0))
     sharding.check_quant_blocks(policy, model_cfg, sharding.single_device_plan(),
                                 what=f"{policy.name} recipe")

@@ -1,4 +1,5 @@
-"""Storage: E2M1 codes two per byte, and the real bytes per parameter of each format.
+"""Storage: E2M1 codes two per byte, a quantized tensor held packed, and the real bytes per
+parameter of each format.
 
 Byte layout of `pack_e2m1`: along the packed axis, element 2i goes to the low nibble and element
 2i+1 to the high nibble of byte i (the OCP MX / NVFP4 convention: the first element is the least
@@ -9,11 +10,15 @@ from __future__ import annotations
 import functools
 import math
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+from flax import struct
 from jax import lax
 
 from lowrl.quant.config import QuantConfig
+from lowrl.quant.quantize import QTensor, dequantize
 
 _E2M1 = jnp.float4_e2m1fn
 
@@ -58,6 +63,41 @@ def _unpack(packed, axis):
   nib = jnp.stack([packed & 0xF, packed >> 4], axis=axis + 1)
   shape = packed.shape[:axis] + (2 * packed.shape[axis],) + packed.shape[axis + 1:]
   return lax.bitcast_convert_type(nib.reshape(shape).astype(jnp.uint4), _E2M1)
+
+
+@struct.dataclass
+class PackedWeight:
+  """A tensor held quantized: codes (E2M1 two per byte as uint8, or FP8), block and outer scales.
+
+  `dequantize()` gives exactly `fake_quant(x, cfg)` of the tensor it was packed from (in FP32).
+  """
+
+  codes: jax.Array
+  scale: jax.Array
+  outer: jax.Array | None
+  cfg: Any = struct.field(pytree_node=False)  # QuantConfig, axis resolved
+  nibbles: bool = struct.field(pytree_node=False, default=False)  # codes packed two per byte
+
+  @property
+  def nbytes(self) -> int:
+    return sum(int(a.nbytes) for a in (self.codes, self.scale, self.outer) if a is not None)
+
+  @property
+  def num_elements(self) -> int:
+    """Elements of the tensor it holds (two per byte when `nibbles`)."""
+    return int(self.codes.size) * (2 if self.nibbles else 1)
+
+  def dequantize(self) -> jax.Array:
+    codes = unpack_e2m1(self.codes, axis=self.cfg.axis) if self.nibbles else self.codes
+    q = QTensor(codes=codes, scale=self.scale, outer=self.outer, cfg=self.cfg)
+    return dequantize(q, jnp.float32)
+
+
+def pack_qtensor(q: QTensor) -> PackedWeight:
+  """`q` for storage: E2M1 codes two per byte along the quantization axis, other codes as they are."""
+  nibbles = q.codes.dtype == _E2M1
+  codes = pack_e2m1(q.codes, axis=q.cfg.axis) if nibbles else q.codes
+  return PackedWeight(codes, q.scale, q.outer, q.cfg, nibbles)
 
 
 _ELEMENT_BITS = {"fp8_e4m3": 8, "fp8_e5m2": 8, "mxfp8_e4m3": 8, "mxfp8_e5m2": 8, "mxfp4": 4,

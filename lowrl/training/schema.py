@@ -29,7 +29,7 @@ from lowrl.rl.advantages import ADVANTAGE_MODES
 from lowrl.rl.corrections import CORRECTION_LEVELS, CORRECTION_MODES
 from lowrl.rl.kl import KL_ESTIMATORS
 from lowrl.rl.losses import AGGREGATIONS, LOSSES
-from lowrl.sampling.sampler import SamplingConfig
+from lowrl.sampling import SamplingConfig
 from lowrl.training.optimizer import MASTER_DTYPES, MASTER_ROUNDINGS, SCHEDULES
 from lowrl.training.rl_update import OLD_LOGP_SOURCES, update_config_from
 from lowrl.training.schedule import LAG_DISTRIBUTIONS, AsyncSchedule

@@ -1,0 +1,78 @@
+"""Exact-mode scoring: both logprobs of finished rollouts from one full-sequence forward.
+
+`rescore` is the trainer's score and the exact-mode sampler's record alike: a trainer that scores
+the same sequences with the same params, policy, quant key and static scales runs the identical
+jitted program (`transformer.token_logprobs` on the same shapes), so its values are bit-identical
+and the only remaining sampler/trainer difference is staleness.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lowrl.models import transformer
+from lowrl.models.config import ModelConfig
+from lowrl.precision import PrecisionPolicy
+from lowrl.sampling.act_scales import used_act_amax
+from lowrl.sampling.distributions import SamplingConfig, sampling_logprobs
+from lowrl.sampling.generate import SampleOutput
+from lowrl.sharding import ShardingPlan
+
+Params = Any
+
+
+def _score(params, tokens_BL, mask_BL, quant_key, act_amax, *, model_cfg, policy, config):
+  """log p of every token (config None: `transformer.token_logprobs` itself, the trainer's
+  function) or log q under `config`'s sampling transform of the same forward's logits."""
+  if config is None:
+    return transformer.token_logprobs(params, tokens_BL, model_cfg, policy, mask_BT=mask_BL,
+                                      quant_key=quant_key, act_amax=act_amax)
+  logits_BLV = transformer.forward(params, tokens_BL, model_cfg, policy, mask_BT=mask_BL,
+                                   quant_key=quant_key, act_amax=act_amax)
+  logq_BL = sampling_logprobs(logits_BLV[:, :-1], tokens_BL[:, 1:], config)
+  return jnp.pad(logq_BL, ((0, 0), (1, 0)))
+
+
+# A trainer's `jax.jit(transformer.token_logprobs, ...)` traces the same computation for the same
+# shapes, which is what makes exact mode bit-identical.
+@functools.lru_cache(maxsize=64)
+def _scoring_program(model_cfg: ModelConfig, policy: PrecisionPolicy,
+                     config: SamplingConfig | None, plan: ShardingPlan | None):
+  """`_score` jitted for one static setting; with a plan its output is split over the batch
+  axes (inputs arrive placed by `rescore`)."""
+  layout_kw = {} if plan is None else {"out_shardings": plan.batch}
+  return jax.jit(functools.partial(_score, model_cfg=model_cfg, policy=policy, config=config),
+                 **layout_kw)
+
+
+def rescore(out: SampleOutput, params: Params, *, model_cfg: ModelConfig,
+            policy: PrecisionPolicy, config: SamplingConfig,
+            quant_key: jax.Array | None = None, plan: ShardingPlan | None = None,
+            act_amax: transformer.ActAmax | None = None) -> SampleOutput:
+  """Replaces both logprobs with the given model's full forward (exact mode; the trainer's score).
+
+  `model_logprobs` = `transformer.token_logprobs(params, out.tokens, model_cfg, policy,
+  mask_BT=out.attention_mask, quant_key=quant_key, act_amax=act_amax)` on completion tokens.
+  `logprobs` applies the sampling transform (temperature, top-k, top-p) to the same forward's
+  logits; when the transform is the identity it is `model_logprobs` itself. Under top-k/top-p a
+  token the trainer's logits rank outside the support gets -inf.
+
+  plan: inputs placed on this mesh as in `generate`, outputs split over its batch axes. None:
+  placed as jit places them (one device), which keeps `rescore` traceable inside a caller's jit
+  (the simulator's scan). `act_amax` None: tensor-scaled activations take the amax of the whole
+  batch, as a trainer does (not row-local: such scores are the trainer's, never a sampler's
+  record; see `Sampler`).
+  """
+  comp = out.completion_mask > 0
+  args = (params, out.tokens, out.attention_mask, quant_key,
+          used_act_amax(policy, model_cfg, act_amax))
+  if plan is not None:
+    args = plan.put(args, (plan.param_shardings(params), plan.batch, plan.batch, plan.replicated,
+                           plan.replicated))
+  logp = jnp.where(comp, _scoring_program(model_cfg, policy, None, plan)(*args), 0.0)
+  logq = jnp.where(comp, _scoring_program(model_cfg, policy, config, plan)(*args), 0.0) \
+      if config.modifies_distribution else logp
+  return out.replace(logprobs=logq, model_logprobs=logp)
