@@ -38,6 +38,11 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.model.rope_theta = 10000.0  # rotary embedding base
   c.model.qk_norm = False  # RMSNorm on q and k per head (Qwen3)
   c.model.tie_embeddings = True  # LM head = embedding transpose
+  c.model.scan_layers = False  # layers as lax.scans (compile size independent of depth; same bits)
+  c.model.remat = "none"  # per-layer rematerialisation: none | full | dots
+  c.model.attention = "materialized"  # materialized | chunked (attention_chunk query rows at a time)
+  c.model.attention_chunk = 512  # query rows per chunk of attention=chunked
+  c.model.logprob_chunk = 0  # vocabulary chunk of the LM head + log-softmax (0 = full [B, T, V])
 
   # Trainer precision; the sampler uses the same recipe unless `sampler_precision.recipe` is set.
   c.precision = precision.recipe(recipe)

@@ -5,6 +5,9 @@ computation; callers use the pure functions `init_params`, `forward`, `forward_w
 `token_logprobs`, `token_logprobs_and_entropy` and `init_cache`, all jittable with `model_cfg` and
 `policy` static, and `param_shapes` (the tree's ShapeDtypeStructs, for sharding and restoring).
 
+Execution knobs (ModelConfig: scan_layers, remat, attention, logprob_chunk) change how the
+forward runs, not the param tree; see ModelConfig.
+
 Precision: every linear layer goes through `quantized_dot_general` with the QDotConfig the policy
 gives for its (layer, path). Everything else runs in `policy.compute_dtype`, except RMSNorm,
 RoPE and softmax (FP32), and the logits and log-softmax (always FP32).
@@ -19,7 +22,8 @@ key; padded query rows produce finite garbage that callers mask out. Positions d
 `cumsum(mask) - 1`, so left-padded rows start at position 0 like unpadded ones.
 
 KV cache: `{'index': int32 scalar, 'mask': [B, S] bool, 'layers': ({'k', 'v'}: [B, S, K, hd], ...)}`
-in compute_dtype. A call with T new tokens writes columns [index, index + T) for every row; a
+in compute_dtype; with `model_cfg.scan_layers`, `'layers': {'k', 'v'}: [L, B, S, K, hd]` (one
+stacked pair the layer scans index into and update in place). A call with T new tokens writes columns [index, index + T) for every row; a
 query in column c attends to keys in columns <= c whose mask is set. Rows therefore share
 columns, not positions: left-pad prompts so that every row's next token lands in the same column.
 """
@@ -698,7 +702,8 @@ def _chunked_logz_entropy_picked(h_BTD: jax.Array, w: jax.Array, head: layout.Ma
   @functools.partial(jax.checkpoint, prevent_cse=False)
   def one_chunk(w_c, c):
     logits_BTC = quantized_dot_general(h_BTD, w_c, dims, qcfg, key=key,
-                                       preferred_element_type=jnp.float32, lhs_amax=lhs_amax)
+                                       preferred_element_type=jnp.float32, lhs_amax=lhs_amax,
+                                       rhs_amax=rhs_amax)
     logits_BTC = logits_BTC.astype(jnp.float32)
     if pad:  # columns past V: exp(-1e30 - logz) = 0, and no NaN in the entropy's gradient
       logits_BTC = jnp.where(c * chunk + jnp.arange(chunk) < vocab, logits_BTC, _NEG_INF)
