@@ -316,8 +316,13 @@ class ShardingPlan:
     return entry
 
   def cache_shardings(self, model_cfg: ModelConfig) -> dict[str, Any]:
-    """Shardings of `transformer.init_cache`'s tree: k/v [B, S, K, hd] over (batch, -, heads, -)."""
-    kv = self.named(self._batch_entry, None, self.kv_head_entry(model_cfg))
+    """Shardings of `transformer.init_cache`'s tree: k/v [B, S, K, hd] over (batch, -, heads, -)
+    (stacked [L, B, S, K, hd], layers unsplit, when model_cfg.scan_layers)."""
+    heads = self.kv_head_entry(model_cfg)
+    if model_cfg.scan_layers:
+      kv = self.named(None, self._batch_entry, None, heads)
+      return {"index": self.replicated, "mask": self.batch, "layers": {"k": kv, "v": kv}}
+    kv = self.named(self._batch_entry, None, heads)
     return {"index": self.replicated, "mask": self.batch,
             "layers": tuple({"k": kv, "v": kv} for _ in range(model_cfg.n_layers))}
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
+REMAT_MODES = ("none", "full", "dots")
+ATTENTION_MODES = ("materialized", "chunked")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -29,6 +32,18 @@ class ModelConfig:
       checked, never allocated).
     rope_llama3_scaling: (factor, low_freq_factor, high_freq_factor,
       original_max_position_embeddings) as in Llama 3.x `rope_scaling`, or None.
+
+  Execution knobs (how the forward runs, not what it computes; none changes the param tree):
+    scan_layers: run the decoder blocks as `jax.lax.scan`s over their params stacked inside the
+      jitted forward (one scan per run of consecutive layers with identical precision), so the
+      compiled program does not grow with depth. Same numbers as unrolled, bit for bit.
+    remat: per-layer rematerialisation in the backward: "none", "full" (jax.checkpoint saving
+      only each layer's input) or "dots" (also saves the matmul outputs without batch dims).
+    attention: "materialized" (one FP32 [B, K, G, T, S] score tensor per layer) or "chunked"
+      (queries in chunks of `attention_chunk`, each with its exact softmax over all keys).
+    attention_chunk: query rows per chunk of attention="chunked".
+    logprob_chunk: vocabulary columns per chunk of the LM head + log-softmax in
+      `token_logprobs(_and_entropy)` (online logsumexp, no [B, T, V] FP32 array); 0 = full.
   """
 
   vocab_size: int
@@ -45,6 +60,11 @@ class ModelConfig:
   tie_embeddings: bool = False
   max_seq_len: int = 2048
   rope_llama3_scaling: tuple[float, float, float, int] | None = None
+  scan_layers: bool = False
+  remat: str = "none"
+  attention: str = "materialized"
+  attention_chunk: int = 512
+  logprob_chunk: int = 0
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
@@ -52,6 +72,16 @@ class ModelConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}.")
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"ModelConfig.scan_layers must be a bool, got {self.scan_layers!r}.")
+    if self.remat not in REMAT_MODES:
+      raise ValueError(f"ModelConfig.remat={self.remat!r}; use one of {REMAT_MODES}.")
+    if self.attention not in ATTENTION_MODES:
+      raise ValueError(f"ModelConfig.attention={self.attention!r}; use one of {ATTENTION_MODES}.")
+    for name, minimum in (("attention_chunk", 1), ("logprob_chunk", 0)):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"ModelConfig.{name} must be an int >= {minimum}, got {value!r}.")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}; "
                        "grouped-query attention shares each kv head among n_heads // n_kv_heads "

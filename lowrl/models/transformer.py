@@ -5,6 +5,9 @@ computation; callers use the pure functions `init_params`, `forward`, `forward_w
 `token_logprobs`, `token_logprobs_and_entropy` and `init_cache`, all jittable with `model_cfg` and
 `policy` static, and `param_shapes` (the tree's ShapeDtypeStructs, for sharding and restoring).
 
+Execution knobs (ModelConfig: scan_layers, remat, attention, logprob_chunk) change how the
+forward runs, not the param tree; see ModelConfig.
+
 Precision: every linear layer goes through `quantized_dot_general` with the QDotConfig the policy
 gives for its (layer, path). Everything else runs in `policy.compute_dtype`, except RMSNorm,
 RoPE and softmax (FP32), and the logits and log-softmax (always FP32).
@@ -19,7 +22,8 @@ key; padded query rows produce finite garbage that callers mask out. Positions d
 `cumsum(mask) - 1`, so left-padded rows start at position 0 like unpadded ones.
 
 KV cache: `{'index': int32 scalar, 'mask': [B, S] bool, 'layers': ({'k', 'v'}: [B, S, K, hd], ...)}`
-in compute_dtype. A call with T new tokens writes columns [index, index + T) for every row; a
+in compute_dtype; with `model_cfg.scan_layers`, `'layers': {'k', 'v'}: [L, B, S, K, hd]` (one
+stacked pair the layer scans index into and update in place). A call with T new tokens writes columns [index, index + T) for every row; a
 query in column c attends to keys in columns <= c whose mask is set. Rows therefore share
 columns, not positions: left-pad prompts so that every row's next token lands in the same column.
 """
@@ -38,6 +42,7 @@ from lowrl.models import layout
 from lowrl.models.config import ModelConfig
 from lowrl.models.layout import BLOCK_MATMULS, LM_HEAD
 from lowrl.precision import PrecisionPolicy, activation_scaling
+from lowrl.quant.config import QDotConfig
 from lowrl.quant.qdot import quantized_dot_general
 
 Params = Any
@@ -113,16 +118,16 @@ def _qdot(module: nn.Module, x: jax.Array, w: jax.Array, contract_w: int,
   """x[..., in] . w over x's last axis and w's axis `contract_w`, through the policy's quantizer.
 
   A matmul whose activation scale spans the whole tensor takes its amax from `act_amax` (static,
-  calibrated) when given, else from the data. Under a calibration apply (`_CALIB` mutable) the
-  per-token max |x| is recorded in `module`'s scope as `record_name`. Returns FP32.
+  calibrated; keyed by `path`, the layer's own paths) when given, else from the data. Under a
+  calibration apply (`_CALIB` mutable) the per-token max |x| is recorded in `module`'s scope as
+  `record_name`. Returns FP32.
   """
-  full_path = layout.matmul_path(layer, path)
-  cfg = policy.qdot_config(full_path)
+  cfg = policy.qdot_config(layout.matmul_path(layer, path))
   if module.is_mutable_collection(_CALIB):
     module.sow(_CALIB, record_name, jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1))
   lhs_amax = None
   if act_amax is not None and activation_scaling(cfg) == "tensor":
-    lhs_amax = act_amax[full_path]  # completeness checked in Transformer
+    lhs_amax = act_amax[path]  # completeness checked in Transformer
   dims = (((x.ndim - 1,), (contract_w,)), ((), ()))
   return quantized_dot_general(x, w, dims, cfg, key=_fold(quant_key, _PATH_IDS[path]),
                                preferred_element_type=jnp.float32, lhs_amax=lhs_amax)
@@ -170,6 +175,52 @@ class Embedder(nn.Module):
     return jnp.take(self.embedding, tokens_BT, axis=0).astype(dtype)
 
 
+def attend(q_BTKGH: jax.Array, keys_BSKH: jax.Array, values_BSKH: jax.Array,
+           q_col_T: jax.Array, key_mask_BS: jax.Array, dtype) -> jax.Array:
+  """Grouped-query softmax attention of T query rows over S key columns; FP32 [B, T, K, G, hd].
+
+  The query in column q_col_T[t] sees key columns <= it whose key_mask is set (causal over
+  columns). Scores and softmax in FP32 (one [B, K, G, T, S] tensor), the products in `dtype`.
+  """
+  hd = q_BTKGH.shape[-1]
+  k_col_S = jnp.arange(keys_BSKH.shape[1])
+  allowed_BTS = (k_col_S[None, None, :] <= q_col_T[None, :, None]) & key_mask_BS[:, None, :]
+  scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, keys_BSKH.astype(dtype),
+                            preferred_element_type=jnp.float32) * (hd ** -0.5)
+  scores_BKGTS = jnp.where(allowed_BTS[:, None, None], scores_BKGTS, _NEG_INF)
+  probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1)
+  return jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS.astype(dtype),
+                    values_BSKH.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def attend_chunked(q_BTKGH: jax.Array, keys_BSKH: jax.Array, values_BSKH: jax.Array,
+                   q_col_T: jax.Array, key_mask_BS: jax.Array, dtype, chunk: int) -> jax.Array:
+  """`attend` over query chunks of `chunk` rows: at most one FP32 [B, K, G, chunk, S] score
+  tensor is live, forward and backward (each chunk is rematerialised in the backward).
+
+  Every query row still takes its softmax over all of its keys in one piece, so each output row
+  is computed by the same operations as in `attend`: equal up to how XLA blocks the score and
+  value contractions for the chunk's shapes (tests/test_model_scale.py states the bound).
+  """
+  batch, steps = q_BTKGH.shape[:2]
+  chunk = min(chunk, steps)
+  n = -(-steps // chunk)
+  pad = n * chunk - steps
+  # Padded query rows (column -1: they see no key) produce finite garbage, sliced off below.
+  q_BTKGH = jnp.pad(q_BTKGH, ((0, 0), (0, pad)) + ((0, 0),) * 3)
+  q_col_T = jnp.pad(q_col_T, (0, pad), constant_values=-1)
+  q_NBCKGH = jnp.moveaxis(q_BTKGH.reshape(batch, n, chunk, *q_BTKGH.shape[2:]), 1, 0)
+
+  @functools.partial(jax.checkpoint, prevent_cse=False)
+  def one_chunk(_, xs):
+    q_BCKGH, col_C = xs
+    return None, attend(q_BCKGH, keys_BSKH, values_BSKH, col_C, key_mask_BS, dtype)
+
+  _, out_NBCKGH = jax.lax.scan(one_chunk, None, (q_NBCKGH, q_col_T.reshape(n, chunk)))
+  out_BTKGH = jnp.moveaxis(out_NBCKGH, 0, 1).reshape(batch, n * chunk, *out_NBCKGH.shape[3:])
+  return out_BTKGH[:, :steps]
+
+
 class Attention(nn.Module):
   """Grouped-query causal self-attention with optional QK-norm, qkv bias and KV cache."""
 
@@ -201,24 +252,27 @@ class Attention(nn.Module):
 
     if cache_layer is None:
       keys_BSKH, values_BSKH, new_cache = k_BTKH, v_BTKH, None
+    elif "layer" in cache_layer:  # stacked [L, B, S, K, hd] cache of a scanned forward
+      li = cache_layer["layer"]
+      start = (li, 0, cache_index, 0, 0)
+      k_LBSKH = jax.lax.dynamic_update_slice(cache_layer["k"], k_BTKH.astype(dtype)[None], start)
+      v_LBSKH = jax.lax.dynamic_update_slice(cache_layer["v"], v_BTKH.astype(dtype)[None], start)
+      keys_BSKH, values_BSKH = k_LBSKH[li], v_LBSKH[li]
+      new_cache = {"k": k_LBSKH, "v": v_LBSKH, "layer": li}
     else:
       start = (0, cache_index, 0, 0)
       keys_BSKH = jax.lax.dynamic_update_slice(cache_layer["k"], k_BTKH.astype(dtype), start)
       values_BSKH = jax.lax.dynamic_update_slice(cache_layer["v"], v_BTKH.astype(dtype), start)
       new_cache = {"k": keys_BSKH, "v": values_BSKH}
-    # Causal over columns: the query in column cache_index + t sees key columns <= it.
-    q_col_T = cache_index + jnp.arange(steps)
-    k_col_S = jnp.arange(keys_BSKH.shape[1])
-    allowed_BTS = (k_col_S[None, None, :] <= q_col_T[None, :, None]) & key_mask_BS[:, None, :]
 
     g = h // k  # query heads per kv head; HF repeat_kv order: head n = kv * g + j.
     q_BTKGH = q_BTNH.reshape(batch, steps, k, g, hd)
-    scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, keys_BSKH.astype(dtype),
-                              preferred_element_type=jnp.float32) * (hd ** -0.5)
-    scores_BKGTS = jnp.where(allowed_BTS[:, None, None], scores_BKGTS, _NEG_INF)
-    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1)
-    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS.astype(dtype),
-                           values_BSKH.astype(dtype), preferred_element_type=jnp.float32)
+    q_col_T = cache_index + jnp.arange(steps)
+    if cfg.attention == "chunked":
+      out_BTKGH = attend_chunked(q_BTKGH, keys_BSKH, values_BSKH, q_col_T, key_mask_BS, dtype,
+                                 cfg.attention_chunk)
+    else:
+      out_BTKGH = attend(q_BTKGH, keys_BSKH, values_BSKH, q_col_T, key_mask_BS, dtype)
     out_BTF = out_BTKGH.astype(dtype).reshape(batch, steps, h * hd)
     y_BTD = dense(cfg.d_model, "attn/o_proj", name="o_proj")(out_BTF, quant_key, act_amax)
     return y_BTD, new_cache
@@ -245,7 +299,12 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-  """Pre-norm decoder block."""
+  """Pre-norm decoder block.
+
+  `layer` (static) selects the precision policy's configs; `layer_key` is the quant key already
+  folded with the layer index (a traced index under scan); `act_amax` holds this layer's static
+  amaxes keyed by block path ("attn/q_proj", ...), or None.
+  """
 
   cfg: ModelConfig
   layer: int
@@ -253,10 +312,9 @@ class Block(nn.Module):
   param_dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, cache_layer, cache_index, key_mask_BS, quant_key,
+  def __call__(self, x_BTD, positions_BT, cache_layer, cache_index, key_mask_BS, layer_key,
                act_amax):
     kw = dict(cfg=self.cfg, layer=self.layer, policy=self.policy, param_dtype=self.param_dtype)
-    layer_key = _fold(quant_key, self.layer)
     h = RMSNorm(self.cfg.rms_eps, self.param_dtype, name="attn_norm")(x_BTD)
     attn_BTD, new_cache = Attention(**kw, name="attn")(
         h, positions_BT, cache_layer, cache_index, key_mask_BS, layer_key, act_amax)
@@ -266,8 +324,43 @@ class Block(nn.Module):
     return x_BTD, new_cache
 
 
+def _remat_policy(model_cfg: ModelConfig):
+  """The jax.checkpoint policy of `model_cfg.remat` ("full": save nothing but the layer input)."""
+  return {"full": None,
+          "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[model_cfg.remat]
+
+
+def _block_signature(policy: PrecisionPolicy, layer: int) -> tuple:
+  return tuple(policy.qdot_config(layout.matmul_path(layer, p)) for p in BLOCK_MATMULS)
+
+
+def layer_groups(model_cfg: ModelConfig, policy: PrecisionPolicy) -> tuple[tuple[int, int], ...]:
+  """[start, stop) runs of consecutive layers whose matmuls all get identical QDotConfigs: the
+  layers one scan can cover (e.g. the quantized prefix and the BF16 suffix of nvfp4_recipe)."""
+  groups, start = [], 0
+  for i in range(1, model_cfg.n_layers + 1):
+    if i == model_cfg.n_layers or _block_signature(policy, i) != _block_signature(policy, start):
+      groups.append((start, i))
+      start = i
+  return tuple(groups)
+
+
+def _tensor_scaled_paths(policy: PrecisionPolicy, layer: int) -> tuple[str, ...]:
+  return tuple(p for p in BLOCK_MATMULS
+               if activation_scaling(policy.qdot_config(layout.matmul_path(layer, p))) == "tensor")
+
+
+def _layer_amax(policy: PrecisionPolicy, layer: int,
+                act_amax: ActAmax | None) -> dict[str, jax.Array] | None:
+  """Layer `layer`'s static amaxes keyed by block path (what `Block` reads)."""
+  if act_amax is None:
+    return None
+  return {p: act_amax[layout.matmul_path(layer, p)] for p in _tensor_scaled_paths(policy, layer)}
+
+
 class Transformer(nn.Module):
-  """The decoder. __call__ returns (FP32 logits [B, T or 1, V], updated cache or None)."""
+  """The decoder. __call__ returns (FP32 logits [B, T or 1, V], updated cache or None); with
+  head=False the FP32 final-norm output [B, T or 1, D] instead of the logits."""
 
   cfg: ModelConfig
   policy: PrecisionPolicy
@@ -275,7 +368,7 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_BT, positions_BT, mask_BT, cache=None, quant_key=None,
-               last_only=False, act_amax=None):
+               last_only=False, act_amax=None, head=True):
     cfg, dtype = self.cfg, self.policy.dtype
     check_act_amax(self.policy, cfg, act_amax)
     embed = Embedder(cfg, self.param_dtype, name="embed")
@@ -286,17 +379,28 @@ class Transformer(nn.Module):
     else:
       cache_index = cache["index"]
       key_mask_BS = jax.lax.dynamic_update_slice(cache["mask"], mask_BT, (0, cache_index))
-    new_layers = []
-    for i in range(cfg.n_layers):
-      cache_layer = None if cache is None else cache["layers"][i]
-      x_BTD, new_layer = Block(cfg, i, self.policy, self.param_dtype, name=f"layers_{i}")(
-          x_BTD, positions_BT, cache_layer, cache_index, key_mask_BS, quant_key, act_amax)
-      new_layers.append(new_layer)
+    layer_args = (positions_BT, cache_index, key_mask_BS)
+    if cfg.scan_layers and not self.is_initializing():
+      x_BTD, new_layers = self._scanned_layers(x_BTD, layer_args, cache, quant_key, act_amax)
+    else:
+      block = Block if cfg.remat == "none" else nn.remat(Block, policy=_remat_policy(cfg))
+      new_layers = []
+      for i in range(cfg.n_layers):
+        cache_layer = None if cache is None else cache["layers"][i]
+        x_BTD, new_layer = block(cfg, i, self.policy, self.param_dtype, name=f"layers_{i}")(
+            x_BTD, positions_BT, cache_layer, cache_index, key_mask_BS, _fold(quant_key, i),
+            _layer_amax(self.policy, i, act_amax))
+        new_layers.append(new_layer)
+      new_layers = tuple(new_layers)
 
     if last_only:
       x_BTD = x_BTD[:, -1:]
     # The head's input stays FP32 (the norm computes in FP32): an FP32 head, not a BF16 one.
     h_BTD = RMSNorm(cfg.rms_eps, self.param_dtype, name="final_norm")(x_BTD.astype(jnp.float32))
+    new_cache = None if cache is None else {
+        "index": cache_index + tokens_BT.shape[1], "mask": key_mask_BS, "layers": new_layers}
+    if not head and not self.is_initializing():
+      return h_BTD, new_cache
     head_key = _fold(quant_key, cfg.n_layers)
     if cfg.tie_embeddings:
       logits_BTV = _qdot(self, h_BTD, embed.embedding, 1, self.policy, None, LM_HEAD, head_key,
@@ -304,10 +408,45 @@ class Transformer(nn.Module):
     else:
       logits_BTV = QDense(cfg.vocab_size, LM_HEAD, None, self.policy, param_dtype=self.param_dtype,
                           out_dtype=jnp.float32, name="lm_head")(h_BTD, head_key, act_amax)
-    new_cache = None if cache is None else {
-        "index": cache_index + tokens_BT.shape[1], "mask": key_mask_BS,
-        "layers": tuple(new_layers)}
     return logits_BTV.astype(jnp.float32), new_cache
+
+  def _scanned_layers(self, x_BTD, layer_args, cache, quant_key, act_amax):
+    """The blocks as one `lax.scan` per `layer_groups` run, over the run's params stacked here.
+
+    Each step folds the quant key with its (scanned) layer index, as the unrolled loop does, and
+    reads/writes its slice of the stacked [L, B, S, K, hd] cache. Under a calibration apply the
+    recorded amaxes come out of the scans stacked and are put back per layer.
+    """
+    cfg, policy = self.cfg, self.policy
+    params = self.variables["params"]
+    calibrating = self.is_mutable_collection(_CALIB)
+    cache_kv = None if cache is None else dict(cache["layers"])
+    for start, stop in layer_groups(cfg, policy):
+      stack = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)  # noqa: E731
+      layer_params = stack([params[layout.layer_key(i)] for i in range(start, stop)])
+      amax = None if act_amax is None else stack(
+          [_layer_amax(policy, i, act_amax) for i in range(start, stop)])
+      block = Block(cfg, start, policy, self.param_dtype, parent=None)
+
+      def body(carry, xs, block=block):
+        x_BTD, kv = carry
+        p, index, amax_layer = xs
+        cache_layer = None if kv is None else {**kv, "layer": index}
+        out = block.apply({"params": p}, x_BTD, *layer_args[:1], cache_layer, *layer_args[1:],
+                          _fold(quant_key, index), amax_layer,
+                          mutable=[_CALIB] if calibrating else False)
+        (x_BTD, new_cache), recorded = out if calibrating else (out, None)
+        kv = None if new_cache is None else {"k": new_cache["k"], "v": new_cache["v"]}
+        return (x_BTD, kv), (None if recorded is None else recorded[_CALIB])
+
+      if cfg.remat != "none":
+        body = jax.checkpoint(body, policy=_remat_policy(cfg), prevent_cse=False)
+      xs = (layer_params, jnp.arange(start, stop, dtype=jnp.int32), amax)
+      (x_BTD, cache_kv), recorded = jax.lax.scan(body, (x_BTD, cache_kv), xs)
+      if calibrating:
+        for j, i in enumerate(range(start, stop)):
+          self.put_variable(_CALIB, layout.layer_key(i), jax.tree.map(lambda a: a[j], recorded))
+    return x_BTD, cache_kv
 
 
 # ----------------------------------------------------------------------------------------------
@@ -451,15 +590,21 @@ def forward(params: Params, tokens_BT: jax.Array, model_cfg: ModelConfig,
 
 
 def init_cache(model_cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> Cache:
-  """An empty KV cache of `max_len` columns (use the policy's compute dtype)."""
+  """An empty KV cache of `max_len` columns (use the policy's compute dtype); its 'layers' are
+  stacked [L, B, S, K, hd] arrays when `model_cfg.scan_layers` (module docstring)."""
   if max_len > model_cfg.max_seq_len:
     raise ValueError(f"KV cache of {max_len} columns exceeds model_cfg.max_seq_len="
                      f"{model_cfg.max_seq_len}; shorten prompts/max_new_tokens or raise "
                      "max_seq_len.")
   shape = (batch, max_len, model_cfg.n_kv_heads, model_cfg.head_dim)
-  layer = lambda: {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}  # noqa: E731
+  if model_cfg.scan_layers:  # one stacked [L, B, S, K, hd] pair the layer scans index into
+    shape = (model_cfg.n_layers,) + shape
+    layers = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+  else:
+    layers = tuple({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+                   for _ in range(model_cfg.n_layers))
   return {"index": jnp.zeros((), jnp.int32), "mask": jnp.zeros((batch, max_len), bool),
-          "layers": tuple(layer() for _ in range(model_cfg.n_layers))}
+          "layers": layers}
 
 
 def forward_with_cache(params: Params, tokens_BT: jax.Array, cache: Cache,
@@ -481,6 +626,22 @@ def forward_with_cache(params: Params, tokens_BT: jax.Array, cache: Cache,
       quant_key=quant_key, last_only=last_only, act_amax=act_amax)
 
 
+def _align(logp_BT: jax.Array, entropy_BT: jax.Array, tokens_BT: jax.Array,
+           mask_BT: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """Predictions made at t - 1 ([B, T - 1]) moved to the predicted token t, 0 where invalid."""
+  valid = jnp.ones(tokens_BT.shape, bool) if mask_BT is None else mask_BT.astype(bool)
+  valid_BT = valid[:, 1:] & valid[:, :-1]
+  pad = lambda x: jnp.pad(jnp.where(valid_BT, x, 0.0), ((0, 0), (1, 0)))  # noqa: E731
+  return pad(logp_BT), pad(entropy_BT)
+
+
+def _logz_and_entropy(logits_BTV: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(logsumexp, entropy) over the last axis, FP32."""
+  logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+  logp_all = logits_BTV - logz_BT[..., None]
+  return logz_BT, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+
+
 def logprobs_from_logits(logits_BTV: jax.Array, tokens_BT: jax.Array,
                          mask_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """(logp_BT, entropy_BT) of next-token predictions, aligned with the predicted token.
@@ -490,15 +651,81 @@ def logprobs_from_logits(logits_BTV: jax.Array, tokens_BT: jax.Array,
   mask[:, t - 1] is 0 (no real context to predict from, or not a real token). FP32.
   """
   logits = logits_BTV[:, :-1].astype(jnp.float32)
-  logz_BT = jax.nn.logsumexp(logits, axis=-1)
+  logz_BT, entropy_BT = _logz_and_entropy(logits)
   picked_BT = jnp.take_along_axis(logits, tokens_BT[:, 1:, None], axis=-1)[..., 0]
-  logp_BT = picked_BT - logz_BT
-  logp_all = logits - logz_BT[..., None]
-  entropy_BT = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
-  valid = jnp.ones(tokens_BT.shape, bool) if mask_BT is None else mask_BT.astype(bool)
-  valid_BT = valid[:, 1:] & valid[:, :-1]
-  pad = lambda x: jnp.pad(jnp.where(valid_BT, x, 0.0), ((0, 0), (1, 0)))  # noqa: E731
-  return pad(logp_BT), pad(entropy_BT)
+  return _align(picked_BT - logz_BT, entropy_BT, tokens_BT, mask_BT)
+
+
+def _check_chunked_head(model_cfg: ModelConfig, policy: PrecisionPolicy) -> QDotConfig:
+  """The LM head's QDotConfig, refused where V-chunks would not quantize like the whole head."""
+  qcfg = policy.qdot_config(LM_HEAD)
+  fix = "set model.logprob_chunk=0 or keep the LM head unquantized (precision.quantize_lm_head)"
+  if any(q is not None and q.stochastic_rounding for q in (qcfg.lhs, qcfg.rhs, qcfg.grad)):
+    raise ValueError("logprob_chunk: the LM head rounds stochastically, and a V-chunk draws "
+                     f"other random bits than the whole head; {fix}.")
+  if qcfg.backward == "quantized":
+    raise ValueError("logprob_chunk: the LM head quantizes its gradient along V (the dgrad "
+                     f"GEMM's contracting axis), which V-chunks would split; {fix}.")
+  if qcfg.rhs is not None and qcfg.rhs.block_2d and model_cfg.logprob_chunk % qcfg.rhs.block:
+    raise ValueError(f"logprob_chunk={model_cfg.logprob_chunk} must be a multiple of the LM "
+                     f"head's {qcfg.rhs.block}x{qcfg.rhs.block} weight tiles; {fix}.")
+  return qcfg
+
+
+def _chunked_logz_entropy_picked(h_BTD: jax.Array, w: jax.Array, head: layout.Matmul,
+                                 qcfg: QDotConfig, head_key: jax.Array | None,
+                                 lhs_amax: jax.Array | None, target_BT: jax.Array,
+                                 chunk: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(logsumexp, entropy, logit of target_BT) of the LM head's logits, V-chunk by V-chunk.
+
+  Each chunk's logits are the head's own quantized dot on a slice of the weight (blocks run along
+  D, so a V-slice quantizes as in the whole head; a per-tensor weight scale takes the whole
+  weight's amax); chunk 0 starts the running (logz, entropy), and each further chunk c merges in
+  with w = exp(logz - logz'): H' = sum_c w_c (H_c - log w_c). One chunk covering V runs exactly
+  `_logz_and_entropy`'s operations. Chunks are rematerialised in the backward, so at most one
+  FP32 [B, T, chunk] logits array is live.
+  """
+  vocab = head.out_features
+  chunk = min(chunk, vocab)
+  n = -(-vocab // chunk)
+  pad = n * chunk - vocab
+  rhs_amax = None
+  if qcfg.rhs is not None and qcfg.rhs.kind != "mx" and not qcfg.rhs.per_token:
+    rhs_amax = jax.lax.stop_gradient(jnp.max(jnp.abs(w)).astype(jnp.float32))
+  if head.contract_axis == 0:  # [D, V] kernel -> [n, D, chunk]
+    w_N = jnp.pad(w, ((0, 0), (0, pad))).reshape(w.shape[0], n, chunk).transpose(1, 0, 2)
+  else:  # tied [V, D] embedding -> [n, chunk, D]
+    w_N = jnp.pad(w, ((0, pad), (0, 0))).reshape(n, chunk, w.shape[1])
+  dims = (((h_BTD.ndim - 1,), (head.contract_axis,)), ((), ()))
+  key = _fold(head_key, _PATH_IDS[LM_HEAD])
+
+  @functools.partial(jax.checkpoint, prevent_cse=False)
+  def one_chunk(w_c, c):
+    logits_BTC = quantized_dot_general(h_BTD, w_c, dims, qcfg, key=key,
+                                       preferred_element_type=jnp.float32, lhs_amax=lhs_amax,
+                                       rhs_amax=rhs_amax)
+    logits_BTC = logits_BTC.astype(jnp.float32)
+    if pad:  # columns past V: exp(-1e30 - logz) = 0, and no NaN in the entropy's gradient
+      logits_BTC = jnp.where(c * chunk + jnp.arange(chunk) < vocab, logits_BTC, _NEG_INF)
+    logz_BT, entropy_BT = _logz_and_entropy(logits_BTC)
+    idx_BT = target_BT - c * chunk
+    inside_BT = (idx_BT >= 0) & (idx_BT < chunk)
+    picked_BT = jnp.take_along_axis(logits_BTC, jnp.clip(idx_BT, 0, chunk - 1)[..., None],
+                                    axis=-1)[..., 0]
+    return logz_BT, entropy_BT, jnp.where(inside_BT, picked_BT, 0.0)
+
+  def merge(carry, xs):
+    logz, entropy, picked = carry
+    logz_c, entropy_c, picked_c = one_chunk(*xs)
+    new_logz = jnp.logaddexp(logz, logz_c)
+    log_w, log_wc = logz - new_logz, logz_c - new_logz
+    entropy = jnp.exp(log_w) * (entropy - log_w) + jnp.exp(log_wc) * (entropy_c - log_wc)
+    return (new_logz, entropy, picked + picked_c), None
+
+  carry = one_chunk(w_N[0], 0)
+  if n > 1:
+    carry, _ = jax.lax.scan(merge, carry, (w_N[1:], jnp.arange(1, n)))
+  return carry
 
 
 def token_logprobs_and_entropy(params: Params, tokens_BT: jax.Array, model_cfg: ModelConfig,
@@ -507,10 +734,33 @@ def token_logprobs_and_entropy(params: Params, tokens_BT: jax.Array, model_cfg: 
                                quant_key: jax.Array | None = None,
                                act_amax: ActAmax | None = None
                                ) -> tuple[jax.Array, jax.Array]:
-  """(logp_BT, entropy_BT): see `logprobs_from_logits` for the alignment."""
-  logits_BTV = forward(params, tokens_BT, model_cfg, policy, mask_BT=mask_BT,
-                       positions_BT=positions_BT, quant_key=quant_key, act_amax=act_amax)
-  return logprobs_from_logits(logits_BTV, tokens_BT, mask_BT)
+  """(logp_BT, entropy_BT): see `logprobs_from_logits` for the alignment.
+
+  With `model_cfg.logprob_chunk` > 0 the LM head and log-softmax run over V in chunks of that
+  many columns (`_chunked_logz_entropy_picked`): no [B, T, V] FP32 array; the same numbers up to
+  the online logsumexp's reassociation (tests/test_model_scale.py states the bound).
+  """
+  if not model_cfg.logprob_chunk:
+    logits_BTV = forward(params, tokens_BT, model_cfg, policy, mask_BT=mask_BT,
+                         positions_BT=positions_BT, quant_key=quant_key, act_amax=act_amax)
+    return logprobs_from_logits(logits_BTV, tokens_BT, mask_BT)
+  qcfg = _check_chunked_head(model_cfg, policy)
+  _check_key(policy, quant_key)
+  mask_in, positions_in = _inputs(tokens_BT, mask_BT, positions_BT)
+  h_BTD, _ = Transformer(model_cfg, policy).apply(
+      {"params": params}, tokens_BT, positions_in, mask_in, quant_key=quant_key,
+      act_amax=act_amax, head=False)
+  head = layout.matmul(model_cfg, None, LM_HEAD)
+  lhs_amax = None
+  if act_amax is not None and activation_scaling(qcfg) == "tensor":
+    lhs_amax = act_amax[LM_HEAD]
+  # The head runs on every position (as `forward`'s does, so a per-tensor activation scale sees
+  # the same tensor); the last position predicts nothing and is dropped.
+  target_BT = jnp.pad(tokens_BT[:, 1:], ((0, 0), (0, 1)))
+  logz_BT, entropy_BT, picked_BT = _chunked_logz_entropy_picked(
+      h_BTD, layout.get_param(params, head.param_keys), head, qcfg,
+      _fold(quant_key, model_cfg.n_layers), lhs_amax, target_BT, model_cfg.logprob_chunk)
+  return _align((picked_BT - logz_BT)[:, :-1], entropy_BT[:, :-1], tokens_BT, mask_BT)
 
 
 def token_logprobs(params: Params, tokens_BT: jax.Array, model_cfg: ModelConfig,

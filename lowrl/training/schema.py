@@ -384,6 +384,14 @@ MODEL = Section("model", (
     Knob("rope_theta", 10000.0, "rotary embedding base"),
     Knob("qk_norm", False, "RMSNorm on q and k per head (Qwen3)"),
     Knob("tie_embeddings", True, "LM head = embedding transpose"),
+    # Memory/compile knobs at real sizes (lowrl.models.config.ModelConfig); none changes a bit.
+    Knob("scan_layers", False, "layers as lax.scans (compile size independent of depth)"),
+    Knob("remat", "none", "per-layer rematerialisation: none | full | dots"),
+    Knob("attention", "materialized", "materialized | chunked (attention_chunk query rows at a "
+         "time; equal up to FP32 reassociation)"),
+    Knob("attention_chunk", 512, "query rows per chunk of attention=chunked"),
+    Knob("logprob_chunk", 0, "vocabulary chunk of the LM head + log-softmax (0 = the full "
+         "[B, T, V]; equal up to FP32 reassociation)"),
 ))
 
 PRECISION = Section("precision", tuple(Knob(k, None, doc) for k, doc in precision.KNOBS.items()),
