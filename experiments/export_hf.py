@@ -36,7 +36,6 @@ import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from lowrl import sharding  # noqa: E402
 from lowrl.checkpoints import hf, hf_quantized  # noqa: E402
 from lowrl.models import layout, transformer  # noqa: E402
 from lowrl.training import loop, run_config  # noqa: E402

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from experiments import estimate_memory
+import tiny
 from lowrl import hardware as hardware_lib
 from lowrl import memory
 from lowrl.asyncrl import cost_model
@@ -24,7 +25,7 @@ from lowrl.models.config import preset
 from lowrl.precision import PrecisionPolicy
 from lowrl.training import optimizer as optimizer_lib, schema
 
-TINY = preset("tiny")  # V=64, D=32, L=2, H=4, K=2, hd=8, F=64, tied
+TINY = tiny.TINY  # V=64, D=32, L=2, H=4, K=2, hd=8, F=64, tied
 # Untied head, qkv bias, qk norm: every optional leaf of the param tree.
 TINY_FULL = preset("tiny", tie_embeddings=False, qkv_bias=True, qk_norm=True)
 

@@ -11,10 +11,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import base as base_config
+import tiny
 from lowrl.models import layout
 from lowrl import precision, sharding
 from lowrl.models import transformer
-from lowrl.models.config import ModelConfig
 from lowrl.quant.config import QDotConfig, QuantConfig
 from lowrl.quant.qdot import quantized_dot_general
 from lowrl.quant.quantize import fake_quant
@@ -27,8 +27,7 @@ from lowrl.training.step import RLBatch
 
 MESHES = [(8, 1), (4, 2), (2, 4)]
 # H=8, K=4 heads of 8: every projection width and K divide by 4 (whole heads per tensor shard).
-MODEL = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8,
-                    d_ff=128, max_seq_len=64)
+MODEL = tiny.SHARDABLE
 FP32 = precision.PrecisionPolicy.unquantized(layout.matmuls(MODEL))
 # Only reductions split over devices differ from one device: the FP32 tolerance covers
 # reassociated sums of O(100) terms (observed differences ~2e-6).

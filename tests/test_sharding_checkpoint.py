@@ -5,14 +5,13 @@ import numpy as np
 import pytest
 
 from configs import base as base_config
+import tiny
 from lowrl import sharding
 from lowrl.models import transformer
-from lowrl.models.config import ModelConfig
 from lowrl.training import loop, optimizer
 from lowrl.training.checkpointing import Checkpointer
 
-MODEL = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8,
-                    d_ff=128, max_seq_len=64)
+MODEL = tiny.SHARDABLE
 
 
 def _plan(shape):

@@ -1,4 +1,4 @@
-"""Tiny training-loop configs shared by the tests (one definition of the 2-layer test model).
+"""Tiny models and training-loop configs shared by the tests (each test model defined once).
 
 `loop_config(recipe)` is the model and task alone (for build-time checks); with a `base_dir` it is
 a whole runnable tiny run: a short SFT base cached in `base_dir`, a few RL steps, a checkpoint per
@@ -9,9 +9,29 @@ from __future__ import annotations
 
 import ml_collections
 
-from configs import base as base_config
+import pathlib
 
+from configs import base as base_config
+from lowrl.models.config import ModelConfig, preset
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# The loop's 2-layer test model (its vocabulary comes from the task's tokenizer).
 TINY_MODEL = dict(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64)
+# That model on a 16-token vocabulary, for tests that build it without a task.
+LOOP_MODEL = ModelConfig(vocab_size=16, max_seq_len=16, **TINY_MODEL)
+# The library's tiny preset: V=64, D=32, L=2, H=4, K=2, hd=8, F=64.
+TINY = preset("tiny")
+# Every optional feature at once (Qwen3 qk-norm, Qwen2 biases, tied head, Llama 3 RoPE scaling).
+FULL = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                   d_ff=64, qk_norm=True, qkv_bias=True, tie_embeddings=True, rope_theta=500.0,
+                   max_seq_len=128, rope_llama3_scaling=(8.0, 1.0, 4.0, 16))
+# 8 layers: deep enough for the BF16 tail (the last 15% = 1 layer) and for scanned groups.
+DEEP = ModelConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=8,
+                   d_ff=64, max_seq_len=64)
+# Widths that split over a (4, 2) / (2, 4) mesh: 8 heads, 4 kv heads, d_ff 128.
+SHARDABLE = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4,
+                        head_dim=8, d_ff=128, max_seq_len=64)
 
 
 def loop_config(recipe: str = "fp32", base_dir: str | None = None, *, steps: int = 4,

@@ -9,7 +9,9 @@ import time
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import tiny
+
+REPO = str(tiny.REPO)
 STEPS = 6
 FLAGS = [
     "--config=configs/fp32.py",

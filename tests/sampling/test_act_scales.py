@@ -12,15 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import tiny
 from lowrl.models import layout
 from lowrl import precision
-from lowrl.models import config as model_config
 from lowrl.models import transformer
 from lowrl.quant.config import QDotConfig, QuantConfig
 from lowrl import sampling
 from lowrl.sampling import SamplingConfig
 
-TINY = model_config.preset("tiny")
+TINY = tiny.TINY
 SPIKE = 63  # the token with the one-hot embedding
 NAIVE = precision.policy_for("nvfp4_naive", layout.matmuls(TINY))
 NAIVE_FP32 = precision.policy_for("nvfp4_naive", layout.matmuls(TINY), compute_dtype="float32")

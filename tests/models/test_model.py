@@ -6,17 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import tiny
 from lowrl.models import layout
 from lowrl import precision
 from lowrl.models import config as model_config
 from lowrl.models import transformer
 from lowrl.models.config import ModelConfig
 
-TINY = model_config.preset("tiny")  # V=64, D=32, L=2, H=4, K=2, hd=8, F=64, untied
-# Every optional feature at once (Qwen3 qk-norm, Qwen2 biases, tied head, Llama 3 RoPE scaling).
-FULL = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                   d_ff=64, qk_norm=True, qkv_bias=True, tie_embeddings=True, rope_theta=500.0,
-                   max_seq_len=128, rope_llama3_scaling=(8.0, 1.0, 4.0, 16))
+TINY, FULL = tiny.TINY, tiny.FULL
 FP32 = precision.PrecisionPolicy.unquantized(layout.matmuls(TINY))
 
 fwd = jax.jit(transformer.forward, static_argnames=("model_cfg", "policy"))

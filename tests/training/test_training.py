@@ -10,7 +10,6 @@ from configs import base as base_config
 from lowrl.models import layout
 from lowrl import precision
 from lowrl.models import transformer
-from lowrl.models.config import ModelConfig
 from lowrl.rl.corrections import CorrectionConfig
 from lowrl.rl.losses import LossConfig
 from lowrl.sampling import SamplingConfig
@@ -18,8 +17,7 @@ from lowrl.training import loop, optimizer, schema
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, make_rl_update
 from lowrl.training.step import RLBatch
 
-MODEL = ModelConfig(vocab_size=16, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
-                    d_ff=64, max_seq_len=16)
+MODEL = tiny.LOOP_MODEL
 
 
 def _opt_cfg(**kw):

@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
+import tiny
 from lowrl import precision
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(tiny.REPO)
 
 
 def _train(args, cwd):

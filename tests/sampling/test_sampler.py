@@ -6,15 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import tiny
 from lowrl.models import layout
 from lowrl import precision
-from lowrl.models import config as model_config
 from lowrl.models import transformer
 from lowrl.quant.packing import bytes_per_param
 from lowrl import sampling
 from lowrl.sampling import SamplingConfig
 
-TINY = model_config.preset("tiny")  # V=64
+TINY = tiny.TINY  # V=64
 FP32 = precision.PrecisionPolicy.unquantized(layout.matmuls(TINY))
 N = 6
 # Four prompts of lengths 6, 3, 4, 1 in a [4, 6] batch, padded on the right, left, or not at all.

@@ -81,7 +81,7 @@ def test_export_chosen_step_and_errors(run, tmp_path):
 def test_cli_bad_input_is_one_line_exit_2(tmp_path):
   proc = subprocess.run([sys.executable, "-m", "experiments.export_hf", f"--workdir={tmp_path}",
                          f"--out={tmp_path / 'out'}"], capture_output=True, text=True,
-                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                        cwd=str(tiny.REPO))
   assert proc.returncode == 2, proc.stderr
   assert proc.stderr.strip().count("\n") == 0 and "config.json not found" in proc.stderr
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import tiny
 from lowrl import precision
 from lowrl.models import layout, transformer
 from lowrl.models.config import ModelConfig
@@ -16,8 +17,7 @@ from lowrl import sampling
 from lowrl.sampling import SamplingConfig
 
 # 8 layers so nvfp4_recipe's BF16 suffix (round(0.15 * 8) = 1 layer) is its own scan group.
-DEEP = ModelConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=8,
-                   d_ff=64, max_seq_len=64)
+DEEP = tiny.DEEP
 # The logprob and attention-model tests need no depth.
 SHALLOW = dataclasses.replace(DEEP, n_layers=2)
 U = 2.0 ** -24  # FP32 unit roundoff
