@@ -200,7 +200,7 @@ def attend_chunked(q_BTKGH: jax.Array, keys_BSKH: jax.Array, values_BSKH: jax.Ar
 
   Every query row still takes its softmax over all of its keys in one piece, so each output row
   is computed by the same operations as in `attend`: equal up to how XLA blocks the score and
-  value contractions for the chunk's shapes (tests/models/test_model_scale.py states the bound).
+  value contractions for the chunk's shapes (tests/models/test_model_chunked.py states the bound).
   """
   batch, steps = q_BTKGH.shape[:2]
   chunk = min(chunk, steps)
@@ -738,7 +738,7 @@ def token_logprobs_and_entropy(params: Params, tokens_BT: jax.Array, model_cfg: 
 
   With `model_cfg.logprob_chunk` > 0 the LM head and log-softmax run over V in chunks of that
   many columns (`_chunked_logz_entropy_picked`): no [B, T, V] FP32 array; the same numbers up to
-  the online logsumexp's reassociation (tests/models/test_model_scale.py states the bound).
+  the online logsumexp's reassociation (tests/models/test_model_chunked.py states the bound).
   """
   if not model_cfg.logprob_chunk:
     logits_BTV = forward(params, tokens_BT, model_cfg, policy, mask_BT=mask_BT,

@@ -1,0 +1,56 @@
+"""Shared pieces of tests/models/test_model_scan.py and test_model_chunked.py (the model-at-scale
+knobs): small models, policies, batches and a jitted loss-and-gradients."""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import tiny
+from lowrl import precision
+from lowrl.models import layout, transformer
+from lowrl.models.config import ModelConfig
+
+# 4 layers: nvfp4_recipe's BF16 suffix (at least 1 layer) is its own scan group after a scan
+# of 3 quantized layers (8 layers, tiny.DEEP, would only cost compile time).
+DEEP = dataclasses.replace(tiny.DEEP, n_layers=4)
+# The logprob and attention-model tests need no depth.
+SHALLOW = dataclasses.replace(DEEP, n_layers=2)
+U = 2.0 ** -24  # FP32 unit roundoff
+
+
+def gamma(n: int) -> float:
+  """Higham's gamma_n = n u / (1 - n u): relative error bound of an n-term FP32 sum/dot."""
+  return n * U / (1 - n * U)
+
+
+def _policy(name: str, cfg: ModelConfig = DEEP, **overrides) -> precision.PrecisionPolicy:
+  return precision.policy_for(name, layout.matmuls(cfg), **overrides)
+
+
+@functools.lru_cache(maxsize=None)
+def _params(cfg: ModelConfig = DEEP):
+  return transformer.init_params(cfg, jax.random.key(0))
+
+
+def _batch(cfg: ModelConfig = DEEP, shape=(3, 12)):
+  tokens = jax.random.randint(jax.random.key(1), shape, 0, cfg.vocab_size)
+  mask = jnp.ones(shape, bool).at[0, :4].set(False)  # a left-padded row
+  return tokens, mask
+
+
+def _same(a, b) -> bool:
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  return len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb))
+
+
+def _loss_and_grads(cfg, policy, quant_key=None, act_amax=None):
+  tokens, mask = _batch(cfg)
+
+  def loss(p):
+    logp, ent = transformer.token_logprobs_and_entropy(p, tokens, cfg, policy, mask_BT=mask,
+                                                       quant_key=quant_key, act_amax=act_amax)
+    return jnp.sum(logp) + 0.1 * jnp.sum(ent), (logp, ent)
+
+  return jax.jit(jax.value_and_grad(loss, has_aux=True))(_params(cfg))

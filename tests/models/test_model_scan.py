@@ -1,0 +1,105 @@
+"""Execution knobs of the model at scale: scanned layers, remat, chunked attention, chunked
+log-probabilities. Each is checked against the default (unrolled, materialized, full-vocabulary)
+path: bit for bit where the same operations run, else within a bound derived below."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tiny
+from lowrl import precision
+from lowrl.models import layout, transformer
+from lowrl import sampling
+from lowrl.sampling import SamplingConfig
+
+from model_scale_helpers import DEEP, _batch, _loss_and_grads, _params, _policy, _same
+
+
+# ----------------------------------------------------------------------------------------------
+# Scanned layers.
+
+
+def test_layer_groups_split_at_the_bf16_suffix():
+  policy = _policy("nvfp4_recipe", tiny.DEEP)
+  tail = precision.bf16_tail_layers(tiny.DEEP.n_layers, 0.15)
+  assert tail == (7,)
+  assert transformer.layer_groups(tiny.DEEP, policy) == ((0, 7), (7, 8))
+  assert transformer.layer_groups(tiny.DEEP, _policy("fp32", tiny.DEEP)) == ((0, 8),)
+  # A BF16 layer in the middle splits the quantized layers into two runs.
+  mid = _policy("nvfp4_recipe", tiny.DEEP, bf16_last_fraction=0.0, high_precision_paths=r"layers_3/.*")
+  assert transformer.layer_groups(tiny.DEEP, mid) == ((0, 3), (3, 4), (4, 8))
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("nvfp4_recipe", {}),
+    # Stochastic rounding everywhere: every layer's quant key must be fold_in(key, layer).
+    ("nvfp4_recipe", {"stochastic_rounding": "all", "high_precision_paths": r"layers_1/.*"}),
+])
+def test_scan_equals_unrolled_forward_and_gradients(name, overrides):
+  policy = _policy(name, **overrides)
+  key = jax.random.key(7) if policy.needs_key else None
+  (loss_a, aux_a), grads_a = _loss_and_grads(DEEP, policy, key)
+  (loss_b, aux_b), grads_b = _loss_and_grads(dataclasses.replace(DEEP, scan_layers=True), policy,
+                                             key)
+  assert np.isfinite(loss_a)
+  assert _same((loss_a, aux_a), (loss_b, aux_b))
+  assert _same(grads_a, grads_b)
+  assert jax.tree.structure(grads_b) == jax.tree.structure(_params())
+
+
+def test_scan_with_static_act_amax_and_calibration():
+  policy = _policy("nvfp4_naive")  # per-tensor activation scales
+  paths = policy.act_paths(layout.matmuls(DEEP), "tensor")
+  assert paths
+  tokens, mask = _batch()
+  scanned = dataclasses.replace(DEEP, scan_layers=True)
+  calib = jax.jit(transformer.calibrate_act_amax, static_argnames=("model_cfg", "policy", "paths"))
+  amax_a = calib(_params(), tokens, model_cfg=DEEP, policy=policy, paths=paths, mask_BT=mask)
+  amax_b = calib(_params(), tokens, model_cfg=scanned, policy=policy, paths=paths, mask_BT=mask)
+  assert set(amax_a) == set(paths) and _same(amax_a, amax_b)
+  fwd = jax.jit(transformer.forward, static_argnames=("model_cfg", "policy"))
+  a = fwd(_params(), tokens, model_cfg=DEEP, policy=policy, mask_BT=mask, act_amax=amax_a)
+  b = fwd(_params(), tokens, model_cfg=scanned, policy=policy, mask_BT=mask, act_amax=amax_a)
+  assert _same(a, b)
+  # The static amaxes are used, not the data's: other amaxes give other logits (x3: a power of
+  # two would only shift every scale's exponent, which NVFP4 can leave exactly invariant).
+  tripled = {p: 3 * v for p, v in amax_a.items()}
+  c = fwd(_params(), tokens, model_cfg=scanned, policy=policy, mask_BT=mask, act_amax=tripled)
+  assert not np.array_equal(a, c)
+
+
+@pytest.mark.parametrize("extra", [{}, {"attention": "chunked", "attention_chunk": 16}])
+def test_scan_kv_cache_decode_equals_unrolled(extra):
+  """Greedy decoding through the sampler's while_loop: the stacked cache of the scanned model
+  gives the unrolled model's tokens and log-probabilities bit for bit (chunk 16 >= every call's
+  T, so the chunked attention runs the same rows in one chunk)."""
+  policy = _policy("nvfp4_recipe")
+  prompts = jax.random.randint(jax.random.key(3), (3, 6), 0, DEEP.vocab_size)
+  pmask = jnp.ones((3, 6), bool).at[1, :2].set(False)
+  config = SamplingConfig(max_new_tokens=5, temperature=0.0)
+  run = lambda cfg: sampling.generate(_params(), prompts, pmask, jax.random.key(0),  # noqa: E731
+                                      model_cfg=cfg, policy=policy, config=config)
+  out_a, cache_a = run(DEEP)
+  out_b, cache_b = run(dataclasses.replace(DEEP, scan_layers=True, **extra))
+  assert _same(out_a.tokens, out_b.tokens)
+  assert _same(out_a.logprobs, out_b.logprobs)
+  assert isinstance(cache_a["layers"], tuple) and len(cache_a["layers"]) == DEEP.n_layers
+  assert cache_b["layers"]["k"].shape == (DEEP.n_layers,) + cache_a["layers"][0]["k"].shape
+  for i in range(DEEP.n_layers):
+    assert _same(cache_a["layers"][i], {n: cache_b["layers"][n][i] for n in ("k", "v")})
+
+
+def _count_dots(n_layers: int, scan: bool) -> int:
+  cfg = dataclasses.replace(DEEP, n_layers=n_layers, scan_layers=scan)
+  tokens, mask = _batch(cfg)
+  grad = jax.grad(lambda p: jnp.sum(transformer.token_logprobs(
+      p, tokens, cfg, _policy("bf16", cfg), mask_BT=mask)))
+  return jax.jit(grad).lower(transformer.init_params(cfg, jax.random.key(0))).as_text().count(
+      "dot_general")
+
+
+def test_scanned_program_does_not_grow_with_depth():
+  assert _count_dots(2, True) == _count_dots(6, True)
+  assert _count_dots(6, False) > _count_dots(2, False)
