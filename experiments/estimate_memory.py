@@ -3,7 +3,7 @@ from `lowrl.memory` (no compile, no devices needed).
 
   python -m experiments.estimate_memory --model=qwen3_8b --hardware=h100_sxm --devices=8
   python -m experiments.estimate_memory --model=qwen3_8b --hardware=v5p --devices=64 \
-      --remat=full --attention=fused --logprob_chunk=8192
+      --remat=full --attention=chunked --logprob_chunk=8192
 
 Prints the table of `lowrl.memory.format_estimate` (per-device bytes of every term, FLOPs of
 every phase, step time at --mfu) and whether it fits in --headroom of one device's HBM; exits
@@ -30,9 +30,14 @@ _SAMPLER_BATCH = flags.DEFINE_integer("sampler_batch", 0,
 _MICRO_BATCH = flags.DEFINE_integer("micro_batch", 8, "Sequences per forward/backward.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 4096, "Prompt + completion tokens per sequence.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 3584, "Completion tokens per sequence.")
-_REMAT = flags.DEFINE_enum("remat", "none", memory.REMAT_POLICIES, "Per-layer remat policy.")
-_ATTENTION = flags.DEFINE_enum("attention", "materialized", memory.ATTENTION_IMPLS,
-                               "materialized: FP32 [B, H, T, T] scores; fused: flash-style.")
+# The model's execution knobs (lowrl.models.config.ModelConfig, --config.model.* in training).
+_REMAT = flags.DEFINE_enum("remat", "none", model_config.REMAT_MODES,
+                           "Per-layer remat (ModelConfig.remat).")
+_ATTENTION = flags.DEFINE_enum("attention", "materialized", model_config.ATTENTION_MODES,
+                               "materialized: FP32 [B, H, T, T] scores; chunked: "
+                               "--attention_chunk query rows at a time.")
+_ATTENTION_CHUNK = flags.DEFINE_integer("attention_chunk", 512,
+                                        "Query rows per chunk of --attention=chunked.")
 _CHUNK = flags.DEFINE_integer("logprob_chunk", 0,
                               "Vocabulary chunk of the logprobs; 0 = full [B, T, V] FP32.")
 _PARAM_DTYPE = flags.DEFINE_enum("param_dtype", "float32", sorted(memory.DTYPE_BYTES),
@@ -52,7 +57,7 @@ _HEADROOM = flags.DEFINE_float("headroom", 0.9, "Fraction of HBM the estimate ma
 
 def run(*, model: str, hardware: str, devices: int, model_parallel: int, batch: int,
         sampler_batch: int, micro_batch: int, seq_len: int, max_new_tokens: int, remat: str,
-        attention: str, logprob_chunk: int, param_dtype: str, reference_dtype: str,
+        attention: str, attention_chunk: int, logprob_chunk: int, param_dtype: str, reference_dtype: str,
         async_versions: int, async_dtype: str, kv_cache_dtype: str, ppo_epochs: int, mfu: float,
         headroom: float) -> tuple[str, bool]:
   """(the printed report, whether it fits), from the flags' values (their help says each)."""
@@ -60,13 +65,14 @@ def run(*, model: str, hardware: str, devices: int, model_parallel: int, batch: 
   if devices < 1 or model_parallel < 1 or devices % model_parallel:
     raise ValueError(f"--model_parallel={model_parallel} must divide --devices={devices} (both "
                      ">= 1).")
+  model_cfg = model_config.preset(model, remat=remat, attention=attention,
+                                  attention_chunk=attention_chunk, logprob_chunk=logprob_chunk)
   est = memory.estimate(
-      model_config.preset(model), batch=batch, micro_batch=micro_batch, seq_len=seq_len,
+      model_cfg, batch=batch, micro_batch=micro_batch, seq_len=seq_len,
       max_new_tokens=max_new_tokens, mesh=(devices // model_parallel, model_parallel),
       param_dtype=param_dtype, keep_reference=reference_dtype != "none",
       reference_dtype="float32" if reference_dtype == "none" else reference_dtype,
-      async_versions=async_versions, async_dtype=async_dtype, remat=remat,
-      kv_cache_dtype=kv_cache_dtype, logprob_chunk=logprob_chunk or None, attention=attention,
+      async_versions=async_versions, async_dtype=async_dtype, kv_cache_dtype=kv_cache_dtype,
       ppo_epochs=ppo_epochs, sampler_batch=sampler_batch or None)
   lines = [f"{model} on {devices} x {hw.name}", memory.format_estimate(est, hw, mfu), ""]
   try:
@@ -85,7 +91,8 @@ def main(argv):
                    sampler_batch=_SAMPLER_BATCH.value,
                    micro_batch=_MICRO_BATCH.value, seq_len=_SEQ_LEN.value,
                    max_new_tokens=_MAX_NEW.value, remat=_REMAT.value,
-                   attention=_ATTENTION.value, logprob_chunk=_CHUNK.value,
+                   attention=_ATTENTION.value, attention_chunk=_ATTENTION_CHUNK.value,
+                   logprob_chunk=_CHUNK.value,
                    param_dtype=_PARAM_DTYPE.value, reference_dtype=_REFERENCE.value,
                    async_versions=_ASYNC.value, async_dtype=_ASYNC_DTYPE.value,
                    kv_cache_dtype=_KV_DTYPE.value, ppo_epochs=_EPOCHS.value, mfu=_MFU.value,

@@ -4,7 +4,10 @@ anything is compiled.
 `estimate(model_cfg, batch=..., micro_batch=..., seq_len=..., max_new_tokens=..., mesh=(data,
 model), ...)` -> MemoryEstimate; `check_fits(est, hbm_bytes)` refuses a config that cannot fit,
 naming the knobs to change; `format_estimate` prints it on one screen; `step_time(est, hardware)`
-turns the FLOPs into an expected step time at a stated MFU.
+turns the FLOPs into an expected step time at a stated MFU; `device_memory(name)` is the HBM a
+`hardware` knob stands for (a preset, or `auto`: what the backend reports). The model's execution
+knobs (`model_cfg.remat`, `.attention`, `.attention_chunk`, `.logprob_chunk`: one vocabulary with
+lowrl.models.config) select the activation terms.
 
 Sharding assumed (lowrl.sharding's FSDP x tensor-parallel mesh):
 - params, grads, optimizer state, reference params and async versions: every leaf split evenly
@@ -18,8 +21,9 @@ Sharding assumed (lowrl.sharding's FSDP x tensor-parallel mesh):
 Memory terms (bytes per device; c = bytes of the compute dtype):
 - params: N x bytes(param_dtype); N = `model_cfg.num_params()` (the param tree is the master
   copy: lowrl keeps no other, see lowrl/training/optimizer.py).
-- grads: N x bytes(param_dtype), twice when micro_batch < batch (the accumulator and the
-  current micro-batch's gradient).
+- grads: N x bytes(param_dtype), twice when micro_batch < batch / minibatches (gradient
+  accumulation: the accumulator and the current micro-batch's gradient; PPO minibatches are
+  optimizer steps of their own and accumulate nothing).
 - optimizer: Adam's two moments, 2 N x bytes(optimizer_dtype) (its int32 step counters, a few
   bytes, are left out).
 - reference / async versions: N x bytes of their dtype, each.
@@ -32,15 +36,21 @@ Memory terms (bytes per device; c = bytes of the compute dtype):
                                     attention output, mid residual, mlp-norm output, gate, up,
                                     SwiGLU product (q = H hd, kv = K hd, F = d_ff)
   plus per sequence per layer the attention probabilities H x T x T, once in FP32 (the softmax's
-  saved output) and once in the compute dtype (the AV matmul's input): (4 + c) H T^2;
-  attention="fused" (flash-style, jax.nn.dot_product_attention) keeps only an FP32 logsumexp,
-  4 H T. remat="full" (jax.checkpoint per layer) keeps only each layer's input, c D per token,
-  and rematerialises one layer at a time in the backward (its full set is counted once).
+  saved output) and once in the compute dtype (the AV matmul's input): (4 + c) H T^2.
+  attention="chunked" saves no scores (each query chunk is rematerialised in the backward): one
+  chunk's (4 + c) H C T, C = min(attention_chunk, T), is live at a time (counted once).
+  remat="full" (jax.checkpoint per layer) keeps only each layer's input, c D per token, and
+  rematerialises one layer at a time in the backward (its full set, with its materialized
+  scores, is counted once); remat="dots" (dots_with_no_batch_dims_saveable) also keeps the
+  projections' outputs, c (2 D + q + 2 kv + 2 F) per token per layer (o_proj, down, q, k, v,
+  gate, up), and rematerialises the rest one layer at a time like "full" (the attention
+  einsums have batch dims: their scores are not saved).
   The head: its FP32 input and the final norm's input, (4 + c) D per token; the vocabulary:
   3 FP32 [T, V] arrays per sequence (the logits, the softmax saved by logsumexp, the logits'
-  cotangent), or 3 [T, chunk] arrays with `logprob_chunk`.
+  cotangent), or 3 [T, chunk] arrays with `logprob_chunk` > 0.
 - sampler prefill (transient, before training): one layer's FP32 scores and probabilities of
-  the prompt against the whole cache, (4 + c) H P S per row with attention="materialized".
+  the prompt against the whole cache, (4 + c) H P S per row (C rows of P at a time when
+  chunked).
 total = params + optimizer + reference + async versions + KV cache
         + max(grads + activations, sampler prefill)
 (the sampler and the update do not run at once; the KV cache stays allocated across both).
@@ -59,8 +69,10 @@ forward. With P = seq_len - max_new_tokens prompt and N = max_new_tokens complet
   attending to P + j keys: 2 N_mm + 4 L q (P + j);
 - trainer: ppo_epochs x 3 F(T) per sequence; scoring: score_forwards x F(T) (pi_old
   recompute); reference: F(T) when a reference is kept;
-- remat_recompute: ppo_epochs x the block part of F(T) per sequence, executed but not counted in
-  `total` (MFU counts model FLOPs; hardware FLOPs = total + remat_recompute).
+- remat_recompute: per sequence, ppo_epochs x the forward FLOPs the backward runs again,
+  executed but not counted in `total` (MFU counts model FLOPs; hardware FLOPs = total +
+  remat_recompute): remat="full" the whole block forward, 2 N_blocks T + 4 L q T^2; "dots" the
+  attention einsums, 4 L q T^2; attention="chunked" the attention einsums once more.
 
 Left out: XLA's temporaries and fragmentation, collective buffers (FSDP all-gathers of one layer's
 weights), quantized copies of operands in low-precision recipes (fake-quantized weights and
@@ -72,13 +84,19 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 
-from lowrl.hardware import BF16, Hardware
+from typing import Mapping
+
+import jax
+
+from lowrl.hardware import BF16, HARDWARE, Hardware
 from lowrl.models import layout
 from lowrl.models.config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
-REMAT_POLICIES = ("none", "full")
-ATTENTION_IMPLS = ("materialized", "fused")
+# The `hardware` knob: a lowrl.hardware preset, "auto" (the backend's reported memory; none on
+# CPU) or "none" (no fit check).
+AUTO, NO_LIMIT = "auto", "none"
+HARDWARE_CHOICES = (AUTO, NO_LIMIT, *sorted(HARDWARE))
 # FP32 [T, V] (or [T, chunk]) arrays live per sequence in the logprob forward + backward: the
 # logits, the softmax that logsumexp saves for its backward, the logits' cotangent.
 VOCAB_ARRAYS = 3
@@ -103,7 +121,7 @@ class StepFlops:
   trainer: int          # ppo_epochs x (forward + backward)
   scoring: int          # pi_old recompute forwards
   reference: int        # the reference forward (0 without a reference)
-  remat_recompute: int  # re-run forwards under remat="full": executed, not in `total`
+  remat_recompute: int  # forwards the backward re-runs (remat, chunks): not in `total`
 
   @property
   def total(self) -> int:
@@ -127,10 +145,10 @@ class MemoryEstimate:
   async_versions: int
   kv_cache: int
   act_layers: int        # the blocks' saved tensors other than attention scores
-  act_scores: int        # attention probabilities (FP32 + compute dtype), or fused logsumexp
+  act_scores: int        # attention probabilities (FP32 + compute dtype): saved or one chunk
   act_head: int          # the LM head's inputs
   act_logits: int        # FP32 [B, T, V] (or [B, T, chunk]) arrays
-  sampler_prefill: int   # transient: one layer's prefill scores
+  sampler_prefill: int   # transient: one layer's (or one chunk's) prefill scores
   decode_hbm_bytes: int  # bytes each device reads over the decode steps (weights + KV cache)
   flops: StepFlops
   settings: tuple[tuple[str, object], ...] = ()
@@ -175,16 +193,18 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
              max_new_tokens: int, mesh: tuple[int, int] = (1, 1), param_dtype: str = "float32",
              optimizer_dtype: str = "float32", compute_dtype: str = "bfloat16",
              keep_reference: bool = True, reference_dtype: str = "float32",
-             async_versions: int = 0, async_dtype: str = "float32", remat: str = "none",
-             kv_cache_dtype: str = "bfloat16", logprob_chunk: int | None = None,
-             attention: str = "materialized", sampler_batch: int | None = None,
-             ppo_epochs: int = 1, score_forwards: int = 1) -> MemoryEstimate:
+             async_versions: int = 0, async_dtype: str = "float32",
+             kv_cache_dtype: str = "bfloat16", sampler_batch: int | None = None,
+             ppo_epochs: int = 1, score_forwards: int = 1,
+             minibatches: int = 1) -> MemoryEstimate:
   """Per-device memory and per-step FLOPs of GRPO-style RL on `model_cfg` (module docstring).
 
   Args:
-    model_cfg: the model.
+    model_cfg: the model, with its execution knobs (remat, attention, attention_chunk,
+      logprob_chunk).
     batch: sequences per optimizer step (num_prompts x group_size).
-    micro_batch: sequences per forward/backward (gradient accumulation over batch / micro_batch).
+    micro_batch: sequences per forward/backward (gradient accumulation when it is smaller than
+      an optimizer step's batch / minibatches).
     seq_len: prompt + completion tokens per sequence (the KV cache's columns).
     max_new_tokens: completion tokens per sequence.
     mesh: (data, model) devices.
@@ -193,23 +213,26 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
     compute_dtype: dtype of the activations (the precision policy's compute dtype).
     keep_reference, reference_dtype: a reference-policy copy of the params.
     async_versions, async_dtype: older param versions kept for asynchronous sampling.
-    remat: "none" or "full" (jax.checkpoint per layer: only layer inputs are saved).
     kv_cache_dtype: dtype of the sampler's KV cache.
-    logprob_chunk: vocabulary chunk of the log-probabilities; None = full [B, T, V] FP32.
-    attention: "materialized" (FP32 [B, H, T, T] scores, today's model) or "fused".
     sampler_batch: rows the sampler decodes at once (None = batch).
     ppo_epochs: optimizer passes over each batch.
     score_forwards: forwards per step that score the batch without a gradient (pi_old).
+    minibatches: optimizer steps per pass over the batch (PPO minibatches).
   """
   cfg = model_cfg
   for flag, value, minimum in (("batch", batch, 1), ("micro_batch", micro_batch, 1),
                                ("seq_len", seq_len, 2), ("max_new_tokens", max_new_tokens, 1),
                                ("async_versions", async_versions, 0),
                                ("ppo_epochs", ppo_epochs, 1),
-                               ("score_forwards", score_forwards, 0)):
+                               ("score_forwards", score_forwards, 0),
+                               ("minibatches", minibatches, 1)):
     _check_int(flag, value, minimum)
-  if batch % micro_batch:
-    raise ValueError(f"micro_batch={micro_batch} must divide batch={batch}.")
+  if batch % minibatches:
+    raise ValueError(f"minibatches={minibatches} must divide batch={batch}.")
+  step_batch = batch // minibatches
+  if step_batch % micro_batch:
+    raise ValueError(f"micro_batch={micro_batch} must divide batch={batch}"
+                     + (f" / minibatches={minibatches}" if minibatches > 1 else "") + ".")
   if max_new_tokens >= seq_len:
     raise ValueError(f"max_new_tokens={max_new_tokens} must be < seq_len={seq_len} (prompt + "
                      "completion); raise seq_len.")
@@ -218,12 +241,7 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
   if (not isinstance(mesh, tuple) or len(mesh) != 2
       or any(not isinstance(a, int) or isinstance(a, bool) or a < 1 for a in mesh)):
     raise ValueError(f"mesh must be (data, model) positive ints, got {mesh!r}.")
-  if remat not in REMAT_POLICIES:
-    raise ValueError(f"remat={remat!r}; use one of {REMAT_POLICIES}.")
-  if attention not in ATTENTION_IMPLS:
-    raise ValueError(f"attention={attention!r}; use one of {ATTENTION_IMPLS}.")
-  if logprob_chunk is not None:
-    _check_int("logprob_chunk", logprob_chunk, 1)
+  remat, attention = cfg.remat, cfg.attention  # checked by ModelConfig
   sampler_batch = batch if sampler_batch is None else sampler_batch
   _check_int("sampler_batch", sampler_batch, 1)
   p_bytes = _dtype_bytes(param_dtype, "param_dtype")
@@ -238,7 +256,7 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
   n = cfg.num_params()
   per_device = lambda b: _cdiv(n * b, devices)  # noqa: E731  (FSDP over every device)
   params = per_device(p_bytes)
-  grads = per_device(p_bytes) * (2 if micro_batch < batch else 1)
+  grads = per_device(p_bytes) * (2 if micro_batch < step_batch else 1)
   optimizer = 2 * per_device(o_bytes)
   reference = per_device(r_bytes) if keep_reference else 0
   versions = async_versions * per_device(a_bytes)
@@ -257,22 +275,24 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
   seqs = _cdiv(micro_batch, data)
   tokens = seqs * T
   layer_per_token = c * (4 * d + 3 * q + 3 * kv + 3 * f)
-  if attention == "materialized":
-    scores_per_layer = seqs * heads * T * T * (4 + c)
-  else:
-    scores_per_layer = seqs * heads * T * 4
+  chunked = attention == "chunked"
+  # Query rows whose scores are live at once: T (materialized) or one chunk.
+  score_rows = min(cfg.attention_chunk, T) if chunked else T
+  scores_per_layer = seqs * heads * score_rows * T * (4 + c)
   if remat == "none":
     act_layers = L * tokens * layer_per_token
-    act_scores = L * scores_per_layer
-  else:  # layer inputs, plus one layer rematerialised at a time in the backward
-    act_layers = L * tokens * c * d + tokens * layer_per_token
+    act_scores = scores_per_layer if chunked else L * scores_per_layer
+  else:  # saved per layer, plus one layer rematerialised at a time in the backward
+    saved = d if remat == "full" else 3 * d + q + 2 * kv + 2 * f
+    act_layers = L * tokens * c * saved + tokens * layer_per_token
     act_scores = scores_per_layer
   act_head = tokens * (4 + c) * d
-  vocab_width = vocab if logprob_chunk is None else min(logprob_chunk, vocab)
+  vocab_width = min(cfg.logprob_chunk, vocab) if cfg.logprob_chunk else vocab
   act_logits = VOCAB_ARRAYS * tokens * vocab_width * 4
 
   prompt = seq_len - max_new_tokens
-  sampler_prefill = rows * heads * prompt * T * (4 + c) if attention == "materialized" else 0
+  prefill_rows = min(cfg.attention_chunk, prompt) if chunked else prompt
+  sampler_prefill = rows * heads * prefill_rows * T * (4 + c)
   decode_steps = max_new_tokens - 1
   n_mm = matmul_weights(cfg)
   n_head = cfg.d_model * cfg.vocab_size
@@ -289,16 +309,18 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
       trainer=ppo_epochs * batch * 3 * fwd,
       scoring=score_forwards * batch * fwd,
       reference=batch * fwd if keep_reference else 0,
-      remat_recompute=(ppo_epochs * batch * (2 * n_blocks * T + attn * T * T)
-                       if remat == "full" else 0))
+      remat_recompute=ppo_epochs * batch * (
+          (2 * n_blocks * T if remat == "full" else 0)
+          + attn * T * T * ((remat != "none") + chunked)))
   settings = (("mesh", f"data={data} x model={model}"), ("batch", batch),
               ("micro_batch", micro_batch), ("seq_len", seq_len),
               ("max_new_tokens", max_new_tokens), ("sampler_batch", sampler_batch),
               ("param_dtype", param_dtype), ("optimizer_dtype", optimizer_dtype),
-              ("compute_dtype", compute_dtype),
+              ("compute_dtype", compute_dtype), ("minibatches", minibatches),
               ("reference", reference_dtype if keep_reference else "none"),
               ("async_versions", f"{async_versions} x {async_dtype}"), ("remat", remat),
-              ("attention", attention), ("logprob_chunk", logprob_chunk),
+              ("attention", attention + (f" ({cfg.attention_chunk} rows)" if chunked else "")),
+              ("logprob_chunk", cfg.logprob_chunk),
               ("kv_cache_dtype", kv_cache_dtype), ("ppo_epochs", ppo_epochs),
               ("score_forwards", score_forwards))
   return MemoryEstimate(
@@ -308,38 +330,82 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
       decode_hbm_bytes=decode_hbm, flops=flops, settings=settings)
 
 
-def _terms(est: MemoryEstimate) -> list[tuple[str, int, str]]:
-  """(term, bytes, the knobs that shrink it), for check_fits."""
+# The knobs that shrink each term, in `estimate`'s and ModelConfig's names (check_fits's default;
+# a binary passes its own flag names for the same keys).
+KNOB_HINTS = {
+    "blocks": "lower micro_batch or remat='full'",
+    "scores": "lower micro_batch or attention='chunked'",
+    "logits": "set logprob_chunk or lower micro_batch",
+    "params": "param_dtype='bfloat16' or more devices (mesh)",
+    "grads": "param_dtype='bfloat16' or more devices (mesh)",
+    "optimizer": "more devices (mesh) or optimizer_dtype='bfloat16'",
+    "reference": "reference_dtype='bfloat16' or keep_reference=False",
+    "versions": "async_dtype='bfloat16' or fewer async_versions",
+    "kv_cache": "lower sampler_batch or kv_cache_dtype",
+    "prefill": "lower sampler_batch or attention='chunked'",
+    "devices": "more devices (mesh)",
+}
+
+
+def _terms(est: MemoryEstimate) -> list[tuple[str, str, int]]:
+  """(KNOB_HINTS key, term, bytes), for check_fits."""
   return [
-      ("activations: blocks", est.act_layers, "lower micro_batch or remat='full'"),
-      ("activations: attention scores", est.act_scores,
-       "lower micro_batch or attention='fused'"),
-      ("activations: logits", est.act_logits, "set logprob_chunk or lower micro_batch"),
-      ("params", est.params, "param_dtype='bfloat16' or more devices (mesh)"),
-      ("grads", est.grads, "param_dtype='bfloat16' or more devices (mesh)"),
-      ("optimizer", est.optimizer, "more devices (mesh) or optimizer_dtype='bfloat16'"),
-      ("reference", est.reference, "reference_dtype='bfloat16' or keep_reference=False"),
-      ("async versions", est.async_versions, "async_dtype='bfloat16' or fewer async_versions"),
-      ("KV cache", est.kv_cache, "lower sampler_batch or kv_cache_dtype"),
-      ("sampler prefill", est.sampler_prefill, "lower sampler_batch or attention='fused'"),
+      ("blocks", "activations: blocks", est.act_layers),
+      ("scores", "activations: attention scores", est.act_scores),
+      ("logits", "activations: logits", est.act_logits),
+      ("params", "params", est.params),
+      ("grads", "grads", est.grads),
+      ("optimizer", "optimizer", est.optimizer),
+      ("reference", "reference", est.reference),
+      ("versions", "async versions", est.async_versions),
+      ("kv_cache", "KV cache", est.kv_cache),
+      ("prefill", "sampler prefill", est.sampler_prefill),
   ]
 
 
-def check_fits(est: MemoryEstimate, hbm_bytes: float, headroom: float = 0.9) -> None:
+def check_fits(est: MemoryEstimate, hbm_bytes: float, headroom: float = 0.9,
+               hints: Mapping[str, str] | None = None) -> None:
   """Raises ValueError naming the knobs to change when est.total > headroom x hbm_bytes.
 
-  The message lists the largest terms first, each with the knobs that shrink it.
+  The message lists the largest terms first, each with the knobs that shrink it: `hints`, keyed
+  like KNOB_HINTS (default), so a binary can name its own flags.
   """
   if not 0 < headroom <= 1:
     raise ValueError(f"headroom must be in (0, 1], got {headroom}.")
+  hints = KNOB_HINTS if hints is None else hints
+  missing = sorted(set(KNOB_HINTS) - set(hints))
+  if missing:
+    raise ValueError(f"hints lacks the keys {missing} (see memory.KNOB_HINTS).")
   budget = headroom * hbm_bytes
   if est.total <= budget:
     return
-  big = sorted((t for t in _terms(est) if t[1] > 0), key=lambda t: -t[1])[:4]
-  hints = "; ".join(f"{name} {b / GB:.1f} GB ({knobs})" for name, b, knobs in big)
+  big = sorted((t for t in _terms(est) if t[2] > 0), key=lambda t: -t[2])[:4]
+  text = "; ".join(f"{name} {b / GB:.1f} GB ({hints[key]})" for key, name, b in big)
   raise ValueError(f"per-device memory estimate {est.total / GB:.1f} GB exceeds {headroom:g} x "
-                   f"{hbm_bytes / GB:.1f} GB of HBM; largest terms: {hints}; params, grads, "
-                   "optimizer and reference also shrink with more devices (mesh).")
+                   f"{hbm_bytes / GB:.1f} GB of HBM; largest terms: {text}; params, grads, "
+                   f"optimizer and reference also shrink with {hints['devices']}.")
+
+
+def device_memory(name: str) -> tuple[float | None, str]:
+  """(bytes of one device's memory, where that number comes from) of a `hardware` knob value.
+
+  A preset (HARDWARE_CHOICES): its HBM. "none": (None, ...): no fit check. "auto": the first
+  device's `memory_stats()["bytes_limit"]` where the backend reports one (GPU, TPU); None on CPU
+  (host memory, no per-device limit) and where it reports none.
+  """
+  if name not in HARDWARE_CHOICES:
+    raise ValueError(f"hardware={name!r}; use one of {HARDWARE_CHOICES}.")
+  if name == NO_LIMIT:
+    return None, "no fit check (hardware=none)"
+  if name != AUTO:
+    return HARDWARE[name].hbm_bytes, f"{name} HBM"
+  device = jax.devices()[0]
+  if device.platform == "cpu":
+    return None, "no limit (hardware=auto on CPU)"
+  stats = device.memory_stats() or {}
+  if "bytes_limit" not in stats:
+    return None, f"no limit ({device.device_kind} reports no memory_stats bytes_limit)"
+  return float(stats["bytes_limit"]), f"{device.device_kind} memory_stats bytes_limit"
 
 
 @dataclasses.dataclass(frozen=True)

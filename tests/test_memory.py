@@ -5,6 +5,7 @@ init_opt_state, init_cache); the dominant activation terms against hand counts a
 shapes of the FP32 arrays the model's forward actually creates; FLOPs against a hand count of
 every matmul written out here.
 """
+import dataclasses
 import math
 
 from absl import flags
@@ -34,7 +35,12 @@ def _nbytes(tree) -> int:
   return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
+MODEL_KNOBS = ("remat", "attention", "attention_chunk", "logprob_chunk")
+
+
 def _est(cfg=TINY, **kw):
+  """The estimate of `cfg` with the model's execution knobs among `kw` set on it."""
+  cfg = dataclasses.replace(cfg, **{k: kw.pop(k) for k in MODEL_KNOBS if k in kw})
   args = dict(batch=4, micro_batch=4, seq_len=16, max_new_tokens=4)
   args.update(kw)
   return memory.estimate(cfg, **args)
@@ -51,6 +57,8 @@ def test_params_grads_reference_are_the_param_tree_bytes(cfg, dtype):
   assert est.reference == _nbytes(params)
   assert est.async_versions == 2 * _nbytes(params)
   assert _est(cfg, micro_batch=2, param_dtype=dtype).grads == 2 * _nbytes(params)
+  # PPO minibatches are optimizer steps of their own: no accumulator.
+  assert _est(cfg, micro_batch=2, minibatches=2, param_dtype=dtype).grads == _nbytes(params)
   assert _est(cfg, keep_reference=False).reference == 0
   # FSDP over data x model: every device holds 1/8 (rounded up).
   assert _est(cfg, param_dtype=dtype, mesh=(4, 2)).params == math.ceil(_nbytes(params) / 8)
@@ -113,15 +121,22 @@ def test_dominant_activation_terms_by_hand():
   # Chunked logprobs: [B, T, chunk]; a chunk wider than V is the full vocabulary.
   assert _est(batch=4, micro_batch=b, seq_len=t, logprob_chunk=16).act_logits == 3 * b * t * 16 * 4
   assert _est(batch=4, micro_batch=b, seq_len=t, logprob_chunk=999).act_logits == est.act_logits
-  # Fused attention keeps an FP32 logsumexp [B, H, T] per layer.
-  fused = _est(batch=4, micro_batch=b, seq_len=t, attention="fused")
-  assert fused.act_scores == layers * b * h * t * 4
+  # Chunked attention saves no scores: one chunk's [B, H, chunk, T] (FP32 + BF16) is live.
+  chunked = _est(batch=4, micro_batch=b, seq_len=t, attention="chunked", attention_chunk=4)
+  assert chunked.act_scores == b * h * 4 * t * 6
+  assert _est(batch=4, micro_batch=b, seq_len=t, attention="chunked",
+              attention_chunk=999).act_scores == b * h * t * t * 6  # one chunk = all rows
   # Remat: one layer's scores live at a time; the blocks keep only layer inputs + one layer.
   full = _est(batch=4, micro_batch=b, seq_len=t, remat="full")
   assert full.act_scores == b * h * t * t * 6
   per_token_layer = 2 * (4 * 32 + 3 * 32 + 3 * 16 + 3 * 64)  # bf16 x (4D + 3q + 3kv + 3F)
   assert est.act_layers == layers * b * t * per_token_layer
   assert full.act_layers == layers * b * t * 2 * d + b * t * per_token_layer
+  # "dots" also keeps the projections' outputs: q, k, v, o_proj, gate, up, down.
+  dots = _est(batch=4, micro_batch=b, seq_len=t, remat="dots")
+  saved = 2 * (32 + 32 + 16 + 16 + 32 + 64 + 64 + 32)  # bf16 x (D input + outputs)
+  assert dots.act_layers == layers * b * t * saved + b * t * per_token_layer
+  assert dots.act_scores == full.act_scores
   # Batch over data, heads and vocabulary over model.
   split = _est(batch=4, micro_batch=b, seq_len=t, mesh=(2, 2))
   assert split.act_scores == est.act_scores // 4
@@ -134,6 +149,11 @@ def test_dominant_activation_terms_by_hand():
       lambda p, x: transformer.token_logprobs(p, x, TINY, policy), params, tokens)
   assert (b, 2, 2, t, t) in shapes  # scores / probabilities [B, K, H / K, T, T]
   assert (b, t - 1, v) in shapes  # logits / log-softmax of the predicted positions
+  # Chunked attention's forward builds [B, K, H / K, chunk, T] scores and no [.., T, T] ones.
+  tiny_chunked = dataclasses.replace(TINY, attention="chunked", attention_chunk=4)
+  shapes = _f32_array_shapes(
+      lambda p, x: transformer.token_logprobs(p, x, tiny_chunked, policy), params, tokens)
+  assert (b, 2, 2, 4, t) in shapes and (b, 2, 2, t, t) not in shapes
 
 
 def test_flops_by_hand():
@@ -161,6 +181,13 @@ def test_flops_by_hand():
   assert f.total == prefill + decode + (6 + 1 + 1) * batch * forward(seq_len)
   assert _est(keep_reference=False).flops.reference == 0
   assert _est().flops.remat_recompute == 0
+  # "dots" re-runs the attention einsums; chunked attention re-runs them once more.
+  recompute = lambda **kw: _est(seq_len=seq_len, max_new_tokens=new, **kw  # noqa: E731
+                                ).flops.remat_recompute
+  assert recompute(remat="dots") == 4 * attn_pair * seq_len ** 2
+  assert recompute(attention="chunked") == 4 * attn_pair * seq_len ** 2
+  assert recompute(remat="full", attention="chunked") == 4 * (
+      2 * blocks * seq_len + 2 * attn_pair * seq_len ** 2)
 
 
 def test_step_time():
@@ -192,7 +219,7 @@ def test_check_fits_names_the_knobs():
                         max_new_tokens=3584, mesh=(8, 1))
   with pytest.raises(ValueError) as e:
     memory.check_fits(big, hbm_bytes=80e9)
-  for knob in ("micro_batch", "attention='fused'", "remat='full'", "mesh"):
+  for knob in ("micro_batch", "attention='chunked'", "remat='full'", "mesh"):
     assert knob in str(e.value)
   # State-bound: short sequences, no devices to spread over.
   state = memory.estimate(preset("qwen3_8b"), batch=8, micro_batch=8, seq_len=64,
@@ -207,12 +234,14 @@ def test_check_fits_names_the_knobs():
 @pytest.mark.parametrize("kw, match", [
     (dict(micro_batch=3), "micro_batch=3 must divide batch=4"),
     (dict(remat="some"), "remat="),
-    (dict(attention="flash"), "attention="),
+    (dict(attention="fused"), "attention="),
+    (dict(minibatches=3), "minibatches=3 must divide batch=4"),
+    (dict(batch=8, minibatches=2, micro_batch=3), "micro_batch=3 must divide batch=8 / minibatches=2"),
     (dict(mesh=(0, 1)), "mesh"),
     (dict(param_dtype="float64"), "param_dtype="),
     (dict(seq_len=1000), "max_seq_len"),
     (dict(max_new_tokens=16), "max_new_tokens=16 must be < seq_len=16"),
-    (dict(logprob_chunk=0), "logprob_chunk"),
+    (dict(logprob_chunk=-1), "logprob_chunk"),
 ])
 def test_bad_input_names_the_flag(kw, match):
   with pytest.raises(ValueError, match=match):
@@ -238,7 +267,27 @@ def test_binary_qwen3_8b_on_8_h100(capsys):
     assert estimate_memory.main([]) == 1  # today's defaults (no remat, FP32 scores) do not fit
     out = capsys.readouterr().out
     assert "qwen3_8b on 8 x h100_sxm" in out and "DOES NOT FIT" in out and "micro_batch" in out
-    flags.FLAGS(["estimate_memory", "--remat=full", "--attention=fused",
+    flags.FLAGS(["estimate_memory", "--remat=full", "--attention=chunked",
                  "--logprob_chunk=8192", "--reference_dtype=bfloat16"])
     assert estimate_memory.main([]) == 0
     assert "fits in 0.9 x 80 GB" in capsys.readouterr().out
+
+
+def test_device_memory():
+  assert memory.device_memory("h100_sxm")[0] == 80e9
+  assert memory.device_memory("none")[0] is None
+  # The tests' fake devices are CPUs: auto means no per-device limit.
+  assert memory.device_memory("auto")[0] is None
+  with pytest.raises(ValueError, match="hardware='tpu'; use one of"):
+    memory.device_memory("tpu")
+
+
+def test_check_fits_takes_a_binarys_flag_names():
+  big = memory.estimate(preset("qwen3_8b"), batch=8, micro_batch=8, seq_len=64,
+                        max_new_tokens=32, mesh=(1, 1))
+  hints = {k: f"--config.{k}" for k in memory.KNOB_HINTS}
+  with pytest.raises(ValueError, match="--config.params") as e:
+    memory.check_fits(big, 80e9, hints=hints)
+  assert "shrink with --config.devices" in str(e.value)
+  with pytest.raises(ValueError, match="hints lacks the keys"):
+    memory.check_fits(big, 80e9, hints={"params": "x"})

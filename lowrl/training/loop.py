@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from lowrl import distributed, precision, sharding
+from lowrl import distributed, hardware, memory, precision, sharding
 from lowrl.metrics.writer import create_writer
 from lowrl.models import layout, transformer
 from lowrl.models.config import ModelConfig
@@ -62,6 +62,8 @@ class Setup:
   schedule: AsyncSchedule
   plan: sharding.ShardingPlan | None = None  # None: one device
   batch_cfg: BatchConfig | None = None  # rollout -> batch of the RL step (set by `build`)
+  memory: memory.MemoryEstimate | None = None  # per-device estimate (set by `build`)
+  device_memory: tuple[float | None, str] = (None, "")  # memory.device_memory(cfg.hardware)
 
   @property
   def batch_size(self) -> int:
@@ -93,10 +95,72 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   a = cfg.async_rl
   schedule = AsyncSchedule(lag=a.lag, sync_every=a.sync_every,
                            lag_distribution=a.lag_distribution, seed=cfg.seed)
-  plan = _mesh_plan(cfg, model_cfg, trainer_policy, sampler_policy,
-                    seq_len=task.max_prompt_len + rl.max_new_tokens)
+  seq_len = task.max_prompt_len + rl.max_new_tokens
+  plan = _mesh_plan(cfg, model_cfg, trainer_policy, sampler_policy, seq_len=seq_len)
+  est = memory_estimate(cfg, model_cfg, trainer_policy, sampler_policy, plan, schedule, seq_len)
+  budget = memory.device_memory(cfg.hardware)
+  if budget[0] is not None:
+    try:
+      memory.check_fits(est, budget[0], hints=MEMORY_HINTS)
+    except ValueError as e:
+      raise ValueError(f"--config.hardware={cfg.hardware} ({budget[1]}): {e}") from None
   return Setup(cfg, task, model_cfg, trainer_policy, sampler_policy, sampling, eval_sampling,
-               update_cfg, schedule, plan, BatchConfig.from_rl(rl, rl.max_new_tokens))
+               update_cfg, schedule, plan, BatchConfig.from_rl(rl, rl.max_new_tokens), est,
+               budget)
+
+
+# The loop's flags that shrink each term of the estimate (memory.KNOB_HINTS's keys).
+MEMORY_HINTS = {
+    "blocks": "--config.model.remat=full, or more --config.rl.num_minibatches",
+    "scores": "--config.model.attention=chunked, or more --config.rl.num_minibatches",
+    "logits": "--config.model.logprob_chunk=8192, or more --config.rl.num_minibatches",
+    "params": "--config.optimizer.master_dtype=bfloat16 or more devices",
+    "grads": "--config.optimizer.master_dtype=bfloat16 or more devices",
+    "optimizer": "more devices (--config.mesh.shape)",
+    "reference": "--config.rl.log_kl_ref=False with --config.rl.kl_coef=0, or more devices",
+    "versions": "a smaller --config.async_rl.lag, or more devices",
+    "kv_cache": "fewer --config.rl.num_prompts x group_size rows, or a 2-byte "
+                "precision.compute_dtype",
+    "prefill": "--config.model.attention=chunked",
+    "devices": "more devices (--config.mesh.shape)",
+}
+
+
+def memory_estimate(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
+                    trainer_policy: precision.PrecisionPolicy,
+                    sampler_policy: precision.PrecisionPolicy, plan: sharding.ShardingPlan,
+                    schedule: AsyncSchedule, seq_len: int) -> memory.MemoryEstimate:
+  """The per-device memory estimate of one RL step of this run (lowrl.memory.estimate).
+
+  What the loop holds: FP32 Adam moments over the master params (optimizer.master_dtype), the
+  reference params when `uses_reference`, the schedule's parameter copies, the RL sampler's KV
+  cache (all rows, the sampler policy's compute dtype; the eval samplers' caches are left out,
+  as in lowrl.memory); each PPO minibatch is one forward/backward and one optimizer step.
+  """
+  rl = cfg.rl
+  rows = rl.num_prompts * rl.group_size
+  data = plan.batch_shards
+  stale = schedule.lag > 0 or schedule.sync_every > 1  # versions copied, stale ones re-scored
+  master = cfg.optimizer.master_dtype
+  return memory.estimate(
+      model_cfg, batch=rows, micro_batch=rows // rl.num_minibatches, seq_len=seq_len,
+      max_new_tokens=rl.max_new_tokens, mesh=(data, plan.mesh.size // data),
+      param_dtype=master, optimizer_dtype="float32", compute_dtype=trainer_policy.compute_dtype,
+      keep_reference=uses_reference(cfg), reference_dtype=master,
+      async_versions=schedule.max_versions if stale else 0, async_dtype=master,
+      kv_cache_dtype=sampler_policy.compute_dtype, sampler_batch=rows, ppo_epochs=rl.mu,
+      score_forwards=2 if stale else 1, minibatches=rl.num_minibatches)
+
+
+def describe_memory(setup: Setup) -> str:
+  """The setup's per-device memory estimate (and the budget it was checked against), as text."""
+  name = setup.cfg.hardware
+  hw = hardware.HARDWARE.get(name)
+  budget, source = setup.device_memory
+  fit = ("not checked" if budget is None else
+         f"{setup.memory.total / budget:.0%} of {budget / memory.GB:.1f} GB")
+  return (f"[memory] per-device estimate before compiling ({fit}; {source}):\n"
+          + memory.format_estimate(setup.memory, hw))
 
 
 def _make_task(task_cfg: ml_collections.ConfigDict) -> Task:
@@ -416,6 +480,7 @@ def _log_setup(setup: Setup, workdir: str, log: Log) -> None:
       f"devices, {jax.process_count()} process(es)")
   for note in setup.plan.fallbacks(transformer.param_shapes(setup.model_cfg)):
     log(f"[mesh] {note}")
+  log(describe_memory(setup))
 
 
 def _initial_state(setup: Setup, trainer: Trainer, ckpt: Checkpointer, base, resuming: bool,

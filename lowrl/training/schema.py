@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import ml_collections
 
-from lowrl import precision, sharding
+from lowrl import memory, precision, sharding
 from lowrl.rl.advantages import ADVANTAGE_MODES
 from lowrl.rl.corrections import CORRECTION_LEVELS, CORRECTION_MODES
 from lowrl.rl.kl import KL_ESTIMATORS
@@ -397,6 +397,12 @@ MODEL = Section("model", (
 PRECISION = Section("precision", tuple(Knob(k, None, doc) for k, doc in precision.KNOBS.items()),
                     external=True)
 
+# The per-device memory budget build() checks the estimate against (lowrl.memory), before any
+# compile.
+HARDWARE = Knob("hardware", memory.AUTO, "device memory the per-device estimate must fit in: "
+                "auto (the backend's memory_stats; no limit on CPU), none (no check) or a "
+                "lowrl.hardware preset", OneOf(memory.HARDWARE_CHOICES))
+
 EVAL_NUM_PROMPTS = Knob("eval_num_prompts", 256, "held-out eval-split prompts", POSITIVE)
 
 # The training loop (configs/base.py). Sections in the order --print_config lists them.
@@ -448,4 +454,5 @@ TRAIN = Schema((
         Knob("strict", False, "True: a rule axis not dividing its dim is an error (else: "
              "replicated)"),
     )),
+    Section("", (HARDWARE,)),
 ))

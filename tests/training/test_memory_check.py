@@ -1,0 +1,96 @@
+"""The loop's memory check (loop.build): the per-device estimate is printed, and a config that
+cannot fit is refused before anything is compiled, naming the flag to change."""
+
+import jax
+import jax.monitoring
+import pytest
+
+from configs import base
+from lowrl import memory
+from lowrl.models import transformer
+from lowrl.training import loop, run_config
+
+
+def _cfg(**rl):
+  cfg = base.get_config("bf16")
+  cfg.sft.steps = 0
+  for k, v in rl.items():
+    cfg.rl[k] = v
+  return cfg
+
+
+class _Compiles:
+  """Counts XLA backend compiles while active (jax.monitoring's compile-duration events)."""
+
+  def __enter__(self):
+    self.count = 0
+    self._listener = lambda name, *_, **__: setattr(
+        self, "count", self.count + (name == "/jax/core/compile/backend_compile_duration"))
+    jax.monitoring.register_event_duration_secs_listener(self._listener)
+    return self
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+def test_a_config_that_cannot_fit_is_refused_before_any_compile(tmp_path):
+  # A 1.9B-parameter decoder and 32768 rows per step: on 8 devices each holds 4096 sequences'
+  # block activations (~100 GB in BF16), more than 0.9 x 80 GB.
+  cfg = _cfg(num_prompts=4096)
+  cfg.model.update(d_model=4096, n_layers=8, n_heads=32, n_kv_heads=8, head_dim=128,
+                   d_ff=16384)
+  cfg.hardware = "h100_sxm"
+  with _Compiles() as compiles, pytest.raises(run_config.ConfigError) as e:
+    loop.run(cfg, str(tmp_path / "run"))
+  msg = str(e.value)
+  assert msg.startswith("--config.hardware=h100_sxm (h100_sxm HBM): per-device memory estimate")
+  assert "activations: blocks" in msg and "--config.model.remat=full" in msg
+  assert "\n" not in msg
+  assert compiles.count == 0
+  assert not (tmp_path / "run").exists()  # refused before the workdir is touched
+  # The same config with remat and more minibatches fits; hardware=none / auto on CPU: no check.
+  cfg.model.remat, cfg.rl.num_minibatches = "full", 64
+  loop.build(cfg)
+  cfg.model.remat, cfg.rl.num_minibatches = "none", 1
+  for name in ("none", "auto"):
+    cfg.hardware = name
+    assert loop.build(cfg).device_memory[0] is None
+
+
+def test_the_estimate_is_the_runs_and_is_printed():
+  cfg = _cfg(mu=2, num_minibatches=2)
+  cfg.async_rl.lag = 1
+  cfg.hardware = "h100_sxm"
+  setup = loop.build(cfg)
+  est = setup.memory
+  # The loop's state: params and Adam over the master tree, a reference, one stale version copy,
+  # the RL sampler's KV cache (all rows, every device along `data`).
+  shapes = transformer.param_shapes(setup.model_cfg)
+  n_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+  devices = jax.device_count()
+  assert est.params == -(-n_bytes // devices)
+  assert est.grads == est.params  # minibatches accumulate nothing
+  assert est.optimizer == 2 * est.params and est.reference == est.params
+  assert est.async_versions == setup.schedule.max_versions * est.params
+  rows = cfg.rl.num_prompts * cfg.rl.group_size
+  seq_len = setup.task.max_prompt_len + cfg.rl.max_new_tokens
+  cache = jax.eval_shape(lambda: transformer.init_cache(
+      setup.model_cfg, rows // devices, seq_len, setup.sampler_policy.dtype))
+  assert est.kv_cache == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+  assert dict(est.settings)["micro_batch"] == rows // 2
+  lines = []
+  loop._log_setup(setup, "/tmp/unused", lines.append)
+  text = "\n".join(lines)
+  assert "[memory] per-device estimate before compiling" in text
+  assert "of 80.0 GB; h100_sxm HBM" in text
+  for word in ("params", "KV cache", "attention scores", "total", "expected step"):
+    assert word in text
+
+
+def test_hardware_knob_is_checked():
+  cfg = _cfg()
+  cfg.hardware = "a100"
+  with pytest.raises(ValueError, match="--config.hardware='a100': use one of 'auto', 'none'"):
+    loop.build(cfg)
+  assert memory.HARDWARE_CHOICES[:2] == ("auto", "none")
+  assert "hardware" in run_config.COSMETIC_KEYS  # the budget changes no result
