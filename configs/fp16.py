@@ -22,6 +22,7 @@ PRECISION = {
     "quantize_lm_head": False,  # LM head unquantized
     "lm_head_dtype": "float32",  # GEMM dtype of the unquantized LM head
     "high_precision_paths": "",  # regex of further matmuls kept unquantized ('' = none)
+    "gemm": "emulated",  # forward GEMMs: emulated | native (FP8 formats: float8 GEMM operands)
 }
 
 

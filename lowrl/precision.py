@@ -22,7 +22,8 @@ from typing import NamedTuple, Protocol, Sequence
 import jax.numpy as jnp
 import ml_collections
 
-from lowrl.quant.config import BACKWARD_MODES, COMPUTE_DTYPES, FORMATS, QDotConfig, QuantConfig
+from lowrl.quant.config import (BACKWARD_MODES, COMPUTE_DTYPES, FORMATS, GEMMS, NATIVE_FORMATS,
+                                QDotConfig, QuantConfig)
 
 FORMAT_NONE = "none"
 STOCHASTIC_ROUNDING_MODES = ("none", "grad", "all")
@@ -177,6 +178,8 @@ KNOBS = {
     "quantize_lm_head": "quantize the LM head with `format` too (default: unquantized)",
     "lm_head_dtype": "GEMM dtype of an unquantized LM head (logits are FP32 regardless)",
     "high_precision_paths": "regex (fullmatch) of further matmul paths kept unquantized, '' = none",
+    "gemm": "emulated (dequantized operands in compute_dtype) | native (FP8 formats: the codes as "
+            "float8 GEMM operands, what XLA lowers to cuBLASLt FP8 GEMMs; forward only)",
 }
 
 
@@ -202,6 +205,11 @@ def _check_config(c: ml_collections.ConfigDict) -> None:
     raise ValueError(f"precision.format={c.format!r}; use one of {formats}.")
   if c.compute_dtype not in COMPUTE_DTYPES:
     raise ValueError(f"precision.compute_dtype={c.compute_dtype!r}; use one of {COMPUTE_DTYPES}.")
+  if c.gemm not in GEMMS:
+    raise ValueError(f"precision.gemm={c.gemm!r}; use one of {GEMMS}.")
+  if c.gemm == "native" and c.format not in NATIVE_FORMATS:
+    raise ValueError(f"precision.gemm=native needs an FP8 precision.format {NATIVE_FORMATS} (got "
+                     f"{c.format!r}); set precision.gemm=emulated.")
   if c.lm_head_dtype not in COMPUTE_DTYPES:
     raise ValueError(f"precision.lm_head_dtype={c.lm_head_dtype!r}; use one of {COMPUTE_DTYPES}.")
   if c.backward not in BACKWARD_MODES:
@@ -262,7 +270,7 @@ def _quantized_qdot(c: ml_collections.ConfigDict) -> QDotConfig:
     grad = QuantConfig(c.grad_format or c.format, scale_rounding=c.scale_rounding,
                        stochastic_rounding=c.stochastic_rounding != "none")
   return QDotConfig(lhs=lhs, rhs=rhs, backward=c.backward, grad=grad, rht_wgrad=c.rht_wgrad,
-                    compute_dtype=c.compute_dtype)
+                    compute_dtype=c.compute_dtype, gemm=c.gemm)
 
 
 def make_policy(config: ml_collections.ConfigDict,
@@ -342,6 +350,8 @@ def _options(cfg: QDotConfig) -> str:
     opts.append("rht_wgrad")
   if cfg.quantized:
     opts.append(f"gemm={cfg.compute_dtype}")
+  if cfg.gemm == "native":
+    opts.append("native_gemm")
   return ",".join(opts)
 
 

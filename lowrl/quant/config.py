@@ -22,6 +22,11 @@ SCALE_CONVENTIONS = ("exact", "te")
 BACKWARD_MODES = ("high_precision", "dequantized", "quantized")
 REQUANTIZE_SOURCES = ("original", "dequantized")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+# How a quantized forward GEMM runs: "emulated" multiplies the dequantized operands in
+# compute_dtype; "native" multiplies the FP8 codes (float8 dot operands, scales applied as XLA
+# lowers to cuBLASLt FP8 GEMMs; MX block scales through lax.scaled_dot).
+GEMMS = ("emulated", "native")
+NATIVE_FORMATS = ("fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +134,9 @@ class QDotConfig:
     rht_wgrad: apply the random Hadamard transform to both weight-gradient operands
       (backward == "quantized" only).
     compute_dtype: dtype the GEMM operands are cast to after (de)quantization.
+    gemm: the forward GEMM: "emulated" (dequantized operands in compute_dtype) or "native"
+      (FP8 codes as float8 dot operands; both operands in NATIVE_FORMATS of one kind, per-tensor
+      or MX with equal blocks). The backward is the same for both.
   """
 
   lhs: QuantConfig | None = None
@@ -138,8 +146,18 @@ class QDotConfig:
   requantize_from: str = "original"
   rht_wgrad: bool = False
   compute_dtype: str = "float32"
+  gemm: str = "emulated"
 
   def __post_init__(self):
+    if self.gemm not in GEMMS:
+      raise ValueError(f"gemm={self.gemm!r}; use one of {GEMMS}.")
+    if self.gemm == "native":
+      fmts = tuple(q.fmt if q is not None else None for q in (self.lhs, self.rhs))
+      if (any(f not in NATIVE_FORMATS for f in fmts) or self.lhs.kind != self.rhs.kind
+          or self.lhs.block != self.rhs.block):
+        raise ValueError(f"gemm='native' multiplies FP8 codes: both operands need a format of "
+                         f"{NATIVE_FORMATS}, both per-tensor or both MX with one block size; "
+                         f"got lhs={fmts[0]}, rhs={fmts[1]}: use gemm='emulated'.")
     if self.backward not in BACKWARD_MODES:
       raise ValueError(f"backward={self.backward!r}; use one of {BACKWARD_MODES}.")
     if self.compute_dtype not in COMPUTE_DTYPES:

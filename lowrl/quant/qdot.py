@@ -4,6 +4,20 @@ Forward: each operand is fake-quantized along its contracting axis and cast to c
 then multiplied by `lax.dot_general`, so the forward equals
 `lax.dot_general(fake_quant(lhs).astype(c), fake_quant(rhs).astype(c), ...)` exactly.
 
+Native forward (cfg.gemm="native", FP8 operands only): the same quantizers give FP8 codes and
+scales, and the GEMM takes the codes as float8 operands, as XLA lowers to cuBLASLt FP8 GEMMs on
+GPUs with FP8 tensor cores: per-tensor scales as `dot_general(codes_l, codes_r,
+preferred_element_type=float32) * (s_l * s_r)`; MX block scales through `lax.scaled_dot` (XLA's
+scaled-dot composite, taking our E8M0 scales; where the backend has no block-scaled GEMM, XLA
+runs its decomposition: BF16 dequantization, which is exact for MXFP8, and a BF16 GEMM with FP32
+accumulation). `jax.nn.scaled_dot_general` is not used: it quantizes with its own quantizer, so
+it would not multiply the codes the emulated path dequantizes; `jax.nn.scaled_matmul` has no CPU
+lowering in jax 0.10. Native vs emulated: MX products are the same exact values (power-of-two
+scales), so they differ only by FP32 summation order; per-tensor FP8 scales are arbitrary FP32
+numbers, so the emulated operands code * s are rounded (to FP32, then to compute_dtype) while the
+native GEMM sums exact code products and scales once (tests/quant/test_qdot_native.py derives the
+bound). The backward and its saved operands are the emulated path's, bit for bit.
+
 Backward (all GEMMs take cfg.compute_dtype operands and accumulate in FP32; the results are cast
 to the primal dtypes):
   high_precision  straight-through: dlhs = g·rhsᵀ, drhs = lhsᵀ·g with the original operands.
@@ -43,7 +57,7 @@ from jax import lax
 
 from lowrl.quant.config import QDotConfig, QuantConfig
 from lowrl.quant.hadamard import rht
-from lowrl.quant.quantize import check_tensor_amax, fake_quant
+from lowrl.quant.quantize import QTensor, check_tensor_amax, dequantize, fake_quant, quantize
 
 _Axes = tuple[int, ...]
 DimensionNumbers = tuple[tuple[_Axes, _Axes], tuple[_Axes, _Axes]]
@@ -89,6 +103,59 @@ def _fq_axes(x, axes, cfg: QuantConfig | None, key, what: str, amax=None) -> jax
   except ValueError as e:
     where = f"contracting axes {tuple(axes)} of shape {tuple(x.shape)}"
     raise ValueError(f"{what} ({where}): {e}") from None
+
+
+def _q_axis(x, axes, cfg: QuantConfig, key, amax) -> QTensor:
+  """x quantized for a forward GEMM contracting `axes` (one axis for MX, as _check enforces):
+  the codes and scales that _fq_axes dequantizes."""
+  if cfg.kind != "tensor":
+    cfg = dataclasses.replace(cfg, axis=axes[0])
+  return quantize(x, cfg, key, tensor_amax=amax)
+
+
+def _bmk(x: jax.Array, batch: _Axes, free: _Axes, contract: _Axes) -> jax.Array:
+  """x as [batch, free, contract], each group of axes flattened (row-major)."""
+  perm = batch + free + contract
+  size = lambda axes: math.prod(x.shape[a] for a in axes)  # noqa: E731
+  return jnp.transpose(x, perm).reshape(size(batch), size(free), size(contract))
+
+
+def _scaled_dot(q_l: QTensor, q_r: QTensor, dn: DimensionNumbers) -> jax.Array:
+  """FP32 product of two MX tensors by `lax.scaled_dot`, which takes operands and block scales of
+  one rank: both as [batch, free, K] (scales [batch, free, K / block]), the output reshaped to
+  dot_general's (batch..., lhs free..., rhs free...)."""
+  dims = _Dims(dn, q_l.codes.ndim, q_r.codes.ndim)
+  lhs = [_bmk(x, dims.lb, dims.lf, dims.lc) for x in (q_l.codes, q_l.scale)]
+  rhs = [_bmk(x, dims.rb, dims.rf, dims.rc) for x in (q_r.codes, q_r.scale)]
+  out = lax.scaled_dot(lhs[0], rhs[0], lhs_scale=lhs[1], rhs_scale=rhs[1],
+                       dimension_numbers=(((2,), (2,)), ((0,), (0,))),
+                       preferred_element_type=jnp.float32)
+  shape = lambda x, axes: tuple(x.shape[a] for a in axes)  # noqa: E731
+  return out.reshape(shape(q_l.codes, dims.lb) + shape(q_l.codes, dims.lf)
+                     + shape(q_r.codes, dims.rf))
+
+
+def _native_forward(lhs, rhs, key, amaxes, dn, cfg: QDotConfig, precision,
+                    preferred_element_type):
+  """(product, dequantized lhs, dequantized rhs): the product of the FP8 codes as float8 GEMM
+  operands; the dequantized operands (compute dtype) are `_forward_operands`' values, bit for
+  bit, for the backward."""
+  compute = jnp.dtype(cfg.compute_dtype)
+  (lc, rc), _ = dn
+  k_lhs, k_rhs, _, _ = _split_key(key)
+  q_l = _q_axis(lhs, lc, cfg.lhs, k_lhs, amaxes[0])
+  q_r = _q_axis(rhs, rc, cfg.rhs, k_rhs, amaxes[1])
+  if cfg.lhs.kind == "tensor":
+    # One FP32 output scale (cuBLASLt's a_scale * b_scale): the rewriter's FP8 GEMM epilogue.
+    out = lax.dot_general(q_l.codes, q_r.codes, dn, precision=precision,
+                          preferred_element_type=jnp.float32) * (q_l.scale * q_r.scale)
+  else:
+    out = _scaled_dot(q_l, q_r, dn)
+  out = out.astype(compute if preferred_element_type is None else preferred_element_type)
+  # dequantize == fake_quant's values (same stored scales, same decode), cast as the emulated
+  # path casts them.
+  return (out, dequantize(q_l, lhs.dtype).astype(compute),
+          dequantize(q_r, rhs.dtype).astype(compute))
 
 
 def _no_sr(cfg: QuantConfig | None) -> QuantConfig | None:
@@ -167,17 +234,24 @@ def _backward(dn, cfg: QDotConfig, precision, lhs_op, rhs_op, key, g):
   return dims.dgrad(g_d, rhs_d, precision), dims.wgrad(lhs_w, g_w, precision)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _qdot(lhs, rhs, key, amaxes, dn, cfg, precision, preferred_element_type):
-  lhs_q, rhs_q = _forward_operands(lhs, rhs, key, amaxes, dn, cfg)
-  return lax.dot_general(lhs_q, rhs_q, dn, precision=precision,
-                         preferred_element_type=preferred_element_type)
-
-
-def _qdot_fwd(lhs, rhs, key, amaxes, dn, cfg, precision, preferred_element_type):
+def _forward(lhs, rhs, key, amaxes, dn, cfg: QDotConfig, precision, preferred_element_type):
+  """(product, the dequantized operands in the compute dtype), by cfg.gemm."""
+  if cfg.gemm == "native":
+    return _native_forward(lhs, rhs, key, amaxes, dn, cfg, precision, preferred_element_type)
   lhs_q, rhs_q = _forward_operands(lhs, rhs, key, amaxes, dn, cfg)
   out = lax.dot_general(lhs_q, rhs_q, dn, precision=precision,
                         preferred_element_type=preferred_element_type)
+  return out, lhs_q, rhs_q
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _qdot(lhs, rhs, key, amaxes, dn, cfg, precision, preferred_element_type):
+  return _forward(lhs, rhs, key, amaxes, dn, cfg, precision, preferred_element_type)[0]
+
+
+def _qdot_fwd(lhs, rhs, key, amaxes, dn, cfg, precision, preferred_element_type):
+  out, lhs_q, rhs_q = _forward(lhs, rhs, key, amaxes, dn, cfg, precision,
+                               preferred_element_type)
   if cfg.backward == "high_precision":
     compute = jnp.dtype(cfg.compute_dtype)
     lhs_q, rhs_q = lhs.astype(compute), rhs.astype(compute)
@@ -233,8 +307,8 @@ def _check(lhs, rhs, dn: DimensionNumbers, cfg: QDotConfig, key, amaxes) -> None
   # Shape checks of forward and backward quantizers, abstractly (raises before any compile).
   lhs_s = jax.ShapeDtypeStruct(lhs.shape, lhs.dtype)
   rhs_s = jax.ShapeDtypeStruct(rhs.shape, rhs.dtype)
-  out_s = jax.eval_shape(lambda a, b, k, m: _forward_operands(a, b, k, m, dn, cfg), lhs_s, rhs_s,
-                         key, amaxes)
+  _, *out_s = jax.eval_shape(lambda a, b, k, m: _forward(a, b, k, m, dn, cfg, None, None),
+                             lhs_s, rhs_s, key, amaxes)
   if cfg.backward == "quantized":
     y_s = jax.eval_shape(lambda a, b: lax.dot_general(a, b, dn), *out_s)
     g_s = jax.ShapeDtypeStruct(y_s.shape, jnp.float32)
