@@ -34,12 +34,14 @@ TOKENIZERS = {"qwen2": ("qwen", {}), "qwen3": ("qwen", {"chat_template": CHATML}
 # Llama's </s> = 2, then generation_config's and config.json's [2, 3].
 EOS_IDS = {"qwen2": (3, 1, 2), "qwen3": (3, 1, 2), "llama": (2, 3)}
 
-# Random tiny weights rarely produce an exact answer, so every group's rewards would be equal and
-# the advantages exactly 0 (no update to compare). This verifier gives credit for any digit of the
-# answer in the completion: the groups' rewards differ and the update moves the weights.
+# Random tiny weights never produce the answer, so every group's rewards would be equal and the
+# advantages exactly 0 (no update to compare). This verifier adds partial credit for the completion's
+# length in characters (< 1; the answer itself scores 1): the groups' rewards differ and the update
+# moves the weights.
 verifiers.register_verifier(
-    "test_shared_digit",
-    lambda: lambda completion, answer: float(any(c in completion for c in answer)),
+    "test_length_credit",
+    lambda: lambda completion, answer: (1.0 if completion.strip() == answer.strip()
+                                        else min(len(completion), 15) / 16),
     overwrite=True)
 
 
@@ -63,12 +65,13 @@ def _config(files, family, **overrides):
   dirs, jsonl = files
   c = base_config.get_config("fp32")
   c.model.hf_checkpoint = dirs[family]
-  c.task.name, c.task.path, c.task.verifier = "jsonl", jsonl, "test_shared_digit"
+  c.task.name, c.task.path, c.task.verifier = "jsonl", jsonl, "test_length_credit"
   c.task.kwargs = ml_collections.ConfigDict({"eval_fraction": 0.25})
   c.task.chat_template = family == "qwen3"
   c.sft.steps = 0
   c.rl.update(steps=2, num_prompts=2, group_size=4, max_new_tokens=4)
-  c.eval_num_prompts, c.eval_samples, c.num_text_samples = 4, 1, 0
+  # 8 eval rows, as the rollout's: the temperature-1 eval reuses the rollout's decode program.
+  c.eval_num_prompts, c.eval_samples, c.num_text_samples = 8, 1, 0
   c.rl.log_kl_ref = False
   c.mesh.shape = (4, 2)
   for k, v in overrides.items():
