@@ -402,8 +402,12 @@ PARAM_DTYPES = ("float32", "bfloat16")
 
 def _checkpoint_check(prefix: str, m: ml_collections.ConfigDict) -> None:
   """With hf_checkpoint, the architecture comes from its config.json: a changed architecture
-  knob would be silently ignored, so it is an error."""
+  knob would be silently ignored, so it is an error (as param_dtype without a checkpoint)."""
   if not m.hf_checkpoint:
+    if m.param_dtype != "float32":
+      raise ValueError(f"--config.{prefix}.param_dtype={m.param_dtype!r} applies to "
+                       f"--config.{prefix}.hf_checkpoint only (the tiny model starts in FP32; "
+                       "--config.optimizer.master_dtype sets the trained dtype); drop it.")
     return
   defaults = {k.name: k.default for k in MODEL.knobs}
   changed = [k for k in _ARCHITECTURE if m[k] != defaults[k]]

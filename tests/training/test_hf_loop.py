@@ -15,9 +15,10 @@ import pytest
 import safetensors.numpy
 
 from configs import base as base_config
+from experiments import export_hf
 from hf_builders import write_checkpoint, write_tokenizer
 from lowrl import sharding
-from lowrl.checkpoints import load_hf_params, load_tokenizer
+from lowrl.checkpoints import load_hf_checkpoint, load_hf_params, load_tokenizer
 from lowrl.sampling import generate
 from lowrl.tasks import verifiers
 from lowrl.training import loop
@@ -127,6 +128,17 @@ def test_two_rl_steps_from_checkpoint_on_one_device_and_on_a_mesh(files, family,
   for key in ("greedy", "pass_at_1"):  # evaluation rewards: discrete
     assert mesh_summary["eval_end"][key] == one_summary["eval_end"][key]
 
+  # Back to a Hugging Face checkpoint: the source's architecture and tokenizer files.
+  dirs, _ = files
+  info = export_hf.export(str(tmp_path / "mesh"), str(tmp_path / "hf_out"), log=lambda _: None)
+  assert info["step"] == 2 and "tokenizer.json" in info["tokenizer_files"]
+  exported_cfg, exported = load_hf_checkpoint(tmp_path / "hf_out")
+  source_cfg, source = load_hf_checkpoint(dirs[family])
+  assert exported_cfg == source_cfg
+  assert load_tokenizer(tmp_path / "hf_out").eos_ids == EOS_IDS[family]
+  moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b.astype(a.dtype)).max()), exported, source)
+  assert 0 < max(jax.tree.leaves(moved))  # the trained policy, not the source
+
 
 def test_build_reads_the_checkpoint(files):
   dirs, _ = files
@@ -193,6 +205,8 @@ def test_every_eos_id_of_the_checkpoint_stops_generation(files, family):
     ({"model.hf_checkpoint": "/nonexistent"}, r"hf_checkpoint=/nonexistent: .*not found"),
     ({"rl.max_new_tokens": 200}, r"max_position_embeddings is 128; lower --config.rl.max_new_"),
     ({"model.param_dtype": "float16"}, r"param_dtype='float16': use one of"),
+    ({"model.param_dtype": "bfloat16", "model.hf_checkpoint": ""},
+     r"param_dtype='bfloat16' applies to --config.model.hf_checkpoint only"),
 ])
 def test_flag_errors_before_any_compile(files, overrides, match):
   cfg = _config(files, "qwen2", **overrides)
