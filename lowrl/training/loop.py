@@ -1,4 +1,5 @@
-"""The RL training loop: mid-trained base -> GRPO-family updates under a precision recipe.
+"""The RL training loop: mid-trained base (or a Hugging Face checkpoint) -> GRPO-family updates
+under a precision recipe.
 
 Everything static is built and validated by `build` before anything is compiled. Each step:
   1. the sampler generates a group of completions per prompt with the policy *version* and

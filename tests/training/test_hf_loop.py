@@ -36,9 +36,9 @@ TOKENIZERS = {"qwen2": ("qwen", {}), "qwen3": ("qwen", {"chat_template": CHATML}
 EOS_IDS = {"qwen2": (3, 1, 2), "qwen3": (3, 1, 2), "llama": (2, 3)}
 
 # Random tiny weights never produce the answer, so every group's rewards would be equal and the
-# advantages exactly 0 (no update to compare). This verifier adds partial credit for the completion's
-# length in characters (< 1; the answer itself scores 1): the groups' rewards differ and the update
-# moves the weights.
+# advantages exactly 0 (no update to compare). This verifier adds partial credit for the
+# completion's length in characters (< 1; the answer itself scores 1): the groups' rewards differ
+# and the update moves the weights.
 verifiers.register_verifier(
     "test_length_credit",
     lambda: lambda completion, answer: (1.0 if completion.strip() == answer.strip()
@@ -148,7 +148,8 @@ def test_build_reads_the_checkpoint(files):
   assert m.rope_llama3_scaling == (8.0, 1.0, 4.0, 32)
   assert setup.task.tokenizer.eos_ids == EOS_IDS["llama"]
   # The tiny path keeps scan_layers off by default; an explicit False holds for a checkpoint.
-  assert not loop.build(_config(files, "llama", **{"model.scan_layers": False})).model_cfg.scan_layers
+  unscanned = loop.build(_config(files, "llama", **{"model.scan_layers": False}))
+  assert not unscanned.model_cfg.scan_layers
   # The chat template renders every prompt (Qwen3 run): one user message + the assistant header.
   qwen3 = loop.build(_config(files, "qwen3"))
   for e in qwen3.task.examples("train"):
