@@ -6,16 +6,10 @@ file doubles as its config file (`get_config`).
 """
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 
 WORKER_DEVICES = 4  # per process: 2 x 4 = the 8 devices of the single-process reference
-
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def get_config(base_dir: str = ""):
@@ -28,12 +22,6 @@ def get_config(base_dir: str = ""):
   c.eval_num_prompts, c.eval_samples, c.checkpoint_every = 8, 1, 1
   c.mesh.shape = (-1, 2)  # (4, 2): "data" spans both processes, "model" stays within one
   return c
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _metrics(workdir: str) -> list[dict]:
@@ -54,30 +42,18 @@ def test_initialize_validates_launch_flags():
 
 @pytest.mark.slow
 def test_two_processes_run_rl_in_lockstep_like_one(tmp_path):
+  # Imported here: the launched processes load this file as their config, without tests/ on
+  # their path.
+  from multiprocess import free_port, run_processes
+
   from lowrl.training import loop
   base_dir = str(tmp_path / "base")
-  coordinator = f"127.0.0.1:{_free_port()}"
-  env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={WORKER_DEVICES}",
-             JAX_DEFAULT_MATMUL_PRECISION="highest")  # as conftest.py sets for this process
-  procs = []
-  for i in range(2):
-    cmd = [sys.executable, "-m", "experiments.train",
-           f"--config={os.path.abspath(__file__)}:{base_dir}",
-           f"--workdir={tmp_path / 'multi'}", f"--coordinator_address={coordinator}",
-           "--num_processes=2", f"--process_id={i}"]
-    procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True))
-  outs = []
-  for p in procs:
-    try:
-      outs.append(p.communicate(timeout=600)[0])
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      raise
-  for i, (p, out) in enumerate(zip(procs, outs)):
-    assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
+  coordinator = f"127.0.0.1:{free_port()}"
+  outs = run_processes([["-m", "experiments.train",
+                         f"--config={os.path.abspath(__file__)}:{base_dir}",
+                         f"--workdir={tmp_path / 'multi'}", f"--coordinator_address={coordinator}",
+                         "--num_processes=2", f"--process_id={i}"] for i in range(2)],
+                       WORKER_DEVICES)
   assert "[rl] step 2/2" in outs[0] and "[rl]" not in outs[1]  # only process 0 logs
   multi = _metrics(str(tmp_path / "multi"))
 

@@ -12,11 +12,12 @@ is.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -354,25 +355,6 @@ def _open(file: str):
                      "or corrupt (an interrupted download?). Re-download it.") from e
 
 
-def _read_tensors(files: Mapping[str, str], names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
-  """Yields (name, array) for `names`, opening each file once."""
-  by_file: dict[str, list[str]] = {}
-  for name in names:
-    by_file.setdefault(files[name], []).append(name)
-  for file, file_names in by_file.items():
-    with _open(file) as fh:
-      present = set(fh.keys())
-      for name in file_names:
-        if name not in present:
-          raise ValueError(f"{INDEX_FILE} maps {name!r} to {file}, which does not contain it; "
-                           "the index and shards are inconsistent. Re-download them.")
-        try:
-          yield name, fh.get_tensor(name)
-        except safetensors.SafetensorError as e:
-          raise ValueError(f"{file}: tensor {name!r} cannot be read ({e}); the file is "
-                           "probably corrupt. Re-download it.") from e
-
-
 def _set(tree: dict, path: tuple[str, ...], value) -> None:
   for key in path[:-1]:
     tree = tree.setdefault(key, {})
@@ -392,29 +374,15 @@ def _check_dtype(dtype: Any, allowed: tuple[str, ...]) -> np.dtype:
   return _DTYPES_BY_NAME[name]
 
 
-def load_hf_checkpoint(path: str | os.PathLike,
-                       dtype: Any = jnp.float32) -> tuple[ModelConfig, dict]:
-  """Loads a Hugging Face Llama/Qwen2/Qwen3 safetensors checkpoint directory.
+# safetensors header dtype names -> numpy dtype names (the float ones a checkpoint may hold).
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
-  Args:
-    path: directory with config.json and model.safetensors (or model.safetensors.index.json
-      plus shards).
-    dtype: jnp.float32 or jnp.bfloat16; every parameter is cast to it (BF16 -> FP32 is exact).
 
-  Returns:
-    (ModelConfig, params) with params in the lowrl tree of ARCHITECTURE.md (kernels [in, out]).
-
-  Raises:
-    FileNotFoundError: missing directory, config.json, weights or shard.
-    ValueError: unsupported config, corrupt/truncated file, missing/unexpected tensor, wrong
-      shape or non-float (quantized) tensor; the message names the file or tensor.
-  """
-  path = os.fspath(path)
-  target = _check_dtype(dtype, _LOAD_DTYPES)
-  cfg = model_config_from_hf(read_hf_config(path))
+def _checked_files(path: str, cfg: ModelConfig) -> tuple[dict[str, str], dict[str, _TensorSpec]]:
+  """(tensor name -> file, tensor name -> spec) of a checkpoint for `cfg`, every tensor's presence,
+  dtype and shape checked from the file headers (no tensor data is read)."""
   files = _weight_files(path)
   specs = {s.hf_name: s for s in _tensor_specs(cfg)}
-
   missing = [name for name in specs if name not in files]
   if missing:
     hint = ""
@@ -431,20 +399,115 @@ def load_hf_checkpoint(path: str | os.PathLike,
                      f"not use: {sorted(unexpected)[:8]}{' ...' if len(unexpected) > 8 else ''}. "
                      "The checkpoint does not match config.json or uses a variant lowrl does not "
                      "implement (e.g. biases, MoE, quantization scales).")
+  by_file: dict[str, list[str]] = {}
+  for name in specs:
+    by_file.setdefault(files[name], []).append(name)
+  for file, names in by_file.items():
+    with _open(file) as fh:
+      present = set(fh.keys())
+      for name in names:
+        if name not in present:
+          raise ValueError(f"{INDEX_FILE} maps {name!r} to {file}, which does not contain it; "
+                           "the index and shards are inconsistent. Re-download them.")
+        header = fh.get_slice(name)
+        dtype = header.get_dtype()
+        if _SAFETENSORS_DTYPES.get(dtype) not in _FLOAT_SOURCE_DTYPES:
+          raise ValueError(f"Tensor {name!r} has dtype {dtype}; only float tensors "
+                           f"{_FLOAT_SOURCE_DTYPES} load (quantized checkpoints are not "
+                           "supported).")
+        shape = tuple(header.get_shape())
+        if shape != specs[name].hf_shape:
+          raise ValueError(f"Tensor {name!r} has shape {shape}, but config.json implies "
+                           f"{specs[name].hf_shape}; the weights do not match the config.")
+  return files, specs
 
-  params: dict = {}
-  for name, array in _read_tensors(files, list(specs)):
-    spec = specs[name]
-    if array.dtype.name not in _FLOAT_SOURCE_DTYPES:
-      raise ValueError(f"Tensor {name!r} has dtype {array.dtype.name}; only float tensors "
-                       f"{_FLOAT_SOURCE_DTYPES} load (quantized checkpoints are not supported).")
-    if tuple(array.shape) != spec.hf_shape:
-      raise ValueError(f"Tensor {name!r} has shape {tuple(array.shape)}, but config.json implies "
-                       f"{spec.hf_shape}; the weights do not match the config.")
+
+def check_hf_weights(path: str | os.PathLike, model_cfg: ModelConfig) -> None:
+  """Raises (FileNotFoundError / ValueError naming the file or tensor) unless the weight files of
+  checkpoint `path` hold every tensor of `model_cfg` with its shape, in a float dtype. Reads only
+  the safetensors headers: a check to run before anything is compiled."""
+  _checked_files(os.fspath(path), model_cfg)
+
+
+def _slice_reader(fh, spec: _TensorSpec, target: np.dtype):
+  """index (a tuple of slices in lowrl coordinates) -> that slice of the tensor, read alone from
+  the file, in lowrl layout and `target` dtype."""
+  def read(index: tuple[slice, ...]) -> np.ndarray:
+    index = tuple(index) + (slice(None),) * (len(spec.hf_shape) - len(index))
+    try:
+      array = fh.get_slice(spec.hf_name)[index[::-1] if spec.transpose else index]
+    except safetensors.SafetensorError as e:
+      raise ValueError(f"tensor {spec.hf_name!r} cannot be read ({e}); the file is probably "
+                       "corrupt. Re-download it.") from e
     if spec.transpose:
       array = array.T
-    _set(params, spec.path, jnp.asarray(array.astype(target)))
-  return cfg, params
+    return np.ascontiguousarray(array.astype(target))
+  return read
+
+
+def load_hf_params(path: str | os.PathLike, model_cfg: ModelConfig, *, dtype: Any = jnp.float32,
+                   shardings: Any = None) -> dict:
+  """The params of checkpoint `path` for `model_cfg` (its architecture must be the checkpoint's).
+
+  Args:
+    path: checkpoint directory (config.json + model.safetensors or an index and shards).
+    model_cfg: the model config (`model_config_from_hf` of the checkpoint's config.json, execution
+      knobs such as scan_layers free).
+    dtype: jnp.float32 or jnp.bfloat16; every parameter is cast to it (BF16 -> FP32 is exact).
+    shardings: None = each parameter whole on the default device; else a tree of
+      jax.sharding.Sharding matching the param tree (e.g. ShardingPlan.param_shardings): each
+      parameter becomes a global array built with `jax.make_array_from_callback`, so a process
+      reads from the files only the slices its addressable devices hold (each distinct slice
+      once, however many of its devices hold it).
+
+  Raises:
+    FileNotFoundError / ValueError as `check_hf_weights`, before any tensor data is read.
+  """
+  path = os.fspath(path)
+  target = _check_dtype(dtype, _LOAD_DTYPES)
+  files, specs = _checked_files(path, model_cfg)
+  params: dict = {}
+  with contextlib.ExitStack() as stack:
+    handles = {f: stack.enter_context(_open(f)) for f in sorted(set(files[n] for n in specs))}
+    for name, spec in specs.items():
+      read = _slice_reader(handles[files[name]], spec, target)
+      shape = spec.hf_shape[::-1] if spec.transpose else spec.hf_shape
+      if shardings is None:
+        value = jnp.asarray(read(()))
+      else:
+        cache: dict[tuple, np.ndarray] = {}  # replicas of one slice on several devices: one read
+
+        def cached(index, read=read, cache=cache):
+          key = tuple((s.start, s.stop, s.step) for s in index)
+          if key not in cache:
+            cache[key] = read(index)
+          return cache[key]
+        value = jax.make_array_from_callback(shape, _get(shardings, spec.path), cached)
+      _set(params, spec.path, value)
+  return params
+
+
+def load_hf_checkpoint(path: str | os.PathLike,
+                       dtype: Any = jnp.float32) -> tuple[ModelConfig, dict]:
+  """Loads a Hugging Face Llama/Qwen2/Qwen3 safetensors checkpoint directory.
+
+  Args:
+    path: directory with config.json and model.safetensors (or model.safetensors.index.json
+      plus shards).
+    dtype: jnp.float32 or jnp.bfloat16; every parameter is cast to it (BF16 -> FP32 is exact).
+
+  Returns:
+    (ModelConfig, params) with params in the lowrl tree of ARCHITECTURE.md (kernels [in, out]),
+    on the default device (`load_hf_params` places them on a mesh instead).
+
+  Raises:
+    FileNotFoundError: missing directory, config.json, weights or shard.
+    ValueError: unsupported config, corrupt/truncated file, missing/unexpected tensor, wrong
+      shape or non-float (quantized) tensor; the message names the file or tensor.
+  """
+  _check_dtype(dtype, _LOAD_DTYPES)
+  cfg = model_config_from_hf(read_hf_config(path))
+  return cfg, load_hf_params(path, cfg, dtype=dtype)
 
 
 def save_hf_checkpoint(path: str | os.PathLike, model_cfg: ModelConfig, params: Mapping,

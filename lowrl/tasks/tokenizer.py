@@ -39,6 +39,9 @@ class Tokenizer(Protocol):
   @property
   def eos_id(self) -> int: ...
 
+  @property
+  def eos_ids(self) -> tuple[int, ...]: ...  # every id that ends a sequence; eos_id first
+
   def encode(self, text: str) -> list[int]: ...
 
   def decode(self, ids: Iterable[int]) -> str: ...
@@ -112,6 +115,10 @@ class CharTokenizer:
   @property
   def eos_id(self) -> int:
     return 2
+
+  @property
+  def eos_ids(self) -> tuple[int, ...]:
+    return (self.eos_id,)
 
   def covers(self, text: str) -> bool:
     """Whether every character of `text` is in the vocabulary."""

@@ -1,4 +1,5 @@
-"""The RL training loop: mid-trained base -> GRPO-family updates under a precision recipe.
+"""The RL training loop: mid-trained base (or a Hugging Face checkpoint) -> GRPO-family updates
+under a precision recipe.
 
 Everything static is built and validated by `build` before anything is compiled. Each step:
   1. the sampler generates a group of completions per prompt with the policy *version* and
@@ -30,6 +31,7 @@ import ml_collections
 import numpy as np
 
 from lowrl import distributed, hardware, memory, precision, sharding
+from lowrl.checkpoints import hf
 from lowrl.metrics.writer import create_writer
 from lowrl.models import layout, transformer
 from lowrl.models.config import ModelConfig
@@ -75,17 +77,17 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   the static pieces; raises ValueError naming the flag and the fix, before any compile."""
   rl = cfg.rl
   schema.TRAIN.validate(cfg)
-  task = _make_task(cfg.task)
+  _check_checkpoint_flags(cfg)
+  task = _make_task(cfg.task, cfg.model.hf_checkpoint)
   max_len = task.max_prompt_len + max(rl.max_new_tokens, task.max_answer_len)
-  model_cfg = ModelConfig(vocab_size=task.tokenizer.vocab_size, max_seq_len=max_len,
-                          **cfg.model.to_dict())
+  model_cfg = _model_config(cfg.model, task, max_len)
   matmuls = layout.matmuls(model_cfg)
   trainer_policy = precision.make_policy(cfg.precision, matmuls)
   sampler_cfg = cfg.precision
   if cfg.sampler_precision.recipe:
     sampler_cfg = precision.recipe(cfg.sampler_precision.recipe)
   sampler_policy = precision.make_policy(sampler_cfg, matmuls)
-  stop = (task.tokenizer.eos_id,)
+  stop = task.tokenizer.eos_ids  # every eos of a checkpoint ends a completion
   sampling = SamplingConfig(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
                             top_k=rl.top_k, top_p=rl.top_p, stop_tokens=stop,
                             pad_id=task.tokenizer.pad_id)
@@ -163,17 +165,76 @@ def describe_memory(setup: Setup) -> str:
           + memory.format_estimate(setup.memory, hw))
 
 
-def _make_task(task_cfg: ml_collections.ConfigDict) -> Task:
+def _check_checkpoint_flags(cfg: ml_collections.ConfigDict) -> None:
+  """The flags a real checkpoint needs, and those that need one (one-line errors)."""
+  source = cfg.model.hf_checkpoint
+  if cfg.task.chat_template and not source:
+    raise ValueError("--config.task.chat_template=True renders prompts with a checkpoint's chat "
+                     "template; set --config.model.hf_checkpoint=DIR too (or drop it).")
+  if not source:
+    return
+  if cfg.task.name != "jsonl":
+    raise ValueError(f"--config.model.hf_checkpoint needs a task in the checkpoint's tokenizer: "
+                     f"--config.task.name=jsonl --config.task.path=FILE (task {cfg.task.name!r} "
+                     "uses lowrl's character tokenizer).")
+  if cfg.sft.steps:
+    raise ValueError(f"--config.sft.steps={cfg.sft.steps}: mid-training starts from a random "
+                     "init; with --config.model.hf_checkpoint set --config.sft.steps=0 (RL starts "
+                     "from the checkpoint).")
+
+
+def _make_task(task_cfg: ml_collections.ConfigDict, hf_checkpoint: str = "") -> Task:
   """The task of a validated `config.task`, with both splits checked non-empty (before any SFT
-  or compile)."""
+  or compile). With a checkpoint, prompts are tokenized by its tokenizer (and rendered with its
+  chat template when `task_cfg.chat_template`)."""
   kwargs = task_cfg.kwargs.to_dict()
   if task_cfg.name == "jsonl":
     kwargs.setdefault("path", task_cfg.path)
     kwargs.setdefault("verifier", task_cfg.verifier or "exact")
-  task = make_task(task_cfg.name, **kwargs)
+  if hf_checkpoint:
+    kwargs.setdefault("tokenizer", hf_checkpoint)
+    if task_cfg.chat_template:
+      kwargs.setdefault("chat_template", hf_checkpoint)
+    try:
+      task = make_task(task_cfg.name, **kwargs)
+    except (OSError, ValueError) as e:
+      flag = ("task.chat_template" if "chat_template" in str(e)
+              else f"model.hf_checkpoint={hf_checkpoint}")
+      raise ValueError(f"--config.{flag}: {e}") from None
+  else:
+    task = make_task(task_cfg.name, **kwargs)
   for split in ("train", "eval"):
     task.sample(np.random.default_rng(0), 1, split)  # an empty split raises, naming the fix
   return task
+
+
+def _model_config(model: ml_collections.ConfigDict, task: Task, max_len: int) -> ModelConfig:
+  """The decoder of `config.model`: the tiny architecture of its knobs (vocabulary: the task's
+  tokenizer), or a checkpoint's config.json (weights checked from the file headers) with the
+  section's execution knobs."""
+  knobs = model.to_dict()
+  source = knobs.pop("hf_checkpoint")
+  knobs.pop("param_dtype")
+  scan = knobs.pop("scan_layers")
+  if not source:
+    return ModelConfig(vocab_size=task.tokenizer.vocab_size, max_seq_len=max_len,
+                       scan_layers=bool(scan), **knobs)
+  execution = {k: knobs[k] for k in ("remat", "attention", "attention_chunk", "logprob_chunk")}
+  try:
+    model_cfg = dataclasses.replace(hf.model_config_from_hf(hf.read_hf_config(source)),
+                                    scan_layers=True if scan is None else bool(scan), **execution)
+    hf.check_hf_weights(source, model_cfg)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"--config.model.hf_checkpoint={source}: {e}") from None
+  if task.tokenizer.vocab_size > model_cfg.vocab_size:
+    raise ValueError(f"--config.model.hf_checkpoint={source}: tokenizer.json has "
+                     f"{task.tokenizer.vocab_size} tokens but the model only "
+                     f"{model_cfg.vocab_size} embedding rows; the files do not belong together.")
+  if max_len > model_cfg.max_seq_len:
+    raise ValueError(f"Prompts + completions need {max_len} positions but the checkpoint's "
+                     f"max_position_embeddings is {model_cfg.max_seq_len}; lower "
+                     "--config.rl.max_new_tokens or shorten the prompts.")
+  return model_cfg
 
 
 def _mesh_plan(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
@@ -470,6 +531,9 @@ def _open_workdir(cfg: ml_collections.ConfigDict, workdir: str, log: Log,
 def _log_setup(setup: Setup, workdir: str, log: Log) -> None:
   """The run's static setup: task, model, recipes, schedule, precision table, mesh."""
   cfg = setup.cfg
+  if cfg.model.hf_checkpoint:
+    log(f"[setup] model {cfg.model.hf_checkpoint} (scan_layers={setup.model_cfg.scan_layers}); "
+        f"completions stop at eos ids {setup.sampling.stop_tokens}")
   log(f"[setup] task={cfg.task.name} model={setup.model_cfg.num_params():,} params "
       f"trainer={setup.trainer_policy.name} sampler={setup.sampler_policy.name} "
       f"async lag={setup.schedule.lag} sync_every={setup.schedule.sync_every} "
@@ -625,16 +689,23 @@ def _log_step(trainer: Trainer, writer, metrics_path: str, done: int, params,
 
 def _load_base(base_dir: str, setup: Setup, log: Log,
                on_sft_loss: Callable[[int, float], None] | None = None) -> Any:
-  """The mid-trained base (see `sft.load_or_train_base`), replicated over the mesh.
+  """The mid-trained base (see `sft.load_or_train_base`), replicated over the mesh; or, with
+  `model.hf_checkpoint`, the checkpoint's params placed with the mesh's parameter shardings.
 
   A saved base is restored onto this run's mesh, whichever topology saved it. With several
   processes orbax must see global arrays, so process 0 trains the base (SFT is not sharded) and
   broadcasts it before it is saved.
   """
   cfg = setup.cfg
+  shapes = transformer.param_shapes(setup.model_cfg)
+  if cfg.model.hf_checkpoint:
+    # Straight onto the mesh: each process reads only the slices its devices hold.
+    log(f"[base] loading {cfg.model.hf_checkpoint} ({cfg.model.param_dtype}, sharded)")
+    return hf.load_hf_params(cfg.model.hf_checkpoint, setup.model_cfg,
+                             dtype=jnp.dtype(cfg.model.param_dtype),
+                             shardings=setup.plan.param_shardings(shapes))
   fp = sft.fingerprint(cfg.task, setup.model_cfg, cfg.sft, cfg.seed)
   ckpt = Checkpointer(os.path.join(base_dir, fp), every=1, max_to_keep=1)
-  shapes = transformer.param_shapes(setup.model_cfg)
   repl = jax.tree.map(lambda _: setup.plan.replicated, shapes)
   if ckpt.latest_step() is not None:
     out, meta, _ = ckpt.restore({"params": sharding.abstract(shapes, repl)})

@@ -265,13 +265,13 @@ def _master_check(prefix: str, o: ml_collections.ConfigDict) -> None:
 
 
 def _task_check(prefix: str, t: ml_collections.ConfigDict) -> None:
-  """path/verifier belong to the jsonl task (the task itself checks name and kwargs)."""
+  """path/verifier/chat_template belong to the jsonl task (the task checks name and kwargs)."""
   if t.name == "jsonl":
     if not t.path and "path" not in t.kwargs:
       raise ValueError(f"--config.{prefix}.name=jsonl needs --config.{prefix}.path=FILE (one "
                        '{"prompt": ..., "answer": ...} object per line).')
     return
-  for knob in ("path", "verifier"):
+  for knob in ("path", "verifier", "chat_template"):
     if t[knob]:
       raise ValueError(f"--config.{prefix}.{knob} only applies to --config.{prefix}.name=jsonl "
                        f"(task is {t.name!r}); drop it.")
@@ -394,6 +394,43 @@ MODEL = Section("model", (
          "[B, T, V]; equal up to FP32 reassociation)"),
 ))
 
+# The architecture knobs of MODEL: a checkpoint's config.json sets them instead.
+_ARCHITECTURE = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "rope_theta",
+                 "qk_norm", "tie_embeddings")
+PARAM_DTYPES = ("float32", "bfloat16")
+
+
+def _checkpoint_check(prefix: str, m: ml_collections.ConfigDict) -> None:
+  """With hf_checkpoint, the architecture comes from its config.json: a changed architecture
+  knob would be silently ignored, so it is an error (as param_dtype without a checkpoint)."""
+  if not m.hf_checkpoint:
+    if m.param_dtype != "float32":
+      raise ValueError(f"--config.{prefix}.param_dtype={m.param_dtype!r} applies to "
+                       f"--config.{prefix}.hf_checkpoint only (the tiny model starts in FP32; "
+                       "--config.optimizer.master_dtype sets the trained dtype); drop it.")
+    return
+  defaults = {k.name: k.default for k in MODEL.knobs}
+  changed = [k for k in _ARCHITECTURE if m[k] != defaults[k]]
+  if changed:
+    raise ValueError(f"--config.{prefix}.{changed[0]}={m[changed[0]]!r} does not apply with "
+                     f"--config.{prefix}.hf_checkpoint (the checkpoint's config.json sets the "
+                     "architecture); drop it.")
+
+
+# The loop's model section: MODEL, a real checkpoint instead of the tiny architecture, and
+# scan_layers defaulting on for a checkpoint (None = on with hf_checkpoint, off without, so the
+# tiny path's program is unchanged).
+TRAIN_MODEL = Section("model", (
+    Knob("hf_checkpoint", "", "'' = the tiny model (architecture knobs above, SFT from scratch); "
+         "a Hugging Face Llama/Qwen2/Qwen3 directory (config.json, *.safetensors, tokenizer.json): "
+         "architecture, params and tokenizer from it (needs task.name=jsonl, sft.steps=0)"),
+    Knob("param_dtype", "float32", "dtype the hf_checkpoint params are loaded in (then held in "
+         "optimizer.master_dtype)", OneOf(PARAM_DTYPES)),
+) + tuple(
+    dataclasses.replace(k, default=None, doc=k.doc + "; None = on with hf_checkpoint, else off",
+                        factory=lambda: ml_collections.config_dict.placeholder(bool))
+    if k.name == "scan_layers" else k for k in MODEL.knobs), checks=(_checkpoint_check,))
+
 PRECISION = Section("precision", tuple(Knob(k, None, doc) for k, doc in precision.KNOBS.items()),
                     external=True)
 
@@ -414,10 +451,12 @@ TRAIN = Schema((
         Knob("path", "", "task.name=jsonl only: the JSONL file"),
         Knob("verifier", "", "task.name=jsonl only: '' = exact; numeric, boxed, ... "
              "(lowrl.tasks.verifiers)"),
+        Knob("chat_template", False, "task.name=jsonl with model.hf_checkpoint only: each prompt "
+             "as one user message in the checkpoint's chat template (+ assistant header)"),
         Knob("kwargs", None, "other constructor arguments of the task (e.g. {'num_digits': 1} for "
              "addition), set in a config file", factory=lambda: ml_collections.ConfigDict({})),
     ), checks=(_task_check,)),
-    MODEL,
+    TRAIN_MODEL,
     PRECISION,
     Section("sampler_precision", (
         Knob("recipe", "", "sampler precision recipe; '' = the trainer's",

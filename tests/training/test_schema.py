@@ -147,7 +147,9 @@ def test_simulator_shares_the_loop_sections():
   assert set(schema.RL.defaults().keys()) < set(sim.rl.keys())
   assert set(sim.rl.keys()) == set(schema.SIM_RL.defaults().keys()) < set(train.rl.keys())
   assert set(sim.optimizer.keys()) == set(train.optimizer.keys())
-  assert set(sim.model.keys()) == set(train.model.keys())
+  # The loop's model section adds the real-checkpoint knobs to the shared ones.
+  assert set(train.model.keys()) - set(sim.model.keys()) == {"hf_checkpoint", "param_dtype"}
+  assert set(sim.model.keys()) < set(train.model.keys())
   assert set(sim.sft.keys()) == {"steps", "lr", "batch_size"}
   assert (sim.rl.steps, sim.rl.num_prompts, sim.optimizer.lr, sim.sft.steps) == (400, 8, 3e-3, 0)
   assert (sim.model.d_model, sim.model.d_ff) == (32, 64)
