@@ -16,9 +16,11 @@ def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.sim = simulator.default_config()
   c.sim.task.update(kind="sort", num_symbols=8, length=6, reward="per_token")
-  # RL from a supervised base with a modest reward (REFERENCE.md §5), at a learning rate where
-  # the on-policy run still improves but staleness has room to hurt.
-  c.sim.sft.steps = 100
+  # RL from a weak supervised base (40 steps: held-out greedy 0.60 ± 0.03), at a learning rate
+  # where the on-policy run improves clearly (BF16, lag 0: greedy 0.79 ± 0.02 after 300 updates,
+  # 4 seeds; from a 100-step base, 0.87 -> 0.91 ± 0.03, within noise) but staleness has room to
+  # hurt (lr 3e-3 collapses from the 100-step base: 0.87 -> 0.68 ± 0.12).
+  c.sim.sft.steps = 40
   c.sim.optimizer.lr = 1e-3
   c.sim.rl.steps = 300
   c.seeds = (0, 1, 2)  # seeds per setting (vmapped)
