@@ -25,11 +25,18 @@ problems training never draws), the training scan (`make_train`), `evaluate` aga
      group_size completions for each of num_prompts prompts (temperature 1);
   3. reward in JAX;
   4. the trainer scores the batch with the sampler's (stale) weights and with the current
-     weights (pi_old), both in the trainer's precision;
+     weights (pi_old), both in the trainer's precision, and the current weights are scored in the
+     sampler's precision (the fourth score of the order-symmetric drift split, lowrl.rl.drift;
+     with identical recipes it is pi_old itself);
   5. the loop's RL step: batch (advantages), drift (quantization / staleness / total parts), the
      pure update (correction, KL to the starting policy when rl.kl_coef > 0, mu x
      num_minibatches optimizer steps).
 Every step's scalar metrics come back as [steps] arrays.
+
+Schedules (`async_rl.schedule`): fifo (default), independent and length change only the ring plan
+(which slot samples step t); pipeline (PipelineSchedule) draws completion token j from the slot
+`token_read_slot[t, j]` (`pipeline_rollout`) and takes each token's stale score from the trainer's
+scores under every slot. lag='auto' and the run's clock come from lowrl.asyncrl.timing.
 """
 from __future__ import annotations
 
