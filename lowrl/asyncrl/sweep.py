@@ -90,6 +90,13 @@ class Setting:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+def _get(cfg: ml_collections.ConfigDict, path: str) -> Any:
+  node = cfg
+  for p in path.split("."):
+    node = node[p]
+  return node
+
+
 def _set(cfg: ml_collections.ConfigDict, path: str, value: Any) -> None:
   *parents, leaf = path.split(".")
   node = cfg
@@ -267,8 +274,11 @@ def run_sweep(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) ->
         f"E[w] {row['total_is_weight_mean']:.3f}±{row['total_is_weight_se']:.3f} | "
         f"compile {result.compile_s:.0f}s run {result.run_s:.0f}s "
         f"({result.updates_per_minute:,.0f} updates/min) elapsed {elapsed:.0f}s eta {eta:.0f}s")
-  # Grid membership is the config's, not the results file's (a resumed row may predate it).
-  rows = [{**done[s.name], **s.extra, "grids": list(s.grids)} for s in settings]
+  # Grid membership is the config's, not the results file's (a resumed row may predate it); a
+  # knob another setting varies is filled in from this setting's config, for the tables.
+  varied = {k for s in settings for k in (*s.knobs, *s.extra)}
+  rows = [{**{k: _get(s.cfg, GRID_KNOBS[k]) for k in varied}, **done[s.name], **s.extra,
+           "grids": list(s.grids)} for s in settings]
   write_summary(rows, list(GRID_KNOBS), workdir)
   log(f"[sweep] summary -> {os.path.join(workdir, 'summary.md')} (+ summary.png, "
       f"wall_clock.png, phase.png)")
@@ -297,8 +307,14 @@ _COLUMNS = (("reward_final", "final reward"), ("eval_end", "greedy eval (end)"),
             ("wall_clock_h", "wall clock h"), ("gpu_hours", "GPU-h"))
 _DRIFT_COLUMNS = tuple((f"{p}_{m}", f"{p[:5]}. {m}") for p in DRIFT_PARTS
                        for m in ("k1", "k3", "ess")) + (("total_is_weight_mean", "E[w]"),)
-# A phase-diagram cell has collapsed when the run ends below the reward it started from.
-COLLAPSE = "reward_final < the first reward-curve point"
+# A phase-diagram cell has collapsed when its held-out greedy reward ends clearly (2 seed std)
+# below where it started.
+COLLAPSE = "greedy eval end + 2 std < greedy eval start"
+
+
+def collapsed(r: dict) -> bool:
+  """Whether a setting's run collapsed (COLLAPSE)."""
+  return r["eval_end"] + 2 * r["eval_end_std"] < r["eval_start"]
 
 
 def _fmt(x: Any) -> str:
@@ -390,7 +406,7 @@ def phase_table(rows: list[dict]) -> str:
           cells.append("")
           continue
         r = hit[0]
-        mark = " ✗" if r["reward_final"] < r["reward_curve"][0] else ""
+        mark = " ✗" if collapsed(r) else ""
         cells.append(f"{r['reward_final']:.3f} ± {r['reward_final_std']:.3f}{mark}")
       lines.append(f"| {label} | {lr:g} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
@@ -469,7 +485,7 @@ def write_summary(rows: list[dict], knobs: list[str], workdir: str) -> None:
         grid[lrs.index(r["lr"]), lags.index(r["lag_used"])] = r["reward_final"]
       im = ax.imshow(grid, origin="lower", aspect="auto", vmin=0, vmax=1, cmap="viridis")
       for r in rs:
-        if r["reward_final"] < r["reward_curve"][0]:
+        if collapsed(r):
           ax.text(lags.index(r["lag_used"]), lrs.index(r["lr"]), "✗", ha="center",
                   va="center", color="red")
       ax.set_xticks(range(len(lags)), [str(l) for l in lags])

@@ -288,6 +288,21 @@ def test_summary_numbers_come_from_the_metrics():
   assert s["finite"]
 
 
+def test_phase_table_marks_collapse_from_its_definition():
+  """A cell collapses when the held-out greedy reward ends more than 2 seed std below its start."""
+  def row(lr, lag, start, end, std):
+    return {"lr": lr, "lag_used": lag, "sampler_recipe": "bf16", "trainer_recipe": "bf16",
+            "correction": "none", "reward_final": end, "reward_final_std": std,
+            "eval_start": start, "eval_end": end, "eval_end_std": std}
+  rows = [row(1e-3, 0, 0.6, 0.8, 0.02), row(1e-3, 8, 0.6, 0.55, 0.02),  # 0.55 + 0.04 < 0.6
+          row(3e-3, 0, 0.6, 0.57, 0.02), row(3e-3, 8, 0.6, 0.3, 0.1)]  # 0.57 + 0.04 >= 0.6
+  lines = [l for l in sweep.phase_table(rows).splitlines() if l.startswith("| sampler")]
+  assert len(lines) == 2
+  cells = [l.split(" | ")[2:] for l in lines]
+  assert ["✗" in c for c in cells[0]] == [False, True]
+  assert ["✗" in c for c in cells[1]] == [False, True]
+
+
 def test_default_sweep_config_is_the_issue_grid():
   from configs import simulate as simulate_config
   cfg = simulate_config.get_config()
