@@ -25,11 +25,18 @@ problems training never draws), the training scan (`make_train`), `evaluate` aga
      group_size completions for each of num_prompts prompts (temperature 1);
   3. reward in JAX;
   4. the trainer scores the batch with the sampler's (stale) weights and with the current
-     weights (pi_old), both in the trainer's precision;
+     weights (pi_old), both in the trainer's precision, and the current weights are scored in the
+     sampler's precision (the fourth score of the order-symmetric drift split, lowrl.rl.drift;
+     with identical recipes it is pi_old itself);
   5. the loop's RL step: batch (advantages), drift (quantization / staleness / total parts), the
      pure update (correction, KL to the starting policy when rl.kl_coef > 0, mu x
      num_minibatches optimizer steps).
 Every step's scalar metrics come back as [steps] arrays.
+
+Schedules (`async_rl.schedule`): fifo (default), independent and length change only the ring plan
+(which slot samples step t); pipeline (PipelineSchedule) draws completion token j from the slot
+`token_read_slot[t, j]` (`pipeline_rollout`) and takes each token's stale score from the trainer's
+scores under every slot. lag='auto' and the run's clock come from lowrl.asyncrl.timing.
 """
 from __future__ import annotations
 
@@ -44,7 +51,9 @@ import ml_collections
 import numpy as np
 import optax
 
+from lowrl import hardware as hardware_lib
 from lowrl import precision, sharding
+from lowrl.asyncrl import timing
 from lowrl.models import layout, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.rl.corrections import CorrectionConfig
@@ -52,10 +61,13 @@ from lowrl.rl.drift import version_distance
 from lowrl.rl.losses import LossConfig
 from lowrl.sampling import (SampleOutput, SamplingConfig, check_row_local, generate_in_jit,
                             rescore)
+from lowrl.sampling.act_scales import used_act_amax
+from lowrl.sampling.distributions import sample_token
 from lowrl.training import optimizer, rl_update, schema
 from lowrl.training.evaluation import eval_metrics
 from lowrl.training.rl_update import TokenBatch, UpdateConfig, make_logprob_fn
-from lowrl.training.schedule import AsyncSchedule
+from lowrl.training.schedule import (LAG_DISTRIBUTIONS, AsyncSchedule, FifoSchedule,
+                                    LengthDrivenSchedule, PipelineSchedule)
 from lowrl.training.sft import make_sft_step
 from lowrl.training.step import BatchConfig, Rollout, Step, make_step
 
@@ -63,6 +75,13 @@ TASK_KINDS = ("sort", "reverse", "copy")
 REWARD_KINDS = ("per_token", "exact")
 SPLITS = ("train", "eval")
 ACT_CALIBRATIONS = ("sync", "base")
+# How the consumed version follows the lag (lowrl.training.schedule): fifo = bounded-staleness
+# FIFO (never backwards), pipeline = in-flight updates (per-token versions), length = lag from
+# the completion length, independent = AsyncSchedule's independent draws (can go backwards).
+SCHEDULE_KINDS = ("fifo", "pipeline", "length", "independent")
+AUTO = "auto"
+# Precision-recipe components the simulator can override on both sides (None = the recipe's).
+RECIPE_COMPONENTS = ("act_per_token", "four_over_six", "bf16_last_fraction", "backward")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -182,9 +201,60 @@ SCHEMA = schema.Schema((
     # Supervised warm start (FP32, inside the same jit): RL starts from a base with a modest
     # reward (REFERENCE.md §5).
     schema.SFT.only("steps", "lr", "batch_size").with_defaults(steps=0, batch_size=64),
-    schema.ASYNC_RL,
+    # The recipe components, overridable on both sides at once (a sweep knob per component).
+    schema.Section("recipe", tuple(
+        schema.Knob(k, None, f"None = the recipe's own; else {precision.KNOBS[k]}")
+        for k in RECIPE_COMPONENTS)),
+    schema.Section("async_rl", (
+        schema.Knob("lag", 0, "staleness bound in trainer steps (>= 0; 0 = synchronous), or "
+                    "'auto': the cost model's steady-state lag of this setting",
+                    factory=lambda: ml_collections.FieldReference(0, field_type=object)),
+        schema.Knob("sync_every", 1, "steps between weight syncs to the sampler (>= 1)"),
+        schema.Knob("lag_distribution", "fixed", "lag draws (fifo, independent): "
+                    + " | ".join(LAG_DISTRIBUTIONS)),
+        schema.Knob("schedule", "fifo", "which version each batch (token) is sampled by",
+                    schema.OneOf(SCHEDULE_KINDS)),
+        schema.Knob("lengths", (), "schedule=length: per-batch longest completions in modelled "
+                    "tokens, drawn uniformly; () = (H/4, H/2, 3H/4, H) of the modelled horizon H"),
+    ), checks=(lambda prefix, a: _async_check(prefix, a),)),
+    # The modelled system whose clock the run keeps (lowrl.asyncrl.timing).
+    schema.Section("cost", (
+        schema.Knob("hardware", "h100_sxm", "accelerator of both pools",
+                    schema.OneOf(tuple(hardware_lib.HARDWARE))),
+        schema.Knob("model", "llama3.1_8b", "the real model the tiny decoder stands for",
+                    schema.OneOf(tuple(timing.MODEL_SIZES))),
+        schema.Knob("sampler_devices", 8, "sampler devices", schema.POSITIVE),
+        schema.Knob("trainer_devices", 8, "trainer devices", schema.POSITIVE),
+        schema.Knob("sampler_tp", 1, "devices per sampler replica", schema.POSITIVE),
+        schema.Knob("mfu", 0.4, "fraction of the dense tensor rate the matmuls reach"),
+        schema.Knob("max_in_flight", None, "most batches in flight (None = what memory holds)"),
+        schema.Knob("prompt_len", 256, "modelled prompt tokens", schema.POSITIVE),
+        schema.Knob("tokens_per_sim_token", 256, "modelled completion tokens per simulated one",
+                    schema.POSITIVE),
+        schema.Knob("sequences_per_sim_sequence", 4, "modelled sequences per simulated one",
+                    schema.POSITIVE),
+    )),
     schema.Section("", (schema.EVAL_NUM_PROMPTS,)),
 ))
+
+
+def _async_check(prefix: str, a: ml_collections.ConfigDict) -> None:
+  """The simulator's async_rl: lag an int >= 0 or 'auto'; the schedule's own checks."""
+  if a.lag != AUTO and (not isinstance(a.lag, int) or isinstance(a.lag, bool)):
+    raise ValueError(f"--config.{prefix}.lag={a.lag!r}: use an int >= 0 or '{AUTO}'.")
+  if a.schedule in ("pipeline", "length") and a.lag_distribution != "fixed":
+    raise ValueError(f"--config.{prefix}.schedule={a.schedule} draws no lags; leave "
+                     f"--config.{prefix}.lag_distribution=fixed.")
+  if a.schedule == "length" and a.lag not in (0, AUTO):
+    raise ValueError(f"--config.{prefix}.schedule=length derives the lag from the lengths; "
+                     f"set --config.{prefix}.lag={AUTO}.")
+  if any(not isinstance(n, int) or n < 1 for n in a.lengths):
+    raise ValueError(f"--config.{prefix}.lengths={a.lengths!r}: positive ints (modelled tokens).")
+  try:
+    AsyncSchedule(lag=0 if a.lag == AUTO else a.lag, sync_every=a.sync_every,
+                  lag_distribution=a.lag_distribution)
+  except ValueError as e:
+    raise ValueError(f"--config.{prefix}.{e}") from None
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -218,6 +288,7 @@ class SimSetup:
   act_calibration: str = "sync"
   calib_num_prompts: int = 64
   batch_cfg: BatchConfig | None = None  # rollout -> batch of the RL step (set by `build`)
+  pipeline: bool = False  # in-flight weight updates: per-token versions (PipelineSchedule)
 
   @property
   def batch_size(self) -> int:
@@ -237,7 +308,7 @@ def build(cfg: ml_collections.ConfigDict) -> SimSetup:
   model_cfg = ModelConfig(vocab_size=task.vocab_size, max_seq_len=2 * task.length + 1,
                           **cfg.model.to_dict())
   matmuls = layout.matmuls(model_cfg)
-  policies = [precision.make_policy(precision.recipe(name), matmuls)
+  policies = [precision.make_policy(timing.recipe_config(name, cfg.recipe), matmuls)
               for name in (cfg.sampler_recipe, cfg.trainer_recipe)]
   sampling = SamplingConfig(max_new_tokens=task.length, temperature=rl.temperature,
                             top_k=rl.top_k, top_p=rl.top_p, pad_id=task.bos_id)
@@ -256,14 +327,36 @@ def build(cfg: ml_collections.ConfigDict) -> SimSetup:
                   rl.steps, rl.advantage, cfg.sampler_exact, cfg.eval_num_prompts,
                   std_ddof=rl.std_ddof, act_calibration=cfg.act_calibration,
                   calib_num_prompts=cfg.calib_num_prompts,
-                  batch_cfg=BatchConfig.from_rl(rl, task.length))
+                  batch_cfg=BatchConfig.from_rl(rl, task.length),
+                  pipeline=cfg.async_rl.schedule == "pipeline")
+
+
+def lag_of(cfg: ml_collections.ConfigDict) -> int:
+  """The setting's lag: `async_rl.lag`, or the cost model's steady-state lag when 'auto' (for
+  schedule=length, the longest length's lag)."""
+  if cfg.async_rl.schedule == "length":
+    return schedule_of(cfg).lag
+  if cfg.async_rl.lag == AUTO:
+    return timing.clock(cfg).lag
+  return cfg.async_rl.lag
 
 
 def schedule_of(cfg: ml_collections.ConfigDict, seed: int | None = None) -> AsyncSchedule:
-  """The setting's AsyncSchedule (lag draws seeded by the run's seed, as in the loop)."""
+  """The setting's schedule (`async_rl.schedule`; lag draws seeded by the run's seed, as in the
+  loop). lag='auto' takes the cost model's lag (lowrl.asyncrl.timing); schedule=length turns the
+  modelled lengths into lags with the modelled decode tokens per trainer step."""
   a = cfg.async_rl
-  return AsyncSchedule(lag=a.lag, sync_every=a.sync_every, lag_distribution=a.lag_distribution,
-                       seed=cfg.seed if seed is None else seed)
+  seed = cfg.seed if seed is None else seed
+  if a.schedule == "length":
+    clock = timing.clock(cfg)
+    horizon = cfg.task.length * cfg.cost.tokens_per_sim_token
+    lengths = tuple(a.lengths) or tuple(max(1, horizon * i // 4) for i in range(1, 5))
+    return LengthDrivenSchedule(sync_every=a.sync_every, seed=seed,
+                                tokens_per_step=clock.decode_tokens_per_step, lengths=lengths)
+  lag = timing.clock(cfg).lag if a.lag == AUTO else a.lag
+  kind = {"fifo": FifoSchedule, "pipeline": PipelineSchedule,
+          "independent": AsyncSchedule}[a.schedule]
+  return kind(lag=lag, sync_every=a.sync_every, lag_distribution=a.lag_distribution, seed=seed)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,6 +398,26 @@ def calibrate(setup: SimSetup, policy: precision.PrecisionPolicy, params,
       quant_key=_quant_key(setup.trainer_policy, key))
 
 
+def _rollout_keys(key: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(prompt, sampling, quantization) keys of a step's rollout."""
+  k_prompt, k_sample, k_quant = jax.random.split(key, 3)
+  return k_prompt, k_sample, k_quant
+
+
+def _train_prompts(setup: SimSetup, k_prompt: jax.Array) -> jax.Array:
+  prompt_PL = setup.task.prompts(k_prompt, setup.num_prompts)
+  return jnp.repeat(prompt_PL, setup.group_size, axis=0)  # group-contiguous
+
+
+def sampler_score(setup: SimSetup, out: SampleOutput, params, key: jax.Array,
+                  act_amax=None) -> SampleOutput:
+  """`out` re-scored by `params` in the sampler's precision (exact mode, `rescore`) with the quant
+  key of the rollout keyed by `key`: the sampler's record, or the drift's fourth score."""
+  policy = setup.sampler_policy
+  return rescore(out, params, model_cfg=setup.model_cfg, policy=policy, config=setup.sampling,
+                 quant_key=_quant_key(policy, _rollout_keys(key)[2]), act_amax=act_amax)
+
+
 def rollout(setup: SimSetup, sampler_params, key: jax.Array, act_amax=None
             ) -> tuple[SampleOutput, jax.Array, jax.Array]:
   """One step's sequences sampled by `sampler_params` in the sampler's precision, with rewards.
@@ -313,17 +426,55 @@ def rollout(setup: SimSetup, sampler_params, key: jax.Array, act_amax=None
   sampler recipe that scales activations per tensor. Returns (output, reward_B, exact_B); rows
   are group-contiguous (group_size completions per prompt).
   """
-  k_prompt, k_sample, k_quant = jax.random.split(key, 3)
-  prompt_PL = setup.task.prompts(k_prompt, setup.num_prompts)
-  prompt_BL = jnp.repeat(prompt_PL, setup.group_size, axis=0)  # group-contiguous
+  k_prompt, k_sample, k_quant = _rollout_keys(key)
+  prompt_BL = _train_prompts(setup, k_prompt)
   policy = setup.sampler_policy
   out = _generate(setup, policy, setup.sampling, sampler_params, prompt_BL, k_sample,
                   _quant_key(policy, k_quant), act_amax)
   if setup.sampler_exact:
-    out = rescore(out, sampler_params, model_cfg=setup.model_cfg, policy=policy,
-                  config=setup.sampling, quant_key=_quant_key(policy, k_quant),
-                  act_amax=act_amax)
+    out = sampler_score(setup, out, sampler_params, key, act_amax)
   reward_B, exact_B = setup.task.rewards(prompt_BL, out.tokens[:, out.prompt_width:])
+  return out, reward_B, exact_B
+
+
+def pipeline_rollout(setup: SimSetup, ring, token_slot_H: jax.Array, key: jax.Array
+                     ) -> tuple[SampleOutput, jax.Array, jax.Array]:
+  """`rollout` with in-flight weight updates: completion token j is drawn from the ring's version
+  in slot token_slot_H[j] (weights and static scales), in the sampler's precision.
+
+  Each token comes from a full forward of the sequence so far under its version (the sampler
+  recomputes the prefix with the new weights rather than keeping the old KV cache), so the recorded
+  log q is exactly the distribution the token was drawn from (exact mode by construction).
+  """
+  k_prompt, k_sample, k_quant = _rollout_keys(key)
+  prompt_BP = _train_prompts(setup, k_prompt)
+  policy, cfg = setup.sampler_policy, setup.sampling
+  b, p = prompt_BP.shape
+  h = setup.task.length
+  tokens_BT = jnp.concatenate([prompt_BP, jnp.full((b, h), cfg.pad_id, jnp.int32)], axis=1)
+  qk = _quant_key(policy, k_quant)
+
+  def draw(tokens_BT, j):
+    params, act_amax = jax.tree.map(lambda r: r[token_slot_H[j]], ring)
+    # Causal: the pad columns after position p + j - 1 do not reach its logits.
+    logits_BTV = transformer.forward(params, tokens_BT, setup.model_cfg, policy,
+                                     mask_BT=jnp.ones(tokens_BT.shape, jnp.float32),
+                                     quant_key=qk,
+                                     act_amax=used_act_amax(policy, setup.model_cfg, act_amax))
+    logits_BV = jax.lax.dynamic_index_in_dim(logits_BTV, p + j - 1, axis=1, keepdims=False)
+    tok_B, logq_B, logp_B = sample_token(jax.random.fold_in(k_sample, j),
+                                         logits_BV.astype(jnp.float32), cfg)
+    return tokens_BT.at[:, p + j].set(tok_B), (logq_B, logp_B)
+
+  tokens_BT, (logq_HB, logp_HB) = jax.lax.scan(draw, tokens_BT, jnp.arange(h))
+  pad = ((0, 0), (p, 0))
+  out = SampleOutput(
+      tokens=tokens_BT, prompt_mask=jnp.pad(jnp.ones((b, p), jnp.float32), ((0, 0), (0, h))),
+      completion_mask=jnp.pad(jnp.ones((b, h), jnp.float32), pad),
+      logprobs=jnp.pad(logq_HB.T, pad), model_logprobs=jnp.pad(logp_HB.T, pad),
+      prompt_lengths=jnp.full((b,), p, jnp.int32), completion_lengths=jnp.full((b,), h, jnp.int32),
+      prompt_width=p)
+  reward_B, exact_B = setup.task.rewards(prompt_BP, tokens_BT[:, p:])
   return out, reward_B, exact_B
 
 
@@ -384,13 +535,17 @@ def make_rl_step(setup: SimSetup) -> tuple[Step, Any]:
 def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict[str, jax.Array]]]:
   """`train(params, key, plan) -> (final params, metrics)`: all the updates of a run, one scan.
 
-  `plan` is `AsyncSchedule.ring_plan(setup.steps, num_slots)` (as arrays); `metrics` are
+  `plan` is `AsyncSchedule.ring_plan(setup.steps, num_slots)` (as arrays; a pipeline setup adds
+  `token_read_slot` [steps, horizon] of `PipelineSchedule.token_ring_plan`); `metrics` are
   [steps] arrays of per-step scalars. Pure and jittable. With rl.kl_coef > 0 the KL penalty is
   to the starting params (the loop's reference: its base).
   """
   tx = setup.make_optimizer()
   rl_step, logprob_fn = make_rl_step(setup)
   use_ref = setup.update_cfg.loss.kl_coef > 0
+  # Identical recipes: the current weights in the sampler's precision are the trainer's score.
+  same_precision = setup.sampler_policy == setup.trainer_policy
+  p_width = setup.task.length + 1
 
   def train(params, key, plan):
     _, k_steps = jax.random.split(key)
@@ -411,7 +566,7 @@ def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict
 
     def step(carry, xs):
       params, opt_state, ring, ring_version = carry
-      t, write, write_slot, read_slot = xs
+      t, write, write_slot, read_slot, token_slot_H = xs
       # Sync: version t (params after t updates) reaches the samplers' slot.
       ring = jax.tree.map(
           lambda r, p: r.at[write_slot].set(jnp.where(write, p, r[write_slot])), ring,
@@ -420,15 +575,30 @@ def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict
           jnp.where(write, t, ring_version[write_slot]))
       sampler_params, sampler_amax = jax.tree.map(lambda r: r[read_slot], ring)
       k_roll, k_score, k_upd = jax.random.split(jax.random.fold_in(k_steps, t), 3)
-      out, reward_B, exact_B = rollout(setup, sampler_params, k_roll, sampler_amax)
       # The trainer's scores share one key, so with lag 0 the staleness part is exactly 0.
-      tokens = TokenBatch(out.tokens, out.attention_mask)
       qk = _quant_key(setup.trainer_policy, k_score)
-      logp_stale_BT = logprob_fn(sampler_params, tokens, qk)[0]
+      if setup.pipeline:
+        out, reward_B, exact_B = pipeline_rollout(setup, ring, token_slot_H, k_roll)
+        tokens = TokenBatch(out.tokens, out.attention_mask)
+        # Stale score per token: the trainer's score under every slot, each token's slot picked.
+        logp_SBT = jax.lax.map(lambda slot_params: logprob_fn(slot_params, tokens, qk)[0],
+                               ring[0])
+        slot_T = jnp.concatenate([jnp.zeros((p_width,), jnp.int32), token_slot_H])
+        logp_stale_BT = jnp.take_along_axis(logp_SBT, slot_T[None, None, :], axis=0)[0]
+      else:
+        out, reward_B, exact_B = rollout(setup, sampler_params, k_roll, sampler_amax)
+        tokens = TokenBatch(out.tokens, out.attention_mask)
+        logp_stale_BT = logprob_fn(sampler_params, tokens, qk)[0]
       logp_now_BT = logprob_fn(params, tokens, qk)[0]
+      if same_precision:
+        logp_now_sampler_BT = logp_now_BT
+      else:  # the static scales a sync of the current weights would ship
+        logp_now_sampler_BT = sampler_score(setup, out, params, k_roll,
+                                            rollout_weights(params)[1]).logprobs
       params_before = params
-      params, opt_state, m = rl_step(params, opt_state, ref_params,
-                                     Rollout(out, reward_B, logp_now_BT, logp_stale_BT), k_upd)
+      params, opt_state, m = rl_step(
+          params, opt_state, ref_params,
+          Rollout(out, reward_B, logp_now_BT, logp_stale_BT, logp_now_sampler_BT), k_upd)
       version = ring_version[read_slot]
       m = {**m, "reward/exact": jnp.mean(exact_B), "sampler_version": version,
            "drift/tokens": jnp.sum(out.completion_mask),
@@ -436,8 +606,10 @@ def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict
            "sampler_version_lag": t - version}
       return (params, opt_state, ring, ring_version), m
 
+    token_slot = plan.get("token_read_slot",
+                          jnp.zeros((setup.steps, setup.task.length), jnp.int32))
     xs = (jnp.arange(setup.steps, dtype=jnp.int32), plan["write"], plan["write_slot"],
-          plan["read_slot"])
+          plan["read_slot"], token_slot)
     (params, *_), metrics = jax.lax.scan(step, (params, opt_state, ring, ring_version), xs)
     return params, metrics
 
@@ -497,6 +669,9 @@ def _train(setup: SimSetup, num_slots: int, num_seeds: int) -> tuple[Any, float]
   plan = {"write": jax.ShapeDtypeStruct((num_seeds, setup.steps), jnp.bool_),
           "write_slot": jax.ShapeDtypeStruct((num_seeds, setup.steps), jnp.int32),
           "read_slot": jax.ShapeDtypeStruct((num_seeds, setup.steps), jnp.int32)}
+  if setup.pipeline:
+    plan["token_read_slot"] = jax.ShapeDtypeStruct((num_seeds, setup.steps, setup.task.length),
+                                                   jnp.int32)
   train = jax.jit(jax.vmap(make_train(setup, num_slots))).lower(params, keys, plan).compile()
   return train, time.perf_counter() - t0
 
@@ -511,11 +686,19 @@ def simulate(setup: SimSetup, schedule: AsyncSchedule, seeds: Sequence[int],
   """
   if not seeds:
     raise ValueError("simulate needs at least one seed.")
+  if setup.pipeline != isinstance(schedule, PipelineSchedule):
+    raise ValueError("a setup built with async_rl.schedule=pipeline runs a PipelineSchedule, and "
+                     "only it.")
   num_slots = schedule.max_versions if num_slots is None else num_slots
-  plans = [dataclasses.replace(schedule, seed=int(s)).ring_plan(setup.steps, num_slots)
-           for s in seeds]
-  plan = {k: jnp.asarray(np.stack([p[k] for p in plans]))
-          for k in ("write", "write_slot", "read_slot")}
+  keys_of_plan = ("write", "write_slot", "read_slot")
+  if setup.pipeline:
+    plans = [dataclasses.replace(schedule, seed=int(s)).token_ring_plan(
+        setup.steps, setup.task.length, num_slots) for s in seeds]
+    keys_of_plan += ("token_read_slot",)
+  else:
+    plans = [dataclasses.replace(schedule, seed=int(s)).ring_plan(setup.steps, num_slots)
+             for s in seeds]
+  plan = {k: jnp.asarray(np.stack([p[k] for p in plans])) for k in keys_of_plan}
   keys = jnp.stack([jax.random.key(int(s)) for s in seeds])
   compile_s = 0.0
   misses = _init_eval.cache_info().misses

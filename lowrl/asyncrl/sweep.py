@@ -1,12 +1,18 @@
 """A resumable grid sweep of the asynchronous-RL simulator (the engine of experiments/simulate.py).
 
 Config (configs/simulate.py): `sim` is one simulator setting (simulator.default_config()), `seeds`
-the seeds every setting runs (vmapped), `grid` one tuple of values per knob in GRID_KNOBS.
+the seeds every setting runs (vmapped), `grid` one tuple of values per knob in GRID_KNOBS, and
+optionally `phase_grid`, a second grid (the LR x lag x precision phase diagram) run after it.
 
 Outputs under the workdir:
   runs/<setting>/seed_<s>/   TensorBoard: every per-step metric of that run, eval at the ends
-  results.jsonl              one line per finished setting (knobs, fingerprint, summary numbers)
-  summary.md, summary.png    the table and plots of final reward and mean drift parts per setting
+  results.jsonl              one line per finished setting (knobs, fingerprint, summary numbers,
+                             the modelled step time, wall clock and GPU-hours, reward curve)
+  summary.md                 tables: final reward and drift parts per setting, time to reward,
+                             phase diagram
+  summary.png                reward and drift parts against the lag
+  wall_clock.png             reward against simulated wall-clock hours and against GPU-hours
+  phase.png                  final reward over LR x lag, one panel per precision x correction
 A sweep that is interrupted and started again skips the settings results.jsonl already holds; a
 setting whose config changed since (another fingerprint) is an error, not a silent mix.
 """
@@ -24,7 +30,7 @@ from typing import Any, Callable
 import ml_collections
 import numpy as np
 
-from lowrl.asyncrl import simulator
+from lowrl.asyncrl import simulator, timing
 from lowrl.rl.drift import DRIFT_PARTS
 from lowrl.metrics.writer import MetricWriter
 
@@ -36,17 +42,29 @@ Log = Callable[[str], None]
 GRID_KNOBS = {
     "sampler_recipe": "sampler_recipe",
     "trainer_recipe": "trainer_recipe",  # "same" = the sampler's recipe
+    "act_per_token": "recipe.act_per_token",
+    "four_over_six": "recipe.four_over_six",
+    "bf16_last_fraction": "recipe.bf16_last_fraction",
+    "backward": "recipe.backward",
+    "lr": "optimizer.lr",
+    "old_logp_source": "rl.old_logp_source",
     "correction": "rl.correction",
     "num_prompts": "rl.num_prompts",
     "group_size": "rl.group_size",
     "horizon": "task.length",
+    "sampler_devices": "cost.sampler_devices",
+    "schedule": "async_rl.schedule",
     "lag_distribution": "async_rl.lag_distribution",
     "sync_every": "async_rl.sync_every",
-    "lag": "async_rl.lag",
+    "lag": "async_rl.lag",  # an int or "auto" (the cost model's)
 }
-_SHORT = {"sampler_recipe": "s", "trainer_recipe": "t", "correction": "corr", "num_prompts": "np",
-          "group_size": "g", "horizon": "h", "lag_distribution": "dist", "sync_every": "sync",
-          "lag": "lag"}
+_SHORT = {"sampler_recipe": "s", "trainer_recipe": "t", "act_per_token": "ptok",
+          "four_over_six": "46", "bf16_last_fraction": "tail", "backward": "bwd", "lr": "lr",
+          "old_logp_source": "old", "correction": "corr", "num_prompts": "np",
+          "group_size": "g", "horizon": "h", "sampler_devices": "sdev", "schedule": "sched",
+          "lag_distribution": "dist", "sync_every": "sync", "lag": "lag"}
+GRIDS = ("grid", "phase_grid")  # the config's grids, run in this order
+CURVE_POINTS = 20  # reward-curve points kept per setting (means over seeds of equal chunks)
 SUMMARY_TAIL = 0.1  # "final" = the mean over the last 10% of steps
 
 
@@ -57,6 +75,9 @@ class Setting:
   knobs: dict[str, Any]
   cfg: ml_collections.ConfigDict
   seeds: tuple[int, ...]
+  grids: tuple[str, ...] = ("grid",)  # the config's GRIDS it belongs to
+  # Knob values of a later grid that ran the same config under another name (not in `name`).
+  extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   @property
   def name(self) -> str:
@@ -69,29 +90,35 @@ class Setting:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+def _get(cfg: ml_collections.ConfigDict, path: str) -> Any:
+  node = cfg
+  for p in path.split("."):
+    node = node[p]
+  return node
+
+
 def _set(cfg: ml_collections.ConfigDict, path: str, value: Any) -> None:
   *parents, leaf = path.split(".")
   node = cfg
   for p in parents:
     node = node[p]
-  node[leaf] = value
+  with node.ignore_type():  # a knob of several types (async_rl.lag: an int or 'auto')
+    node[leaf] = value
 
 
-def expand_grid(cfg: ml_collections.ConfigDict) -> list[Setting]:
-  """Every setting of the grid, validated (each is `simulator.build`-checked before any run)."""
-  unknown = sorted(set(cfg.grid.keys()) - set(GRID_KNOBS))
+def _grid_settings(cfg: ml_collections.ConfigDict, which: str,
+                   seeds: tuple[int, ...]) -> list[Setting]:
+  grid = cfg[which]
+  unknown = sorted(set(grid.keys()) - set(GRID_KNOBS))
   if unknown:
-    raise ValueError(f"config.grid has unknown knobs {unknown}; knobs are {list(GRID_KNOBS)}.")
+    raise ValueError(f"config.{which} has unknown knobs {unknown}; knobs are {list(GRID_KNOBS)}.")
   values = {}
   for knob in GRID_KNOBS:
-    v = cfg.grid.get(knob)
+    v = grid.get(knob)
     values[knob] = tuple(v) if isinstance(v, (tuple, list)) and v else None
-    if knob in cfg.grid and values[knob] is None:
-      raise ValueError(f"config.grid.{knob} must be a non-empty tuple, got {v!r}.")
+    if knob in grid and values[knob] is None:
+      raise ValueError(f"config.{which}.{knob} must be a non-empty tuple, got {v!r}.")
   knobs = [k for k in GRID_KNOBS if values[k] is not None]
-  seeds = tuple(int(s) for s in cfg.seeds)
-  if not seeds or len(set(seeds)) != len(seeds):
-    raise ValueError(f"config.seeds={cfg.seeds!r} must be distinct ints, at least one.")
   settings = []
   for combo in itertools.product(*(values[k] for k in knobs)):
     point = dict(zip(knobs, combo))
@@ -102,10 +129,35 @@ def expand_grid(cfg: ml_collections.ConfigDict) -> list[Setting]:
       _set(sim, GRID_KNOBS[k], v)
     simulator.build(sim)  # config errors surface before the first run
     simulator.schedule_of(sim)
-    settings.append(Setting(point, sim, seeds))
-  names = [s.name for s in settings]
-  if len(set(names)) != len(names):
-    raise ValueError("config.grid has repeated values; every setting must be distinct.")
+    settings.append(Setting(point, sim, seeds, (which,)))
+  return settings
+
+
+def expand_grid(cfg: ml_collections.ConfigDict) -> list[Setting]:
+  """Every setting of the config's grids (GRIDS present), validated (each is
+  `simulator.build`-checked before any run). A config that several points (of one grid or two)
+  give runs once, under its first name; the later points' knob values are kept as `extra`."""
+  seeds = tuple(int(s) for s in cfg.seeds)
+  if not seeds or len(set(seeds)) != len(seeds):
+    raise ValueError(f"config.seeds={cfg.seeds!r} must be distinct ints, at least one.")
+  settings, by_fingerprint = [], {}
+  for which in GRIDS:
+    if which not in cfg:
+      continue
+    grid_settings = _grid_settings(cfg, which, seeds)
+    if len({s.name for s in grid_settings}) != len(grid_settings):
+      raise ValueError(f"config.{which} has repeated values; every setting must be distinct.")
+    for s in grid_settings:
+      first = by_fingerprint.get(s.fingerprint)
+      if first is None:
+        by_fingerprint[s.fingerprint] = s
+        settings.append(s)
+        continue
+      i = settings.index(first)
+      extra = {**first.extra, **{k: v for k, v in s.knobs.items() if k not in first.knobs}}
+      grids = first.grids + tuple(g for g in s.grids if g not in first.grids)
+      settings[i] = by_fingerprint[s.fingerprint] = dataclasses.replace(
+          first, grids=grids, extra=extra)
   return settings
 
 
@@ -145,6 +197,11 @@ def summarize(metrics: dict[str, np.ndarray], tail_frac: float = SUMMARY_TAIL) -
   out["truncated_frac"] = float(metrics["correction/is_truncated_frac"].mean())
   out["skipped_updates"] = float(metrics["skipped_updates"].sum())
   out["finite"] = bool(all(np.isfinite(v).all() for v in metrics.values()))
+  # The reward curve: means over seeds of CURVE_POINTS equal chunks of steps (the last point at
+  # the last step), for the reward-against-time plots.
+  chunks = np.array_split(np.arange(reward.shape[1]), min(CURVE_POINTS, reward.shape[1]))
+  out["reward_curve"] = [float(reward[:, c].mean()) for c in chunks]
+  out["curve_steps"] = [int(c[-1]) + 1 for c in chunks]
   return out
 
 
@@ -200,11 +257,11 @@ def run_sweep(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) ->
     run_dir = os.path.join(workdir, "runs", s.name)
     shutil.rmtree(run_dir, ignore_errors=True)  # a half-written one from an interrupted sweep
     write_tensorboard(run_dir, result.metrics, s.seeds, cfg.get("log_every", 1))
-    row = {"name": s.name, "fingerprint": s.fingerprint, **s.knobs, "seeds": list(s.seeds),
-           "steps": s.cfg.rl.steps, "compile_s": round(result.compile_s, 2),
-           "run_s": round(result.run_s, 2),
+    row = {"name": s.name, "fingerprint": s.fingerprint, **s.knobs,
+           "seeds": list(s.seeds), "steps": s.cfg.rl.steps,
+           "compile_s": round(result.compile_s, 2), "run_s": round(result.run_s, 2),
            "updates_per_min": round(result.updates_per_minute, 1),
-           **summarize(result.metrics)}
+           **summarize(result.metrics), **clock_row(s.cfg)}
     with open(results_path, "a") as f:
       f.write(json.dumps(row) + "\n")
     done[s.name] = row
@@ -217,11 +274,26 @@ def run_sweep(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) ->
         f"E[w] {row['total_is_weight_mean']:.3f}±{row['total_is_weight_se']:.3f} | "
         f"compile {result.compile_s:.0f}s run {result.run_s:.0f}s "
         f"({result.updates_per_minute:,.0f} updates/min) elapsed {elapsed:.0f}s eta {eta:.0f}s")
-  rows = [done[s.name] for s in settings]
+  # Grid membership is the config's, not the results file's (a resumed row may predate it); a
+  # knob another setting varies is filled in from this setting's config, for the tables.
+  varied = {k for s in settings for k in (*s.knobs, *s.extra)}
+  rows = [{**{k: _get(s.cfg, GRID_KNOBS[k]) for k in varied}, **done[s.name], **s.extra,
+           "grids": list(s.grids)} for s in settings]
   write_summary(rows, list(GRID_KNOBS), workdir)
-  log(f"[sweep] summary -> {os.path.join(workdir, 'summary.md')}, "
-      f"{os.path.join(workdir, 'summary.png')}")
+  log(f"[sweep] summary -> {os.path.join(workdir, 'summary.md')} (+ summary.png, "
+      f"wall_clock.png, phase.png)")
   return rows
+
+
+def clock_row(cfg: ml_collections.ConfigDict) -> dict[str, float]:
+  """The setting's modelled clock (lowrl.asyncrl.timing): the lag it ran at, seconds per step,
+  the whole run's wall-clock hours and GPU-hours."""
+  clock = timing.clock(cfg)
+  lag = simulator.lag_of(cfg)
+  steps = cfg.rl.steps
+  return {"lag_used": lag, "model_lag": clock.lag, "step_s": clock.step_at(lag),
+          "wall_clock_h": steps * clock.step_at(lag) / 3600.0,
+          "gpu_hours": steps * clock.gpu_hours_at(lag)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,16 +303,34 @@ _COLUMNS = (("reward_final", "final reward"), ("eval_end", "greedy eval (end)"),
             ("quantization_k1", "quant k1"), ("staleness_k1", "stale k1"),
             ("total_k1", "total k1"), ("total_k3", "total k3"), ("total_max", "total max|Δ|"),
             ("total_ess", "ESS"), ("total_is_weight_mean", "E[w]"),
-            ("truncated_frac", "TIS trunc."))
+            ("truncated_frac", "TIS trunc."), ("lag_used", "lag run"),
+            ("wall_clock_h", "wall clock h"), ("gpu_hours", "GPU-h"))
+_DRIFT_COLUMNS = tuple((f"{p}_{m}", f"{p[:5]}. {m}") for p in DRIFT_PARTS
+                       for m in ("k1", "k3", "ess")) + (("total_is_weight_mean", "E[w]"),)
+# A phase-diagram cell has collapsed when its held-out greedy reward ends clearly (2 seed std)
+# below where it started.
+COLLAPSE = "greedy eval end + 2 std < greedy eval start"
 
 
-def _fmt(x: float) -> str:
+def collapsed(r: dict) -> bool:
+  """Whether a setting's run collapsed (COLLAPSE)."""
+  return r["eval_end"] + 2 * r["eval_end_std"] < r["eval_start"]
+
+
+def _fmt(x: Any) -> str:
+  if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+    return str(x)
   return f"{x:.3f}" if abs(x) >= 1e-2 or x == 0 else f"{x:.1e}"
 
 
-def summary_table(rows: list[dict], knobs: list[str]) -> str:
+def _varying(rows: list[dict], knobs: list[str]) -> list[str]:
+  return [k for k in knobs if len({str(r.get(k)) for r in rows}) > 1]
+
+
+def summary_table(rows: list[dict], knobs: list[str],
+                  columns: tuple[tuple[str, str], ...] = _COLUMNS) -> str:
   """Markdown: one row per setting, a column per varying knob, then the summary numbers."""
-  varying = [k for k in knobs if len({r.get(k) for r in rows}) > 1]
+  varying = _varying(rows, knobs)
   fixed = {k: rows[0][k] for k in knobs if rows and k in rows[0] and k not in varying}
   lines = []
   if rows:
@@ -248,12 +338,12 @@ def summary_table(rows: list[dict], knobs: list[str]) -> str:
                  "mean over seeds (± std over seeds); drift columns are means over all steps. "
                  + (f"Fixed: {', '.join(f'{k}={v}' for k, v in fixed.items())}." if fixed else ""))
     lines.append("")
-  head = varying + [title for _, title in _COLUMNS]
+  head = varying + [title for _, title in columns]
   lines.append("| " + " | ".join(head) + " |")
   lines.append("|" + "---|" * len(head))
   for r in rows:
-    cells = [str(r[k]) for k in varying]
-    for key, _ in _COLUMNS:
+    cells = [str(r.get(k)) for k in varying]
+    for key, _ in columns:
       cell = _fmt(r[key])
       if key + "_std" in r:
         cell += f" ± {r[key + '_std']:.3f}"
@@ -262,18 +352,90 @@ def summary_table(rows: list[dict], knobs: list[str]) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _first_reach(r: dict, target: float) -> float | None:
+  """Fraction of the run (steps) at which the reward curve first reaches `target`, or None."""
+  for reward, step in zip(r["reward_curve"], r["curve_steps"]):
+    if reward >= target:
+      return step / r["steps"]
+  return None
+
+
+def time_to_reward_table(rows: list[dict], knobs: list[str]) -> str:
+  """Markdown: per setting, simulated wall-clock hours and GPU-hours until its reward curve first
+  reaches 90% of the best final reward of the sweep, fastest first."""
+  target = 0.9 * max(r["reward_final"] for r in rows)
+  varying = _varying(rows, knobs)
+  timed = []
+  for r in rows:
+    frac = _first_reach(r, target)
+    timed.append((float("inf") if frac is None else frac * r["wall_clock_h"], frac, r))
+  lines = [f"Target reward {target:.3f} (90% of the best final reward); modelled system per "
+           "setting (lowrl.asyncrl.timing).", "",
+           "| " + " | ".join(varying + ["step s", "hours to target", "GPU-h to target"]) + " |",
+           "|" + "---|" * (len(varying) + 3)]
+  for hours, frac, r in sorted(timed, key=lambda x: x[0]):
+    cells = [str(r.get(k)) for k in varying] + [f"{r['step_s']:.2f}"]
+    cells += ["never", "never"] if frac is None else [f"{hours:.2f}",
+                                                       f"{frac * r['gpu_hours']:.1f}"]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def _phase_panels(rows: list[dict]) -> dict[str, list[dict]]:
+  panels: dict[str, list[dict]] = {}
+  for r in rows:
+    label = (f"sampler {r.get('sampler_recipe', '-')}, trainer {r.get('trainer_recipe', '-')}, "
+             f"{r.get('correction', '-')}")
+    panels.setdefault(label, []).append(r)
+  return panels
+
+
+def phase_table(rows: list[dict]) -> str:
+  """Markdown: final reward ± std per (precision x correction, lr) row and lag column; ✗ marks a
+  collapse (COLLAPSE)."""
+  lags = sorted({r["lag_used"] for r in rows})
+  lines = [f"Final sampled reward; ✗ = collapsed ({COLLAPSE}).", "",
+           "| setting | lr | " + " | ".join(f"lag {l}" for l in lags) + " |",
+           "|" + "---|" * (2 + len(lags))]
+  for label, rs in _phase_panels(rows).items():
+    for lr in sorted({r["lr"] for r in rs}):
+      cells = []
+      for lag in lags:
+        hit = [r for r in rs if r["lr"] == lr and r["lag_used"] == lag]
+        if not hit:
+          cells.append("")
+          continue
+        r = hit[0]
+        mark = " ✗" if collapsed(r) else ""
+        cells.append(f"{r['reward_final']:.3f} ± {r['reward_final_std']:.3f}{mark}")
+      lines.append(f"| {label} | {lr:g} | " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
 def write_summary(rows: list[dict], knobs: list[str], workdir: str) -> None:
-  """summary.md (the table) and summary.png (reward and drift parts against the lag)."""
+  """summary.md (tables), summary.png (reward and drift parts against the lag), wall_clock.png
+  (reward against simulated hours and GPU-hours) and phase.png (when a phase grid ran)."""
+  main = [r for r in rows if "grid" in r.get("grids", ("grid",))]
+  phase = [r for r in rows if "phase_grid" in r.get("grids", ())]
+  text = ["# Asynchronous-RL simulator sweep\n", summary_table(main, knobs),
+          "\n## Drift parts (order-symmetric; lowrl.rl.drift)\n",
+          "k1 parts add up to the total; each part's k3 and ESS are under the distribution it "
+          "refers to (importance-weighted from the sampler's tokens).\n",
+          summary_table(main, knobs, _DRIFT_COLUMNS),
+          "\n## Time to reward (reward_vs_wall_clock: wall_clock.png)\n",
+          time_to_reward_table(main, knobs)]
+  if phase:
+    text += ["\n## Phase diagram: LR x lag x precision (phase.png)\n", phase_table(phase)]
   with open(os.path.join(workdir, "summary.md"), "w") as f:
-    f.write("# Asynchronous-RL simulator sweep\n\n" + summary_table(rows, knobs))
+    f.write("\n".join(text))
   import matplotlib  # noqa: PLC0415 (headless backend before pyplot)
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
 
-  others = [k for k in knobs if k != "lag" and len({r.get(k) for r in rows}) > 1]
+  others = [k for k in _varying(main, knobs) if k != "lag"]
   series: dict[str, list[dict]] = {}
-  for r in rows:
-    label = ", ".join(f"{r[k]}" for k in others) or "all"
+  for r in main:
+    label = ", ".join(f"{r.get(k)}" for k in others) or "all"
     series.setdefault(label, []).append(r)
   panels = (("reward_final", "final sampled reward"), ("eval_end", "greedy eval reward (end)"),
             ("quantization_k1", "quantization drift k1"), ("staleness_k1", "staleness drift k1"),
@@ -281,8 +443,8 @@ def write_summary(rows: list[dict], knobs: list[str], workdir: str) -> None:
   fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
   for ax, (key, title) in zip(axes.flat, panels):
     for label, rs in series.items():
-      rs = sorted(rs, key=lambda r: r["lag"])
-      x = [r["lag"] for r in rs]
+      rs = sorted(rs, key=lambda r: r["lag_used"])
+      x = [r["lag_used"] for r in rs]
       y = np.array([r[key] for r in rs])
       ax.plot(x, y, marker="o", label=label)
       if key + "_std" in rs[0]:
@@ -295,3 +457,42 @@ def write_summary(rows: list[dict], knobs: list[str], workdir: str) -> None:
   fig.tight_layout()
   fig.savefig(os.path.join(workdir, "summary.png"), dpi=110)
   plt.close(fig)
+
+  fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
+  labels = _varying(main, knobs)
+  for r in main:
+    frac = np.array(r["curve_steps"]) / r["steps"]
+    label = ", ".join(f"{r.get(k)}" for k in labels) or "all"
+    for ax, total in zip(axes, (r["wall_clock_h"], r["gpu_hours"])):
+      ax.plot(frac * total, r["reward_curve"], label=label, lw=1)
+  for ax, xlabel in zip(axes, ("simulated wall-clock hours", "GPU-hours")):
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("sampled reward")
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize=6, ncol=2, title=", ".join(labels) or None)
+  fig.tight_layout()
+  fig.savefig(os.path.join(workdir, "wall_clock.png"), dpi=110)
+  plt.close(fig)
+
+  if phase:
+    groups = _phase_panels(phase)
+    lags = sorted({r["lag_used"] for r in phase})
+    lrs = sorted({r["lr"] for r in phase})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4), squeeze=False)
+    for ax, (label, rs) in zip(axes[0], groups.items()):
+      grid = np.full((len(lrs), len(lags)), np.nan)
+      for r in rs:
+        grid[lrs.index(r["lr"]), lags.index(r["lag_used"])] = r["reward_final"]
+      im = ax.imshow(grid, origin="lower", aspect="auto", vmin=0, vmax=1, cmap="viridis")
+      for r in rs:
+        if collapsed(r):
+          ax.text(lags.index(r["lag_used"]), lrs.index(r["lr"]), "✗", ha="center",
+                  va="center", color="red")
+      ax.set_xticks(range(len(lags)), [str(l) for l in lags])
+      ax.set_yticks(range(len(lrs)), [f"{lr:g}" for lr in lrs])
+      ax.set_xlabel("lag")
+      ax.set_ylabel("lr")
+      ax.set_title(label, fontsize=8)
+    fig.colorbar(im, ax=axes[0].tolist(), label="final sampled reward")
+    fig.savefig(os.path.join(workdir, "phase.png"), dpi=110)
+    plt.close(fig)

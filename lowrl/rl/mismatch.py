@@ -8,6 +8,12 @@ Tokens are sampled from the sampler, so with d = logp_sampler - logp_trainer on 
   ess             = (sum w)^2 / (N sum w^2)  in (0, 1]; 1 when all weights are equal
 An all-zero mask means "no evidence of mismatch": KLs, |d| stats and the weight std are 0, the weight
 mean and ESS are 1. No NaN either way.
+
+Tokens drawn from another distribution r (the drift decomposition's parts, lowrl.rl.drift): with
+`log_weight_BT` = log pi_sampler - log r per token, every mean above except the |d| stats becomes
+the self-normalised importance-weighted mean sum(m v f) / sum(m v), v = exp(log_weight), an
+estimate under pi_sampler; ess becomes (E[w])^2 / E[w^2] under pi_sampler. |d| stats stay over the
+drawn tokens.
 """
 from __future__ import annotations
 
@@ -19,8 +25,13 @@ from lowrl.rl.masked import masked_count, masked_max, masked_mean, masked_sum, s
 
 
 def mismatch_metrics(logp_sampler_BT: jax.Array, logp_trainer_BT: jax.Array,
-                     mask_BT: jax.Array) -> dict[str, jax.Array]:
-  """FP32 scalar mismatch metrics over the masked tokens (see module docstring); no gradient."""
+                     mask_BT: jax.Array, log_weight_BT: jax.Array | None = None
+                     ) -> dict[str, jax.Array]:
+  """FP32 scalar mismatch metrics over the masked tokens (see module docstring); no gradient.
+
+  `log_weight_BT`: None when the tokens were drawn from pi_sampler, else log(pi_sampler / r) of
+  the distribution r they were drawn from (self-normalised importance weights).
+  """
   if logp_sampler_BT.shape != logp_trainer_BT.shape or logp_sampler_BT.shape != mask_BT.shape:
     raise ValueError(f"Shape mismatch: sampler {logp_sampler_BT.shape}, trainer "
                      f"{logp_trainer_BT.shape}, mask {mask_BT.shape}.")
@@ -31,21 +42,28 @@ def mismatch_metrics(logp_sampler_BT: jax.Array, logp_trainer_BT: jax.Array,
   d_BT = jnp.where(mask_BT != 0, logp_sampler_BT - logp_trainer_BT, 0.0)
   w_BT = jnp.exp(-d_BT)
   abs_d_BT = jnp.abs(d_BT)
+  # The weights of the means: the mask itself, or mask x importance weight (normalised by the
+  # largest, which the self-normalised means do not see, so that exp() cannot overflow).
+  mean_mask_BT = mask_BT
+  if log_weight_BT is not None:
+    log_v_BT = jnp.where(mask_BT != 0, jax.lax.stop_gradient(
+        jnp.asarray(log_weight_BT, jnp.float32)), 0.0)
+    mean_mask_BT = mask_BT * jnp.exp(log_v_BT - masked_max(log_v_BT, mask_BT))
 
-  w_mean = masked_mean(w_BT, mask_BT, empty=1.0)
-  w_var = masked_mean(jnp.square(w_BT - w_mean), mask_BT)
+  w_mean = masked_mean(w_BT, mean_mask_BT, empty=1.0)
+  w_var = masked_mean(jnp.square(w_BT - w_mean), mean_mask_BT)
   # ESS is scale-invariant: normalise by the largest weight so the sums can't overflow.
   log_w_BT = -d_BT
   u_BT = jnp.exp(log_w_BT - masked_max(log_w_BT, mask_BT))
-  sum_u = masked_sum(u_BT, mask_BT)
-  sum_u2 = masked_sum(jnp.square(u_BT), mask_BT)
+  sum_u = masked_sum(u_BT, mean_mask_BT)
+  sum_u2 = masked_sum(jnp.square(u_BT), mean_mask_BT)
   return {
-      "mismatch_kl": masked_mean(d_BT, mask_BT),
+      "mismatch_kl": masked_mean(d_BT, mean_mask_BT),
       # w - log w - 1 with log w = -d.
-      "mismatch_kl_k3": masked_mean(k3_from_log_ratio(-d_BT), mask_BT),
+      "mismatch_kl_k3": masked_mean(k3_from_log_ratio(-d_BT), mean_mask_BT),
       "abs_dlogp_mean": masked_mean(abs_d_BT, mask_BT),
       "abs_dlogp_max": masked_max(abs_d_BT, mask_BT),
       "is_weight_mean": w_mean,
       "is_weight_std": jnp.sqrt(w_var),
-      "ess": safe_divide(jnp.square(sum_u), masked_count(mask_BT) * sum_u2, empty=1.0),
+      "ess": safe_divide(jnp.square(sum_u), masked_count(mean_mask_BT) * sum_u2, empty=1.0),
   }

@@ -10,8 +10,10 @@ With lag 0 and sync every step this is t: the synchronous, on-policy trainer.
 
 `AsyncSchedule` draws lag_t independently each step, so the consumed version can go backwards.
 Two more realistic schedules share its interface (`sampler_version`, `oldest_needed`,
-`max_versions`, `ring_plan`): `FifoSchedule` (bounded-staleness FIFO: versions never go backwards)
-and `LengthDrivenSchedule` (a batch's lag follows its longest completion's generation time).
+`max_versions`, `ring_plan`): `FifoSchedule` (bounded-staleness FIFO: versions never go backwards),
+`PipelineSchedule` (PipelineRL's in-flight weight updates: one sequence's tokens come from several
+versions) and `LengthDrivenSchedule` (a batch's lag follows its longest completion's generation
+time).
 """
 from __future__ import annotations
 
@@ -204,3 +206,41 @@ class LengthDrivenSchedule(AsyncSchedule):
 
   def lag_at(self, step: int) -> int:
     return self._lag_of(self.length_at(step))
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSchedule(FifoSchedule):
+  """In-flight weight updates (PipelineRL): the samplers pick up every sync mid-generation, so one
+  sequence's tokens come from several versions, the later tokens from newer ones.
+
+  The batch consumed at step t is generated over the `lag` trainer steps before it; its token j of
+  H is generated during step t - lag + floor(j * lag / H), with the version synced last by then:
+
+      token_version(t, j) = sync_every * floor(max(t - lag + floor(j * lag / H), 0) / sync_every)
+
+  non-decreasing in j and in t, token 0's version is `sampler_version(t)` (the FIFO's), the last
+  token's at most t - 1 when lag >= 1; lag 0 is the synchronous trainer. The lag is fixed (the
+  pipeline's depth).
+  """
+
+  def __post_init__(self):
+    if self.lag_distribution != "fixed":
+      raise ValueError("PipelineSchedule's lag is the pipeline depth; leave "
+                       "lag_distribution='fixed'.")
+    super().__post_init__()
+
+  def token_versions(self, step: int, horizon: int) -> np.ndarray:
+    """[horizon] int32: the version that generated each completion token of step's batch."""
+    j = np.arange(horizon)
+    produced_at = np.maximum(step - self.lag + (j * self.lag) // horizon, 0)
+    return (self.sync_every * (produced_at // self.sync_every)).astype(np.int32)
+
+  def token_ring_plan(self, steps: int, horizon: int, num_slots: int | None = None
+                      ) -> dict[str, np.ndarray]:
+    """`ring_plan` plus [steps, horizon] `token_version` and `token_read_slot` (its ring slot)."""
+    plan = self.ring_plan(steps, num_slots)
+    num_slots = self.max_versions if num_slots is None else num_slots
+    version = np.stack([self.token_versions(t, horizon) for t in range(steps)])
+    plan["token_version"] = version
+    plan["token_read_slot"] = ((version // self.sync_every) % num_slots).astype(np.int32)
+    return plan

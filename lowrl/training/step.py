@@ -58,12 +58,15 @@ class Rollout(NamedTuple):
   logp_now_BT:   log q of the sampled tokens, trainer's precision, current params: pi_old.
   logp_stale_BT: the same with the sampler's (possibly stale) weights, for the drift
                  decomposition; `logp_now_BT` itself when the sampler used the current weights.
+  logp_now_sampler_BT: the current params in the sampler's precision (the fourth score of the
+                 order-symmetric drift split, lowrl.rl.drift); None = the ordered split.
   """
 
   out: SampleOutput
   rewards_B: jax.Array
   logp_now_BT: jax.Array
   logp_stale_BT: jax.Array
+  logp_now_sampler_BT: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +154,7 @@ def make_step(logprob_fn, tx: optax.GradientTransformation, update_cfg: UpdateCo
     out = rollout.out
     batch, batch_metrics = make_batch(out, rollout.rewards_B, batch_cfg, rollout.logp_now_BT)
     drift = drift_metrics(out.logprobs, rollout.logp_stale_BT, rollout.logp_now_BT,
-                          out.completion_mask)
+                          out.completion_mask, rollout.logp_now_sampler_BT)
     params, opt_state, metrics = update(params, opt_state, ref_params, batch, key)
     return params, opt_state, {**metrics, **drift, **batch_metrics}
 

@@ -15,7 +15,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from lowrl.asyncrl import simulator, sweep
+from lowrl.asyncrl import simulator, sweep, timing
 from lowrl.training import optimizer, rl_update
 from lowrl.training import step as step_lib
 from lowrl.rl.drift import DRIFT_PARTS
@@ -35,6 +35,8 @@ def tiny_config(sampler_recipe: str = "bf16", trainer_recipe: str = "bf16"):
   c.optimizer.lr = 3e-2  # large, so that a few steps move the policy measurably
   c.sampler_recipe, c.trainer_recipe = sampler_recipe, trainer_recipe
   c.eval_num_prompts = 8
+  # The modelled system (clock only, not the compiled program): its lag ('auto') is 2.
+  c.cost.sequences_per_sim_sequence = 32
   return c
 
 
@@ -196,7 +198,7 @@ def sweep_config():
   c.sim = tiny_config()
   c.seeds = SEEDS
   c.log_every = 1
-  c.grid = ml_collections.ConfigDict({"lag": (0, 2, 3), "sync_every": (1,),
+  c.grid = ml_collections.ConfigDict({"lag": (0, 2, "auto"), "sync_every": (1,),
                                       "sampler_recipe": ("bf16",), "correction": ("none",)})
   return c
 
@@ -215,7 +217,13 @@ class _Crash(Exception):
 def test_sweep_writes_runs_summary_and_resumes(tmp_path):
   cfg = sweep_config()
   full = sweep.run_sweep(cfg, str(tmp_path / "full"), log=lambda _: None)
-  assert [r["lag"] for r in full] == [0, 2, 3]
+  assert [r["lag"] for r in full] == [0, 2, "auto"]
+  # 'auto' runs at the cost model's lag of the modelled system; the clock is the model's.
+  auto = sweep.expand_grid(cfg)[2].cfg
+  assert full[2]["lag_used"] == timing.clock(auto).lag == 2
+  assert full[0]["step_s"] == timing.clock(auto).synchronous_step_s  # lag 0: no overlap
+  assert full[1]["gpu_hours"] == pytest.approx(
+      STEPS * timing.clock(auto).devices * timing.clock(auto).step_s / 3600)
   assert all(r["finite"] for r in full)
   # Temperature 1: the sampler's recorded logprobs are those it sampled from, so the mean weight
   # pi_now / pi_sampler is 1 up to sampling noise (see test_act_scales.py for the 5-SE argument).
@@ -236,7 +244,7 @@ def test_sweep_writes_runs_summary_and_resumes(tmp_path):
   assert "1 already done, 2 to run" in logs[0]
   assert _strip(resumed) == _strip(full)
   with open(os.path.join(workdir, "results.jsonl")) as f:
-    assert [json.loads(line)["lag"] for line in f] == [0, 2, 3]
+    assert [json.loads(line)["lag"] for line in f] == [0, 2, "auto"]
 
   for r in resumed:
     for seed in SEEDS:
@@ -244,8 +252,11 @@ def test_sweep_writes_runs_summary_and_resumes(tmp_path):
       assert any(f.startswith("events.out.tfevents") for f in os.listdir(run))
   with open(os.path.join(workdir, "summary.md")) as f:
     table = f.read()
-  assert table.count("\n| ") == 1 + 3  # header + one row per setting
-  assert os.path.getsize(os.path.join(workdir, "summary.png")) > 10_000
+  # Settings and drift-part tables: header + one row per setting; time to reward: the same.
+  assert table.count("\n| ") == 3 * (1 + 3)
+  assert "## Drift parts" in table and "## Time to reward" in table
+  for png in ("summary.png", "wall_clock.png"):
+    assert os.path.getsize(os.path.join(workdir, png)) > 10_000
 
   cfg.sim.optimizer.lr = 1e-2  # another config in the same workdir must not mix in silently
   with pytest.raises(ValueError, match="from another config"):
@@ -277,15 +288,57 @@ def test_summary_numbers_come_from_the_metrics():
   assert s["finite"]
 
 
+def test_phase_table_marks_collapse_from_its_definition():
+  """A cell collapses when the held-out greedy reward ends more than 2 seed std below its start."""
+  def row(lr, lag, start, end, std):
+    return {"lr": lr, "lag_used": lag, "sampler_recipe": "bf16", "trainer_recipe": "bf16",
+            "correction": "none", "reward_final": end, "reward_final_std": std,
+            "eval_start": start, "eval_end": end, "eval_end_std": std}
+  rows = [row(1e-3, 0, 0.6, 0.8, 0.02), row(1e-3, 8, 0.6, 0.55, 0.02),  # 0.55 + 0.04 < 0.6
+          row(3e-3, 0, 0.6, 0.57, 0.02), row(3e-3, 8, 0.6, 0.3, 0.1)]  # 0.57 + 0.04 >= 0.6
+  lines = [l for l in sweep.phase_table(rows).splitlines() if l.startswith("| sampler")]
+  assert len(lines) == 2
+  cells = [l.split(" | ")[2:] for l in lines]
+  assert ["✗" in c for c in cells[0]] == [False, True]
+  assert ["✗" in c for c in cells[1]] == [False, True]
+
+
 def test_default_sweep_config_is_the_issue_grid():
   from configs import simulate as simulate_config
   cfg = simulate_config.get_config()
   settings = sweep.expand_grid(cfg)
-  assert len(settings) == 5 * 3 * 2
-  assert {s.knobs["lag"] for s in settings} == {0, 1, 2, 4, 8}
-  assert {s.knobs["sampler_recipe"] for s in settings} == {"bf16", "nvfp4_naive", "nvfp4_recipe"}
-  assert {s.knobs["correction"] for s in settings} == {"none", "tis"}
-  assert len({s.name for s in settings}) == len(settings)
+  main = [s for s in settings if "grid" in s.grids]
+  phase = [s for s in settings if "phase_grid" in s.grids]
+  # 3 samplers x (BF16 trainer | the sampler's recipe: bf16/bf16 once) x 2 corrections x 3 lags.
+  assert len(main) == 5 * 2 * 3
+  pairs = {(s.cfg.sampler_recipe, s.cfg.trainer_recipe) for s in main}
+  assert ("nvfp4_recipe", "nvfp4_recipe") in pairs and ("nvfp4_recipe", "bf16") in pairs
+  assert {s.knobs["lag"] for s in main} == {0, 2, "auto"}
+  assert {s.knobs["correction"] for s in main} == {"none", "tis"}
+  # The phase diagram: 3 lr x 3 lags x 2 precisions x 2 corrections, 8 of them shared with main.
+  assert len(phase) == 36 and len(settings) == 30 + 36 - 8
+  assert {s.cfg.optimizer.lr for s in phase} == {3e-4, 1e-3, 3e-3}
+  assert len({s.name for s in settings}) == len({s.fingerprint for s in settings}) == len(settings)
+
+
+def test_pipeline_tokens_come_from_their_versions():
+  """async_rl.schedule=pipeline: one sequence's tokens are sampled by several versions; with
+  identical recipes the sampler's record is the trainer's per-token-version score, so the
+  quantization part is 0 up to the rounding of two programs, while staleness is not."""
+  c = tiny_config()
+  c.async_rl.update(schedule="pipeline", lag=2)
+  setup = simulator.build(c)
+  schedule = simulator.schedule_of(c)
+  m = simulator.simulate(setup, schedule, SEEDS[:1]).metrics
+  # Scores of one function by two XLA programs (the scan's forward vs the scorer): FP32 sums of a
+  # few dozen terms, a few ulps of |logp| < 10 apart.
+  assert np.all(np.abs(m["drift/quantization/abs_dlogp_max"]) < 1e-4)
+  lagged = np.arange(STEPS) >= 2  # from step 2 the late tokens are newer than the first ones
+  assert np.all(m["drift/staleness/abs_dlogp_max"][0, lagged] > 1e-4)
+  np.testing.assert_array_equal(m["sampler_version"][0],
+                                [schedule.sampler_version(t) for t in range(STEPS)])
+  with pytest.raises(ValueError, match="PipelineSchedule"):
+    simulator.simulate(setup, AsyncSchedule(lag=2), SEEDS[:1])
 
 
 # ----------------------------------------------------------------------------------------------

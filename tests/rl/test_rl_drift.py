@@ -31,13 +31,80 @@ def test_k1_parts_add_up_to_the_total(seed):
 
 
 def test_parts_are_mismatch_metrics_of_the_right_pairs():
+  """Three scores (the ordered split): quantization = (sampler, stale) on the sampler's tokens;
+  staleness = (stale, now) under the stale policy, i.e. weighted by pi_stale / pi_sampler."""
   sampler, stale, now, mask = _logps(0)
   m = drift_metrics(sampler, stale, now, mask)
-  pairs = {"quantization": (sampler, stale), "staleness": (stale, now), "total": (sampler, now)}
-  for part, (a, b) in pairs.items():
-    ref = mismatch_metrics(a, b, mask)
-    for k in ("mismatch_kl", "mismatch_kl_k3", "abs_dlogp_max", "ess"):
+  pairs = {"quantization": (sampler, stale, None), "staleness": (stale, now, stale - sampler),
+           "total": (sampler, now, None)}
+  for part, (a, b, log_w) in pairs.items():
+    ref = mismatch_metrics(a, b, mask, log_w)
+    for k in ("mismatch_kl_k3", "abs_dlogp_max", "ess"):
       assert float(m[f"drift/{part}/{k}"]) == float(ref[k])
+    assert float(m[f"drift/{part}/mismatch_kl"]) == float(mismatch_metrics(a, b, mask)
+                                                          ["mismatch_kl"])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_symmetric_parts_add_up_and_do_not_depend_on_the_order(seed):
+  sampler, stale, now, mask = _logps(seed)
+  now_sampler = now + (sampler - stale) * 0.8 + 0.05  # the current weights in sampler precision
+  m = drift_metrics(sampler, stale, now, mask, now_sampler)
+  q, s, t = (float(m[f"drift/{p}/mismatch_kl"]) for p in DRIFT_PARTS)
+  assert abs(q) > 1e-3 and abs(s) > 1e-3
+  assert q + s == pytest.approx(t, abs=1e-6)
+  # The Shapley split, from its definition (per token: the average of both orders).
+  keep = np.asarray(mask) > 0
+  d, c, a, b = (np.asarray(x, np.float64)[keep] for x in (sampler, stale, now, now_sampler))
+  assert q == pytest.approx(np.mean(((d - c) + (b - a)) / 2), abs=1e-6)
+  assert s == pytest.approx(np.mean(((d - b) + (c - a)) / 2), abs=1e-6)
+  # Taking staleness first instead of quantization exchanges the two middle scores: the parts
+  # swap, nothing else changes.
+  swapped = drift_metrics(sampler, now_sampler, now, mask, stale)
+  for k in ("mismatch_kl", "mismatch_kl_k3", "abs_dlogp_max", "ess", "is_weight_mean"):
+    assert float(swapped[f"drift/quantization/{k}"]) == pytest.approx(
+        float(m[f"drift/staleness/{k}"]), rel=1e-6, abs=1e-7)
+  assert np.isfinite([float(v) for v in m.values()]).all()
+
+
+def test_part_k3_and_ess_are_under_the_distribution_they_refer_to():
+  """Four categorical distributions over 4 tokens; 400k tokens drawn from the sampler d. Each part's
+  k3 must estimate the exact KLs of its pairs under their first distribution, ESS the exact
+  E_x[w]^2 / E_x[w^2]. Tolerance: 6 standard errors of the self-normalised importance-sampling
+  estimate, sqrt(E_d[v^2 (f - mu)^2] / n) with v = p_x / p_d (delta method), summed over the pair
+  and halved; the ESS error through its first-order propagation from E_x[w^2]."""
+  probs = {"d": [0.4, 0.3, 0.2, 0.1], "c": [0.3, 0.3, 0.25, 0.15], "a": [0.2, 0.25, 0.3, 0.25],
+           "b": [0.35, 0.2, 0.25, 0.2]}
+  p = {k: np.array(v) for k, v in probs.items()}
+  n = 400_000
+  tok = np.random.default_rng(0).choice(4, size=n, p=p["d"])
+  logp = {k: jnp.asarray(np.log(v)[tok][None], jnp.float32) for k, v in p.items()}
+  mask = jnp.ones((1, n), jnp.float32)
+  m = drift_metrics(logp["d"], logp["c"], logp["a"], mask, logp["b"])
+
+  def exact(x, y):
+    w = p[y] / p[x]
+    k3 = np.sum(p[x] * (w - 1 - np.log(w)))
+    m2 = np.sum(p[x] * w ** 2)
+    v = p[x] / p["d"]
+    se_k3 = np.sqrt(np.sum(p["d"] * v ** 2 * (w - 1 - np.log(w) - k3) ** 2) / n)
+    se_m2 = np.sqrt(np.sum(p["d"] * v ** 2 * (w ** 2 - m2) ** 2) / n)
+    return k3, 1 / m2, se_k3, se_m2 / m2 ** 2
+
+  parts = {"quantization": [("d", "c"), ("b", "a")], "staleness": [("d", "b"), ("c", "a")],
+           "total": [("d", "a")]}
+  for part, pairs in parts.items():
+    vals = [exact(x, y) for x, y in pairs]
+    k3, ess = (np.mean([v[i] for v in vals]) for i in (0, 1))
+    tol_k3, tol_ess = (6 * np.sum([v[i] for v in vals]) / len(vals) for i in (2, 3))
+    assert float(m[f"drift/{part}/mismatch_kl_k3"]) == pytest.approx(k3, abs=tol_k3), part
+    assert float(m[f"drift/{part}/ess"]) == pytest.approx(ess, abs=tol_ess), part
+    # E_x[p_y / p_x] = 1 for every pair under its own distribution.
+    assert float(m[f"drift/{part}/is_weight_mean"]) == pytest.approx(1.0, abs=0.02), part
+  # Unweighted, the (c, a) pair would be off: the bias the weights remove is larger than the
+  # tolerance here, so the test can fail.
+  naive = float(mismatch_metrics(logp["c"], logp["a"], mask)["mismatch_kl_k3"])
+  assert abs(naive - exact("c", "a")[0]) > 10 * exact("c", "a")[2]
 
 
 def test_k3_and_max_are_not_additive_but_bounded():

@@ -223,3 +223,29 @@ def test_length_driven_validation(kwargs, match):
 def test_fifo_validation():
   with pytest.raises(ValueError, match="lag=-1: must be >= 0"):
     FifoSchedule(lag=-1)
+
+
+@pytest.mark.parametrize("lag, sync_every, horizon", [(0, 1, 4), (2, 1, 4), (3, 2, 6), (8, 1, 6)])
+def test_pipeline_token_versions(lag, sync_every, horizon):
+  """PipelineRL: token j of step t's batch is generated during step t - lag + floor(j lag / H)
+  with the version synced last by then; tokens within a sequence and steps never go backwards."""
+  from lowrl.training.schedule import PipelineSchedule
+  s = PipelineSchedule(lag=lag, sync_every=sync_every)
+  steps = 20
+  plan = s.token_ring_plan(steps, horizon)
+  version = plan["token_version"]
+  for t in range(steps):
+    for j in range(horizon):
+      during = max(t - lag + (j * lag) // horizon, 0)  # the spec, token by token
+      assert version[t, j] == sync_every * (during // sync_every)
+    assert version[t, 0] == s.sampler_version(t) == plan["version"][t]
+    if lag == 0:
+      assert list(version[t]) == [t - t % sync_every] * horizon
+  assert np.all(np.diff(version, axis=1) >= 0) and np.all(np.diff(version, axis=0) >= 0)
+  assert np.all(version <= np.arange(steps)[:, None])
+  if lag >= 2 and sync_every == 1:  # one sequence spans several versions
+    assert len(set(version[-1])) > 1
+  # Every token's version is in the ring slot the plan says, as the version buffer holds it.
+  assert np.array_equal(plan["token_read_slot"], (version // sync_every) % s.max_versions)
+  with pytest.raises(ValueError, match="pipeline depth"):
+    PipelineSchedule(lag=2, lag_distribution="uniform")
