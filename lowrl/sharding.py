@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from lowrl import precision
-from lowrl.models import layout
+from lowrl.models import layout, row_sharding
 from lowrl.models.config import ModelConfig
 
 SpecEntry = str | tuple[str, ...] | None
@@ -218,6 +218,11 @@ class ShardingPlan:
   def batch(self) -> NamedSharding:
     """Leading (batch) dimension over `batch_axes`, the rest replicated (any rank >= 1)."""
     return self.named(self._batch_entry)
+
+  def rows(self):
+    """Context for tracing a program whose activations stay split over the batch axes
+    (`lowrl.models.row_sharding`: each device processes only its rows)."""
+    return row_sharding.rows_over(self.mesh, self._batch_entry)
 
   def check_batch(self, n: int, what: str) -> None:
     """ValueError unless a batch of `n` rows splits evenly over the batch axes."""

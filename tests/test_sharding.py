@@ -399,7 +399,7 @@ def _run_update(cfg, plan, updates):
   p, o = state["params"], state["opt_state"]
   # The loop's update alone (its step also builds the batch), jitted with the loop's shardings.
   p_sh, o_sh = trainer.state_shardings(p), trainer.state_shardings(o)
-  update = jax.jit(make_rl_update(trainer.logprob_fn, trainer.tx, setup.update_cfg),
+  update = jax.jit(make_rl_update(trainer.logprob_fn, trainer.tx, setup.update_cfg, plan),
                    donate_argnums=(0, 1),
                    in_shardings=(p_sh, o_sh, plan.replicated, plan.batch, plan.replicated),
                    out_shardings=(p_sh, o_sh, plan.replicated))

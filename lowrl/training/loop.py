@@ -121,11 +121,13 @@ def _mesh_plan(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
   plan.check_batch(rows, "rl.num_prompts * rl.group_size")
   plan.check_batch(rows // cfg.rl.num_minibatches,
                    "a minibatch (rl.num_prompts * rl.group_size / rl.num_minibatches)")
+  plan.check_batch(rows // cfg.rl.num_minibatches // cfg.rl.micro_batches,
+                   "a micro-batch (a minibatch / rl.micro_batches)")
   plan.check_batch(cfg.eval_num_prompts, "eval_num_prompts")
   plan.param_specs(transformer.param_shapes(model_cfg))  # rule/shape mismatches raise here
   for what, policy in (("precision", trainer_policy), ("sampler precision", sampler_policy)):
-    sharding.check_quant_blocks(policy, model_cfg, plan, rows=rows // cfg.rl.num_minibatches,
-                                seq_len=seq_len, what=what)
+    sharding.check_quant_blocks(policy, model_cfg, plan, seq_len=seq_len, what=what,
+                                rows=rows // cfg.rl.num_minibatches // cfg.rl.micro_batches)
   return plan
 
 
@@ -149,10 +151,10 @@ class Trainer:
                                        * cfg.rl.num_minibatches)
     self.logprob_fn = make_logprob_fn(setup.model_cfg, setup.trainer_policy, setup.sampling)
     # The pure RL step the simulator also runs (lowrl.training.step), unjitted.
-    self.step_fn = make_step(self.logprob_fn, self.tx, setup.update_cfg, setup.batch_cfg)
     # Every step runs on the mesh with explicit shardings: sampler and update take the same
     # sharded params (no gather in between), batches are split over the batch axes.
     self.plan = plan = setup.plan or sharding.single_device_plan()
+    self.step_fn = make_step(self.logprob_fn, self.tx, setup.update_cfg, setup.batch_cfg, plan)
     self.param_shapes = transformer.param_shapes(setup.model_cfg)
     p_sh = plan.param_shardings(self.param_shapes)
     init_opt = lambda p: optimizer.init_opt_state(self.tx, p)  # noqa: E731

@@ -226,6 +226,11 @@ def _rl_update_check(prefix: str, rl: ml_collections.ConfigDict) -> None:
   if rows % rl.num_minibatches:
     raise ValueError(f"--config.{prefix}.num_minibatches={rl.num_minibatches}: "
                      f"{prefix}.num_prompts * {prefix}.group_size = {rows} is not divisible by it.")
+  mb = rows // rl.num_minibatches
+  if rl.micro_batches < 1 or mb % rl.micro_batches:
+    raise ValueError(f"--config.{prefix}.micro_batches={rl.micro_batches}: must be >= 1 and "
+                     f"divide the minibatch of {mb} sequences ({prefix}.num_prompts * "
+                     f"{prefix}.group_size / {prefix}.num_minibatches).")
   try:  # max_len (the Dr.GRPO horizon) depends on the task: build() passes the real one
     update_config_from(rl, master_rounding="nearest", max_len=None)
   except ValueError as e:
@@ -300,7 +305,12 @@ RL = Section("rl", (
          "else 0.2", factory=lambda: ml_collections.config_dict.placeholder(float)),
     Knob("cispo_eps_max", 4.0, "CISPO: the detached weight is min(ratio, cispo_eps_max)"),
     Knob("mu", 1, "inner updates per batch against pi_old"),
-    Knob("num_minibatches", 1, "PPO minibatches per pass over the batch"),
+    Knob("num_minibatches", 1, "PPO minibatches per pass over the batch (minibatch i = rows i, "
+         "i + n, ...: strided, so each draws evenly from every data shard)"),
+    Knob("micro_batches", 1, "gradient accumulation: each minibatch's gradient summed over this "
+         "many micro-batches (strided like minibatches; must divide the minibatch), so only one "
+         "micro-batch's activations are live; equal to the whole minibatch's up to FP32 "
+         "summation order (1 = off, the plain step)"),
     Knob("old_logp_source", "trainer", "pi_old of the PPO ratio: trainer (recompute; decoupled "
          "PPO, the sampler corrected by rl.correction) or sampler (recorded; rl.correction must "
          "be none)", OneOf(OLD_LOGP_SOURCES)),
