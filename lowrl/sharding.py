@@ -320,6 +320,24 @@ class ShardingPlan:
       return None
     return entry
 
+  def cache_note(self, model_cfg: ModelConfig) -> str | None:
+    """Why the KV cache's kv heads are replicated over a tensor axis that splits k_proj's columns
+    (each of its devices then holds the whole cache of its rows), or None when they are split or
+    there is no such axis. Said before compiling; the fix is a mesh whose tensor axis divides
+    n_kv_heads."""
+    k_proj = layout.matmul(model_cfg, 0, "attn/k_proj")
+    spec = self.matmul_spec(k_proj)
+    out_axis = 1 - k_proj.contract_axis
+    entry = spec[out_axis] if len(spec) > out_axis else None
+    tensor = tuple(a for a in _entry_axes(entry) if a not in self.batch_axes)
+    if not tensor or self.kv_head_entry(model_cfg) is not None:
+      return None
+    n = self.size(tensor)
+    return (f"KV cache: n_kv_heads={model_cfg.n_kv_heads} is not divisible by the {n} shards of "
+            f"mesh axes {tensor}, so the cache's kv heads are replicated over them ({n}x the "
+            f"cache memory per device); pick mesh.shape with a tensor axis dividing "
+            f"{model_cfg.n_kv_heads}.")
+
   def cache_shardings(self, model_cfg: ModelConfig) -> dict[str, Any]:
     """Shardings of `transformer.init_cache`'s tree: k/v [B, S, K, hd] over (batch, -, heads, -)
     (stacked [L, B, S, K, hd], layers unsplit, when model_cfg.scan_layers)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -197,6 +198,9 @@ def _decode_program(model_cfg: ModelConfig, policy: PrecisionPolicy, config: Sam
   (`generate_in_jit`, inside the caller's jit)."""
   layout_kw = {} if plan is None else {
       "out_shardings": (plan.batch, plan.cache_shardings(model_cfg))}
+  note = None if plan is None else plan.cache_note(model_cfg)
+  if note:  # once per program (cached), before it compiles
+    warnings.warn(note, stacklevel=3)
   return jax.jit(functools.partial(_decode, model_cfg=model_cfg, policy=policy, config=config,
                                    plan=plan), donate_argnums=(4,), **layout_kw)
 

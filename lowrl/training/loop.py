@@ -418,6 +418,9 @@ def _log_setup(setup: Setup, workdir: str, log: Log) -> None:
       f"devices, {jax.process_count()} process(es)")
   for note in setup.plan.fallbacks(transformer.param_shapes(setup.model_cfg)):
     log(f"[mesh] {note}")
+  cache_note = setup.plan.cache_note(setup.model_cfg)
+  if cache_note:
+    log(f"[warn] {cache_note}")
 
 
 def _initial_state(setup: Setup, trainer: Trainer, ckpt: Checkpointer, base, resuming: bool,
