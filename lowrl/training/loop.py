@@ -37,7 +37,7 @@ from lowrl.sampling import SampleOutput, Sampler, SamplingConfig, rescore
 from lowrl.tasks.base import Task
 from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
 from lowrl.tasks.registry import make_task
-from lowrl.training import diagnostics, optimizer, run_config, run_logs, schema, sft
+from lowrl.training import diagnostics, optimizer, run_config, run_logs, schema, sft, storage
 from lowrl.training.checkpointing import Checkpointer, verify_manifest
 from lowrl.training.evaluation import eval_metrics
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, update_config_from
@@ -429,11 +429,14 @@ def _initial_state(setup: Setup, trainer: Trainer, ckpt: Checkpointer, base, res
   checkpoint when resuming. The state tree is `_state`'s, on the mesh."""
   cfg = setup.cfg
   base = trainer.place(optimizer.to_master(base, cfg.optimizer.master_dtype))
-  # The update donates `params`: the reference needs buffers of its own.
+  # The update donates `params`: the reference needs buffers of its own (`storage.keep`).
+  ref = storage.keep(base, cfg.rl.ref_storage) if uses_reference(cfg) else None
   state = _state(base, trainer.init_opt_state(base),
-                 jax.random.key_data(jax.random.key(cfg.seed)),
-                 jax.tree.map(jnp.copy, base) if uses_reference(cfg) else None, {})
-  state = trainer.place(state)
+                 jax.random.key_data(jax.random.key(cfg.seed)), ref, {})
+  host_ref = cfg.rl.ref_storage == "host" and ref is not None
+  state = trainer.place({k: v for k, v in state.items() if not (host_ref and k == "ref_params")})
+  if host_ref:  # `place` would move it to device memory
+    state["ref_params"] = ref
   start = 0
   if resuming:
     def abstract_for(step: int):
@@ -442,9 +445,11 @@ def _initial_state(setup: Setup, trainer: Trainer, ckpt: Checkpointer, base, res
       return sharding.abstract(shapes, trainer.state_shardings(shapes))
     state, meta, start = ckpt.restore_newest_intact(abstract_for, log)
     log(f"[resume] from step {start} (data position {meta['data_position']}) in {workdir}")
+    if "ref_params" in state:  # restored onto the devices: back where the run keeps it
+      state["ref_params"] = storage.keep(state["ref_params"], cfg.rl.ref_storage)
   versions = VersionBuffer(setup.schedule)
   for v, p in state.get("versions", {}).items():
-    versions.put(int(v), p)
+    versions.put(int(v), storage.keep(p, cfg.async_rl.version_storage))
   return start, state, versions
 
 
@@ -495,19 +500,21 @@ def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: 
 
   # Only the schedule's versions need copies: the step donates (and so frees) `params`.
   needs_copy = setup.schedule.lag > 0 or setup.schedule.sync_every > 1
-  copy = (lambda t: jax.tree.map(jnp.copy, t)) if needs_copy else (lambda t: t)
+  copy = ((lambda t: storage.keep(t, cfg.async_rl.version_storage)) if needs_copy
+          else (lambda t: t))
   versions.put(start, copy(params))
   eta = run_logs.Eta(rl.steps)
   skipped_in_a_row = 0
   for step in range(start, rl.steps):
     sv = setup.schedule.sampler_version(step)
-    params, opt_state, m, info = trainer.rl_step(versions.get(sv), params, opt_state, ref_params,
+    params, opt_state, m, info = trainer.rl_step(storage.use(versions.get(sv)), params,
+                                                 opt_state, storage.use(ref_params),
                                                  step, jax.random.fold_in(base_key, step),
                                                  stale=sv != step)
     versions.put(step + 1, copy(params))
     versions.evict_before(step + 1)
     if use_ref and rl.ref_reset_every and (step + 1) % rl.ref_reset_every == 0:
-      ref_params = jax.tree.map(jnp.copy, params)
+      ref_params = storage.keep(params, rl.ref_storage)
 
     m = {k: float(v) for k, v in _log_order(m).items()}
     m.update({"sampler_version_lag": float(step - sv), "versions_held": float(len(versions))})
