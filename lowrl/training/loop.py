@@ -389,7 +389,9 @@ def _open_workdir(cfg: ml_collections.ConfigDict, workdir: str, log: Log,
   """
   primary = distributed.is_primary()
   os.makedirs(workdir, exist_ok=True)
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint_every)
+  # Asynchronous: a save's files are written while the next steps train.
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint_every,
+                      async_save=True)
   resuming = bool(ckpt.all_steps())
   if ckpt.unfinished:
     log(f"[checkpoint] removed unfinished saves {ckpt.unfinished} (never restorable)")
