@@ -371,6 +371,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print, *,
                      reevaluate=reevaluate and start == cfg.rl.steps)
   finally:
     writer.close()  # flushes: points logged before an error are kept
+    ckpt.wait()  # a save still in flight is completed and verified, also after an error
   summary["wall_s"] = time.time() - t0
   if primary:
     run_logs.write_json(workdir, run_logs.SUMMARY, summary)
