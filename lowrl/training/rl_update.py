@@ -39,9 +39,9 @@ import optax
 
 from lowrl.models import transformer
 from lowrl.models.config import ModelConfig
+from lowrl.models.row_sharding import constrain_rows_tree
 from lowrl.precision import PrecisionPolicy
 from lowrl.rl.corrections import CorrectionConfig, correction_weights
-from lowrl.models.row_sharding import constrain_rows_tree
 from lowrl.rl.losses import LossConfig, aggregation_denominator, policy_loss
 from lowrl.rl.masked import masked_count, masked_mean, safe_divide
 from lowrl.rl.mismatch import mismatch_metrics
