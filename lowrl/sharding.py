@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from lowrl import precision
-from lowrl.models import layout
+from lowrl.models import layout, row_sharding
 from lowrl.models.config import ModelConfig
 
 SpecEntry = str | tuple[str, ...] | None
@@ -219,6 +219,11 @@ class ShardingPlan:
     """Leading (batch) dimension over `batch_axes`, the rest replicated (any rank >= 1)."""
     return self.named(self._batch_entry)
 
+  def rows(self):
+    """Context for tracing a program whose activations stay split over the batch axes
+    (`lowrl.models.row_sharding`: each device processes only its rows)."""
+    return row_sharding.rows_over(self.mesh, self._batch_entry)
+
   def check_batch(self, n: int, what: str) -> None:
     """ValueError unless a batch of `n` rows splits evenly over the batch axes."""
     if n % self.batch_shards:
@@ -314,6 +319,24 @@ class ShardingPlan:
     if not axes or set(axes) & set(self.batch_axes) or model_cfg.n_kv_heads % self.size(entry):
       return None
     return entry
+
+  def cache_note(self, model_cfg: ModelConfig) -> str | None:
+    """Why the KV cache's kv heads are replicated over a tensor axis that splits k_proj's columns
+    (each of its devices then holds the whole cache of its rows), or None when they are split or
+    there is no such axis. Said before compiling; the fix is a mesh whose tensor axis divides
+    n_kv_heads."""
+    k_proj = layout.matmul(model_cfg, 0, "attn/k_proj")
+    spec = self.matmul_spec(k_proj)
+    out_axis = 1 - k_proj.contract_axis
+    entry = spec[out_axis] if len(spec) > out_axis else None
+    tensor = tuple(a for a in _entry_axes(entry) if a not in self.batch_axes)
+    if not tensor or self.kv_head_entry(model_cfg) is not None:
+      return None
+    n = self.size(tensor)
+    return (f"KV cache: n_kv_heads={model_cfg.n_kv_heads} is not divisible by the {n} shards of "
+            f"mesh axes {tensor}, so the cache's kv heads are replicated over them ({n}x the "
+            f"cache memory per device); pick mesh.shape with a tensor axis dividing "
+            f"{model_cfg.n_kv_heads}.")
 
   def cache_shardings(self, model_cfg: ModelConfig) -> dict[str, Any]:
     """Shardings of `transformer.init_cache`'s tree: k/v [B, S, K, hd] over (batch, -, heads, -)

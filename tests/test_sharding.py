@@ -174,6 +174,23 @@ def test_kv_cache_heads_follow_k_proj_columns_when_whole_heads_fit():
   assert _plan((2, 4), rules=((r".*/attn/k_proj/kernel", ("model",)),)).kv_head_entry(MODEL) is None
 
 
+def test_a_kv_cache_replicated_over_the_tensor_axis_is_said_before_compiling():
+  narrow = dataclasses.replace(MODEL, n_heads=4, n_kv_heads=2, head_dim=8, d_model=32)
+  assert _plan((2, 4)).cache_note(MODEL) is None  # K=4 over 4 tensor shards: split
+  assert _plan((8, 1)).cache_note(narrow) is None  # no tensor axis: nothing replicated
+  note = _plan((2, 4)).cache_note(narrow)
+  assert re.fullmatch(r"KV cache: n_kv_heads=2 is not divisible by the 4 shards of mesh axes "
+                      r"\('model',\), .* pick mesh.shape with a tensor axis dividing 2\.", note)
+  # The sampler says it once per program, when the program is built (before any compile).
+  plan = _plan((2, 4))
+  with pytest.warns(UserWarning, match="n_kv_heads=2 is not divisible"):
+    decode_program(narrow, FP32, SAMPLING, plan)
+  c = _tiny_config("fp32", (2, 4), n_heads=4, n_kv_heads=2, d_model=32)
+  logs = []
+  loop._log_setup(loop.build(c), "/tmp/w", logs.append)
+  assert any(line.startswith("[warn] KV cache: n_kv_heads=2") for line in logs)
+
+
 def test_optimizer_state_and_checkpoint_trees_follow_the_params():
   plan = _plan((4, 2))
   shapes = transformer.param_shapes(MODEL)
@@ -399,7 +416,7 @@ def _run_update(cfg, plan, updates):
   p, o = state["params"], state["opt_state"]
   # The loop's update alone (its step also builds the batch), jitted with the loop's shardings.
   p_sh, o_sh = trainer.state_shardings(p), trainer.state_shardings(o)
-  update = jax.jit(make_rl_update(trainer.logprob_fn, trainer.tx, setup.update_cfg),
+  update = jax.jit(make_rl_update(trainer.logprob_fn, trainer.tx, setup.update_cfg, plan),
                    donate_argnums=(0, 1),
                    in_shardings=(p_sh, o_sh, plan.replicated, plan.batch, plan.replicated),
                    out_shardings=(p_sh, o_sh, plan.replicated))

@@ -41,6 +41,7 @@ import numpy as np
 from lowrl.models import layout
 from lowrl.models.config import ModelConfig
 from lowrl.models.layout import BLOCK_MATMULS, LM_HEAD
+from lowrl.models.row_sharding import constrain_rows, constrain_unsplit
 from lowrl.precision import PrecisionPolicy, activation_scaling
 from lowrl.quant.config import QDotConfig
 from lowrl.quant.qdot import quantized_dot_general
@@ -172,7 +173,10 @@ class Embedder(nn.Module):
                                 (self.cfg.vocab_size, self.cfg.d_model), self.param_dtype)
 
   def __call__(self, tokens_BT: jax.Array, dtype) -> jax.Array:
-    return jnp.take(self.embedding, tokens_BT, axis=0).astype(dtype)
+    # Under a row context the table's D is gathered (as FSDP gathers every weight), so each
+    # device looks up only its own rows' tokens.
+    table_VD = constrain_unsplit(self.embedding, axis=1)
+    return jnp.take(table_VD, tokens_BT, axis=0).astype(dtype)
 
 
 def attend(q_BTKGH: jax.Array, keys_BSKH: jax.Array, values_BSKH: jax.Array,
@@ -372,7 +376,7 @@ class Transformer(nn.Module):
     cfg, dtype = self.cfg, self.policy.dtype
     check_act_amax(self.policy, cfg, act_amax)
     embed = Embedder(cfg, self.param_dtype, name="embed")
-    x_BTD = embed(tokens_BT, dtype)
+    x_BTD = constrain_rows(embed(tokens_BT, dtype))
 
     if cache is None:
       cache_index, key_mask_BS = 0, mask_BT
@@ -390,6 +394,7 @@ class Transformer(nn.Module):
         x_BTD, new_layer = block(cfg, i, self.policy, self.param_dtype, name=f"layers_{i}")(
             x_BTD, positions_BT, cache_layer, cache_index, key_mask_BS, _fold(quant_key, i),
             _layer_amax(self.policy, i, act_amax))
+        x_BTD = constrain_rows(x_BTD)
         new_layers.append(new_layer)
       new_layers = tuple(new_layers)
 
@@ -436,6 +441,7 @@ class Transformer(nn.Module):
                           _fold(quant_key, index), amax_layer,
                           mutable=[_CALIB] if calibrating else False)
         (x_BTD, new_cache), recorded = out if calibrating else (out, None)
+        x_BTD = constrain_rows(x_BTD)
         kv = None if new_cache is None else {"k": new_cache["k"], "v": new_cache["v"]}
         return (x_BTD, kv), (None if recorded is None else recorded[_CALIB])
 

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from lowrl.rl.kl import kl_estimate, validate_kl_estimator
-from lowrl.rl.masked import masked_mean, masked_sum
+from lowrl.rl.masked import masked_count, masked_mean, masked_sum
 
 LOSSES = ("grpo", "dapo", "gspo", "cispo")
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
@@ -95,12 +95,17 @@ class LossConfig:
     validate_kl_estimator(self.kl_estimator)
 
 
+def _seq_valid(mask_BT: jax.Array) -> jax.Array:
+  """[B] float32: 1 for a sequence with at least one counted token."""
+  return jnp.any(mask_BT != 0, axis=1).astype(jnp.float32)
+
+
 def aggregate(x_BT: jax.Array, mask_BT: jax.Array, aggregation: str,
               max_len: int | None = None) -> jax.Array:
   """Reduce a per-token loss [B, T] to a scalar (see the module docstring; 0 for an empty mask)."""
   if aggregation == "token_mean":
     return masked_mean(x_BT, mask_BT)
-  seq_valid_B = jnp.any(mask_BT != 0, axis=1).astype(jnp.float32)
+  seq_valid_B = _seq_valid(mask_BT)
   if aggregation == "seq_mean_token_mean":
     per_seq_B = masked_mean(x_BT, mask_BT, axis=1)
   elif aggregation == "seq_mean_token_sum_norm":
@@ -108,6 +113,15 @@ def aggregate(x_BT: jax.Array, mask_BT: jax.Array, aggregation: str,
   else:
     raise ValueError(f"Unknown aggregation {aggregation!r}; use one of {AGGREGATIONS}.")
   return masked_mean(per_seq_B, seq_valid_B)
+
+
+def aggregation_denominator(mask_BT: jax.Array, aggregation: str) -> jax.Array:
+  """What `aggregate` divides by: the token count (token_mean) or the number of sequences with a
+  counted token (the seq_mean modes). Splitting a batch into parts k, aggregate(whole) =
+  sum_k aggregate(part_k) * den_k / den (gradient accumulation over micro-batches)."""
+  if aggregation == "token_mean":
+    return masked_count(mask_BT)
+  return jnp.sum(_seq_valid(mask_BT))
 
 
 def _ppo_clip(ratio_BT, adv_BT, eps_low, eps_high):

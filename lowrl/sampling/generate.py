@@ -14,7 +14,9 @@ policy's deterministic weight quantizers are applied once, at the top of the pro
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -25,6 +27,7 @@ from flax import struct
 from lowrl import distributed, sharding
 from lowrl.models import transformer
 from lowrl.models.config import ModelConfig
+from lowrl.models.row_sharding import constrain_rows, constrain_rows_tree
 from lowrl.precision import PrecisionPolicy
 from lowrl.sampling import weights
 from lowrl.sampling.act_scales import check_row_local, used_act_amax
@@ -104,10 +107,34 @@ def _record(state: DecodeState, i, tok_B, logq_B, logp_B, config: SamplingConfig
       done_B=state.done_B | (live & jnp.isin(tok_B, stop)))
 
 
+def _constrain_state(state: DecodeState) -> DecodeState:
+  """The loop carry's rows pinned to their shards (the cache's index is a scalar, left alone;
+  a scanned model's stacked [L, B, ...] cache has its rows second)."""
+  cache = state.cache
+  layers = cache["layers"]
+  if isinstance(layers, dict):  # stacked [L, B, S, K, hd]
+    layers = constrain_rows_tree(layers, axis=1)
+  else:
+    layers = constrain_rows_tree(layers)
+  cache = {**cache, "mask": constrain_rows(cache["mask"]), "layers": layers}
+  rows = constrain_rows_tree(state._replace(step=None, cache=None))
+  return rows._replace(step=state.step, cache=cache)
+
+
 def _decode(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax, *,
-            model_cfg: ModelConfig, policy: PrecisionPolicy, config: SamplingConfig
-            ) -> tuple[SampleOutput, transformer.Cache]:
-  """Prefill + decode loop (traceable, placement-free)."""
+            model_cfg: ModelConfig, policy: PrecisionPolicy, config: SamplingConfig,
+            plan: ShardingPlan | None = None) -> tuple[SampleOutput, transformer.Cache]:
+  """Prefill + decode loop (traceable). With a plan every row's activations, decode state and
+  cache stay on its data shard (`plan.rows`: data parallel, no gather of the batch)."""
+  with plan.rows() if plan is not None else contextlib.nullcontext():
+    return _decode_rows(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax,
+                        model_cfg=model_cfg, policy=policy, config=config)
+
+
+def _decode_rows(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax, *,
+                 model_cfg: ModelConfig, policy: PrecisionPolicy, config: SamplingConfig
+                 ) -> tuple[SampleOutput, transformer.Cache]:
+  """`_decode` inside its row context."""
   batch, p = prompt_BP.shape
   n = config.max_new_tokens
   prompt_BP, pmask_BP = left_align(prompt_BP, prompt_mask_BP, config.pad_id)
@@ -130,6 +157,7 @@ def _decode(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax, 
       logq_BN=jnp.zeros((batch, n), jnp.float32), logp_BN=jnp.zeros((batch, n), jnp.float32),
       live_BN=jnp.zeros((batch, n), bool), done_B=jnp.zeros((batch,), bool), cache=cache)
   state = _record(state, 0, tok_B, logq_B, logp_B, config, stop)
+  state = _constrain_state(state)
 
   def cond(state: DecodeState):
     return (state.step < n) & ~jnp.all(state.done_B)
@@ -144,7 +172,8 @@ def _decode(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax, 
         act_amax=act_amax)
     tok_B, logq_B, logp_B = sample_token(jax.random.fold_in(rng, i), logits_B1V[:, 0], config)
     state = state._replace(step=i + 1)
-    return _record(state, i, tok_B, logq_B, logp_B, config, stop)._replace(cache=cache)
+    return _constrain_state(
+        _record(state, i, tok_B, logq_B, logp_B, config, stop)._replace(cache=cache))
 
   state = jax.lax.while_loop(cond, body, state)
   zeros_BP = jnp.zeros((batch, p), jnp.float32)
@@ -169,8 +198,11 @@ def _decode_program(model_cfg: ModelConfig, policy: PrecisionPolicy, config: Sam
   (`generate_in_jit`, inside the caller's jit)."""
   layout_kw = {} if plan is None else {
       "out_shardings": (plan.batch, plan.cache_shardings(model_cfg))}
-  return jax.jit(functools.partial(_decode, model_cfg=model_cfg, policy=policy, config=config),
-                 donate_argnums=(4,), **layout_kw)
+  note = None if plan is None else plan.cache_note(model_cfg)
+  if note:  # once per program (cached), before it compiles
+    warnings.warn(note, stacklevel=3)
+  return jax.jit(functools.partial(_decode, model_cfg=model_cfg, policy=policy, config=config,
+                                   plan=plan), donate_argnums=(4,), **layout_kw)
 
 
 @functools.lru_cache(maxsize=64)

@@ -24,9 +24,15 @@ from lowrl.sharding import ShardingPlan
 Params = Any
 
 
-def _score(params, tokens_BL, mask_BL, quant_key, act_amax, *, model_cfg, policy, config):
+def _score(params, tokens_BL, mask_BL, quant_key, act_amax, *, model_cfg, policy, config,
+           plan=None):
   """log p of every token (config None: `transformer.token_logprobs` itself, the trainer's
-  function) or log q under `config`'s sampling transform of the same forward's logits."""
+  function) or log q under `config`'s sampling transform of the same forward's logits. With a
+  plan, each device scores only its rows (`plan.rows`)."""
+  if plan is not None:
+    with plan.rows():
+      return _score(params, tokens_BL, mask_BL, quant_key, act_amax, model_cfg=model_cfg,
+                    policy=policy, config=config)
   if config is None:
     return transformer.token_logprobs(params, tokens_BL, model_cfg, policy, mask_BT=mask_BL,
                                       quant_key=quant_key, act_amax=act_amax)
@@ -44,8 +50,8 @@ def _scoring_program(model_cfg: ModelConfig, policy: PrecisionPolicy,
   """`_score` jitted for one static setting; with a plan its output is split over the batch
   axes (inputs arrive placed by `rescore`)."""
   layout_kw = {} if plan is None else {"out_shardings": plan.batch}
-  return jax.jit(functools.partial(_score, model_cfg=model_cfg, policy=policy, config=config),
-                 **layout_kw)
+  return jax.jit(functools.partial(_score, model_cfg=model_cfg, policy=policy, config=config,
+                                   plan=plan), **layout_kw)
 
 
 def rescore(out: SampleOutput, params: Params, *, model_cfg: ModelConfig,

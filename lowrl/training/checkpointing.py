@@ -10,6 +10,13 @@ file of the step; a restore checks it first. Rotation (`max_to_keep`) is ours, n
 older checkpoint is deleted only once `max_to_keep` newer ones verify, so a damaged newer one
 never rotates the last intact one away. A damaged checkpoint is moved (never deleted) to
 `<directory>.damaged/`, and `restore_newest_intact` falls back to the next older one.
+
+Asynchronous saves (`async_save=True`, the training loop's): `save` returns once orbax has the
+arrays on the host, and the files are written while training continues. The save is finalized
+(waited for, then its manifest written and the rotation run) at the next `save`, `wait` or
+restore. A kill before orbax commits leaves only its tmp directory (never restorable, removed at
+the next start); between orbax's commit and the manifest the step is complete but unverified,
+as with a synchronous save killed at that point.
 """
 from __future__ import annotations
 
@@ -113,7 +120,7 @@ def verify_manifest(step_dir: str) -> str | None:
 class Checkpointer:
   """Saves every `every` steps into `directory`, keeps the newest `max_to_keep` intact ones."""
 
-  def __init__(self, directory: str, every: int, max_to_keep: int = 2):
+  def __init__(self, directory: str, every: int, max_to_keep: int = 2, async_save: bool = False):
     if every <= 0:
       raise ValueError(f"checkpoint interval must be > 0 steps, got {every}.")
     if max_to_keep < 1:
@@ -128,12 +135,14 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None,  # rotation is ours (`_rotate`): only verified checkpoints count
         save_interval_steps=every, cleanup_tmp_directories=True,
-        # Synchronous saves: a run killed right after a save must find it complete.
-        enable_async_checkpointing=False)
+        enable_async_checkpointing=async_save)
+    self.async_save = async_save
+    self._pending: int | None = None  # a saved step not finalized yet (manifest, rotation)
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=("state", "meta"))
 
   def latest_step(self) -> int | None:
+    self.finalize()
     return self._manager.latest_step()
 
   def all_steps(self) -> list[int]:
@@ -155,16 +164,26 @@ class Checkpointer:
     if not all_finite(state):
       raise CheckpointError(f"Refusing to checkpoint step {step}: the state has non-finite "
                             f"values. {self.last_good_hint()}")
+    self.finalize()  # one save in flight at a time
     saved = self._manager.save(
         step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                       meta=ocp.args.JsonSave(meta)), force=True)
     if saved:
-      self._manager.wait_until_finished()
-      if distributed.is_primary():
-        write_manifest(self.step_dir(step))
-      _barrier(f"lowrl_manifest_{step}")
-      self._rotate()  # every process: orbax's delete is collective
+      self._pending = step
+      if not self.async_save:
+        self.finalize()
     return saved
+
+  def finalize(self) -> None:
+    """Waits for the save in flight, if any, then writes its manifest and rotates."""
+    if self._pending is None:
+      return
+    step, self._pending = self._pending, None
+    self._manager.wait_until_finished()
+    if distributed.is_primary():
+      write_manifest(self.step_dir(step))
+    _barrier(f"lowrl_manifest_{step}")
+    self._rotate()  # every process: orbax's delete is collective
 
   def _rotate(self) -> None:
     """Deletes checkpoints older than the newest `max_to_keep` that verify (never an intact one
@@ -188,6 +207,7 @@ class Checkpointer:
 
     Checks the step's checksums first; CheckpointError (nothing deleted) if it is damaged.
     """
+    self.finalize()
     step = self.latest_step() if step is None else step
     if step is None:
       raise CheckpointError(f"No checkpoint in {self.directory}.")
@@ -223,6 +243,7 @@ class Checkpointer:
     exist but none is intact; a restore that fails for a reason other than damage (e.g. a
     changed model config) raises at once.
     """
+    self.finalize()
     steps = self.all_steps()
     damaged = []
     for step in reversed(steps):
@@ -261,7 +282,10 @@ class Checkpointer:
     return dest
 
   def wait(self) -> None:
+    """Finishes (and verifies into a manifest) any save in flight."""
+    self.finalize()
     self._manager.wait_until_finished()
 
   def close(self) -> None:
+    self.finalize()
     self._manager.close()

@@ -39,7 +39,7 @@ from lowrl.sampling import SampleOutput, Sampler, SamplingConfig, rescore
 from lowrl.tasks.base import Task
 from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
 from lowrl.tasks.registry import make_task
-from lowrl.training import diagnostics, optimizer, run_config, run_logs, schema, sft
+from lowrl.training import diagnostics, optimizer, run_config, run_logs, schema, sft, storage
 from lowrl.training.checkpointing import Checkpointer, verify_manifest
 from lowrl.training.evaluation import eval_metrics
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, update_config_from
@@ -246,11 +246,13 @@ def _mesh_plan(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
   plan.check_batch(rows, "rl.num_prompts * rl.group_size")
   plan.check_batch(rows // cfg.rl.num_minibatches,
                    "a minibatch (rl.num_prompts * rl.group_size / rl.num_minibatches)")
+  plan.check_batch(rows // cfg.rl.num_minibatches // cfg.rl.micro_batches,
+                   "a micro-batch (a minibatch / rl.micro_batches)")
   plan.check_batch(cfg.eval_num_prompts, "eval_num_prompts")
   plan.param_specs(transformer.param_shapes(model_cfg))  # rule/shape mismatches raise here
   for what, policy in (("precision", trainer_policy), ("sampler precision", sampler_policy)):
-    sharding.check_quant_blocks(policy, model_cfg, plan, rows=rows // cfg.rl.num_minibatches,
-                                seq_len=seq_len, what=what)
+    sharding.check_quant_blocks(policy, model_cfg, plan, seq_len=seq_len, what=what,
+                                rows=rows // cfg.rl.num_minibatches // cfg.rl.micro_batches)
   return plan
 
 
@@ -274,10 +276,10 @@ class Trainer:
                                        * cfg.rl.num_minibatches)
     self.logprob_fn = make_logprob_fn(setup.model_cfg, setup.trainer_policy, setup.sampling)
     # The pure RL step the simulator also runs (lowrl.training.step), unjitted.
-    self.step_fn = make_step(self.logprob_fn, self.tx, setup.update_cfg, setup.batch_cfg)
     # Every step runs on the mesh with explicit shardings: sampler and update take the same
     # sharded params (no gather in between), batches are split over the batch axes.
     self.plan = plan = setup.plan or sharding.single_device_plan()
+    self.step_fn = make_step(self.logprob_fn, self.tx, setup.update_cfg, setup.batch_cfg, plan)
     self.param_shapes = transformer.param_shapes(setup.model_cfg)
     p_sh = plan.param_shardings(self.param_shapes)
     init_opt = lambda p: optimizer.init_opt_state(self.tx, p)  # noqa: E731
@@ -494,6 +496,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print, *,
                      reevaluate=reevaluate and start == cfg.rl.steps)
   finally:
     writer.close()  # flushes: points logged before an error are kept
+    ckpt.wait()  # a save still in flight is completed and verified, also after an error
   summary["wall_s"] = time.time() - t0
   if primary:
     run_logs.write_json(workdir, run_logs.SUMMARY, summary)
@@ -512,7 +515,9 @@ def _open_workdir(cfg: ml_collections.ConfigDict, workdir: str, log: Log,
   """
   primary = distributed.is_primary()
   os.makedirs(workdir, exist_ok=True)
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint_every)
+  # Asynchronous: a save's files are written while the next steps train.
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint_every,
+                      async_save=True)
   resuming = bool(ckpt.all_steps())
   if ckpt.unfinished:
     log(f"[checkpoint] removed unfinished saves {ckpt.unfinished} (never restorable)")
@@ -545,6 +550,9 @@ def _log_setup(setup: Setup, workdir: str, log: Log) -> None:
   for note in setup.plan.fallbacks(transformer.param_shapes(setup.model_cfg)):
     log(f"[mesh] {note}")
   log(describe_memory(setup))
+  cache_note = setup.plan.cache_note(setup.model_cfg)
+  if cache_note:
+    log(f"[warn] {cache_note}")
 
 
 def _initial_state(setup: Setup, trainer: Trainer, ckpt: Checkpointer, base, resuming: bool,
@@ -553,11 +561,14 @@ def _initial_state(setup: Setup, trainer: Trainer, ckpt: Checkpointer, base, res
   checkpoint when resuming. The state tree is `_state`'s, on the mesh."""
   cfg = setup.cfg
   base = trainer.place(optimizer.to_master(base, cfg.optimizer.master_dtype))
-  # The update donates `params`: the reference needs buffers of its own.
+  # The update donates `params`: the reference needs buffers of its own (`storage.keep`).
+  ref = storage.keep(base, cfg.rl.ref_storage) if uses_reference(cfg) else None
   state = _state(base, trainer.init_opt_state(base),
-                 jax.random.key_data(jax.random.key(cfg.seed)),
-                 jax.tree.map(jnp.copy, base) if uses_reference(cfg) else None, {})
-  state = trainer.place(state)
+                 jax.random.key_data(jax.random.key(cfg.seed)), ref, {})
+  host_ref = cfg.rl.ref_storage == "host" and ref is not None
+  state = trainer.place({k: v for k, v in state.items() if not (host_ref and k == "ref_params")})
+  if host_ref:  # `place` would move it to device memory
+    state["ref_params"] = ref
   start = 0
   if resuming:
     def abstract_for(step: int):
@@ -566,9 +577,11 @@ def _initial_state(setup: Setup, trainer: Trainer, ckpt: Checkpointer, base, res
       return sharding.abstract(shapes, trainer.state_shardings(shapes))
     state, meta, start = ckpt.restore_newest_intact(abstract_for, log)
     log(f"[resume] from step {start} (data position {meta['data_position']}) in {workdir}")
+    if "ref_params" in state:  # restored onto the devices: back where the run keeps it
+      state["ref_params"] = storage.keep(state["ref_params"], cfg.rl.ref_storage)
   versions = VersionBuffer(setup.schedule)
   for v, p in state.get("versions", {}).items():
-    versions.put(int(v), p)
+    versions.put(int(v), storage.keep(p, cfg.async_rl.version_storage))
   return start, state, versions
 
 
@@ -619,19 +632,21 @@ def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: 
 
   # Only the schedule's versions need copies: the step donates (and so frees) `params`.
   needs_copy = setup.schedule.lag > 0 or setup.schedule.sync_every > 1
-  copy = (lambda t: jax.tree.map(jnp.copy, t)) if needs_copy else (lambda t: t)
+  copy = ((lambda t: storage.keep(t, cfg.async_rl.version_storage)) if needs_copy
+          else (lambda t: t))
   versions.put(start, copy(params))
   eta = run_logs.Eta(rl.steps)
   skipped_in_a_row = 0
   for step in range(start, rl.steps):
     sv = setup.schedule.sampler_version(step)
-    params, opt_state, m, info = trainer.rl_step(versions.get(sv), params, opt_state, ref_params,
+    params, opt_state, m, info = trainer.rl_step(storage.use(versions.get(sv)), params,
+                                                 opt_state, storage.use(ref_params),
                                                  step, jax.random.fold_in(base_key, step),
                                                  stale=sv != step)
     versions.put(step + 1, copy(params))
     versions.evict_before(step + 1)
     if use_ref and rl.ref_reset_every and (step + 1) % rl.ref_reset_every == 0:
-      ref_params = jax.tree.map(jnp.copy, params)
+      ref_params = storage.keep(params, rl.ref_storage)
 
     m = {k: float(v) for k, v in _log_order(m).items()}
     m.update({"sampler_version_lag": float(step - sv), "versions_held": float(len(versions))})

@@ -28,6 +28,7 @@ would divide by the sampler twice).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
@@ -38,12 +39,14 @@ import optax
 
 from lowrl.models import transformer
 from lowrl.models.config import ModelConfig
+from lowrl.models.row_sharding import constrain_rows_tree
 from lowrl.precision import PrecisionPolicy
 from lowrl.rl.corrections import CorrectionConfig, correction_weights
-from lowrl.rl.losses import LossConfig, policy_loss
-from lowrl.rl.masked import masked_mean
+from lowrl.rl.losses import LossConfig, aggregation_denominator, policy_loss
+from lowrl.rl.masked import masked_count, masked_mean, safe_divide
 from lowrl.rl.mismatch import mismatch_metrics
 from lowrl.sampling import SamplingConfig, sampling_logits
+from lowrl.sharding import ShardingPlan
 from lowrl.training.optimizer import apply_update, tree_all_finite
 
 if TYPE_CHECKING:  # step.py builds on this module
@@ -68,12 +71,15 @@ class UpdateConfig:
   num_minibatches: int = 1
   old_logp_source: str = "trainer"
   master_rounding: str = "nearest"
+  micro_batches: int = 1
 
   def __post_init__(self):
     if self.mu < 1:
       raise ValueError(f"rl.mu (inner updates per batch) must be >= 1, got {self.mu}.")
     if self.num_minibatches < 1:
       raise ValueError(f"rl.num_minibatches must be >= 1, got {self.num_minibatches}.")
+    if self.micro_batches < 1:
+      raise ValueError(f"rl.micro_batches must be >= 1, got {self.micro_batches}.")
     if self.old_logp_source not in OLD_LOGP_SOURCES:
       raise ValueError(f"rl.old_logp_source={self.old_logp_source!r}; use one of "
                        f"{OLD_LOGP_SOURCES}.")
@@ -99,7 +105,7 @@ def update_config_from(rl: ml_collections.ConfigDict, master_rounding: str,
                                 mis_low=rl.mis_low, mis_high=rl.mis_high)
   return UpdateConfig(loss=loss, correction=correction, mu=rl.mu,
                       num_minibatches=rl.num_minibatches, old_logp_source=rl.old_logp_source,
-                      master_rounding=master_rounding)
+                      master_rounding=master_rounding, micro_batches=rl.micro_batches)
 
 
 # Stands in for the -inf of a token outside the top-k / top-p support inside the update: exp()
@@ -138,20 +144,54 @@ def make_logprob_fn(model_cfg: ModelConfig, policy: PrecisionPolicy,
   return logprob_fn
 
 
-def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConfig):
+def _strided(tree, parts: int):
+  """[n, ...] leaves as [n / parts, parts, ...]: part j = rows j, j + parts, j + 2 parts, ...
+
+  Batches are split over the data shards in contiguous blocks, so when `parts` divides the rows
+  per shard every part takes the same number of rows from every shard: selecting one is local
+  to each device, on any mesh (contiguous parts would sit on a few shards and be resharded)."""
+  return jax.tree.map(lambda x: x.reshape((x.shape[0] // parts, parts) + x.shape[1:]), tree)
+
+
+def _part(tree, j):
+  """Part `j` of a `_strided` tree, its rows pinned to their data shards (under `plan.rows`)."""
+  return constrain_rows_tree(
+      jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False), tree))
+
+
+# `policy_loss` metrics that are aggregated like the loss; the others are token means.
+_AGGREGATED_METRICS = ("pg_loss",)
+
+
+def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConfig,
+                   plan: ShardingPlan | None = None):
   """Builds `update(params, opt_state, ref_params, batch, key) -> (params, opt_state, metrics)`.
 
   `ref_params` None: no KL to a reference is computed (kl_coef must then be 0); given with
-  kl_coef == 0, the KL to it is logged but not penalised.
+  kl_coef == 0, the KL to it is logged but not penalised. `plan`: the mesh the update is jitted
+  on; its activations and minibatches then stay split over the batch axes (`plan.rows`).
+
+  Minibatch i of `num_minibatches` = n is rows i, i + n, i + 2n, ... (strided, so that it
+  draws evenly from every data shard); `micro_batches` = k splits each minibatch the same way
+  and sums the k gradients, each micro-batch's loss weighted by its share of the aggregation's
+  denominator (`aggregation_denominator`), so the accumulated loss and gradient are the
+  minibatch's up to FP32 summation order.
   """
 
   def update(params, opt_state, ref_params, batch: RLBatch, key: jax.Array):
+    with plan.rows() if plan is not None else contextlib.nullcontext():
+      return _update(params, opt_state, ref_params, batch, key)
+
+  def _update(params, opt_state, ref_params, batch: RLBatch, key: jax.Array):
     key_fwd, key_opt = jax.random.split(key)
     mask_BT = batch.loss_mask_BT.astype(jnp.float32)
     batch_size = mask_BT.shape[0]
     if batch_size % cfg.num_minibatches:
       raise ValueError(f"batch of {batch_size} sequences is not divisible into "
                        f"rl.num_minibatches={cfg.num_minibatches}.")
+    if (batch_size // cfg.num_minibatches) % cfg.micro_batches:
+      raise ValueError(f"a minibatch of {batch_size // cfg.num_minibatches} sequences is not "
+                       f"divisible into rl.micro_batches={cfg.micro_batches}.")
 
     if batch.logp_trainer_BT is not None:
       logp_trainer_BT = jax.lax.stop_gradient(batch.logp_trainer_BT)
@@ -174,9 +214,7 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
 
     full = {"batch": batch._replace(loss_mask_BT=loss_mask_BT, logp_trainer_BT=None),
             "logp_old_BT": logp_old_BT, "is_w_BT": is_w_BT, "logp_ref_BT": logp_ref_BT}
-    mb = batch_size // cfg.num_minibatches
-    minibatches = jax.tree.map(
-        lambda x: x.reshape((cfg.num_minibatches, mb) + x.shape[1:]), full)
+    minibatches = _strided(full, cfg.num_minibatches)
 
     def loss_fn(p, b):
       mb_batch = b["batch"]
@@ -187,10 +225,35 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
       m["entropy"] = jax.lax.stop_gradient(masked_mean(entropy_BT, mb_batch.loss_mask_BT))
       return loss, m
 
+    def loss_and_grads(p, b):
+      if cfg.micro_batches == 1:
+        return jax.value_and_grad(loss_fn, has_aux=True)(p, b)
+      agg = cfg.loss.aggregation
+      den_agg = aggregation_denominator(b["batch"].loss_mask_BT, agg)
+      den_tok = masked_count(b["batch"].loss_mask_BT)
+      micro = _strided(b, cfg.micro_batches)
+
+      def one(g_acc, j):
+        mb_j = _part(micro, j)
+        (loss, m), g = jax.value_and_grad(loss_fn, has_aux=True)(p, mb_j)
+        w_agg = safe_divide(aggregation_denominator(mb_j["batch"].loss_mask_BT, agg), den_agg)
+        w_tok = safe_divide(masked_count(mb_j["batch"].loss_mask_BT), den_tok)
+        # FP32 sums, whatever the params' dtype (BF16 master weights).
+        g_acc = jax.tree.map(lambda a, x: a + w_agg * x.astype(jnp.float32), g_acc, g)
+        parts = dict(m, loss=loss)
+        return g_acc, {k: v * (w_agg if k in _AGGREGATED_METRICS + ("loss",) else w_tok)
+                       for k, v in parts.items()}
+
+      zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p)
+      g_sum, parts = jax.lax.scan(one, zeros, jnp.arange(cfg.micro_batches))
+      grads = jax.tree.map(lambda a, x: a.astype(x.dtype), g_sum, p)
+      m = {k: jnp.sum(v) for k, v in parts.items()}
+      return (m.pop("loss"), m), grads
+
     def step(carry, i):
       p, o = carry
-      b = jax.tree.map(lambda x: x[i % cfg.num_minibatches], minibatches)
-      (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, b)
+      b = _part(minibatches, i % cfg.num_minibatches)
+      (loss, m), grads = loss_and_grads(p, b)
       grad_norm = optax.tree.norm(grads)
       new_p, new_o = apply_update(tx, p, grads, o, master_rounding=cfg.master_rounding,
                                   key=jax.random.fold_in(key_opt, i))

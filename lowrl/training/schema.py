@@ -33,6 +33,7 @@ from lowrl.sampling import SamplingConfig
 from lowrl.training.optimizer import MASTER_DTYPES, MASTER_ROUNDINGS, SCHEDULES
 from lowrl.training.rl_update import OLD_LOGP_SOURCES, update_config_from
 from lowrl.training.schedule import LAG_DISTRIBUTIONS, AsyncSchedule
+from lowrl.training.storage import STORAGES
 
 # ----------------------------------------------------------------------------------------------
 # Checks of one knob: (flag, value) -> None, raising ValueError that names --config.<flag>.
@@ -226,6 +227,11 @@ def _rl_update_check(prefix: str, rl: ml_collections.ConfigDict) -> None:
   if rows % rl.num_minibatches:
     raise ValueError(f"--config.{prefix}.num_minibatches={rl.num_minibatches}: "
                      f"{prefix}.num_prompts * {prefix}.group_size = {rows} is not divisible by it.")
+  mb = rows // rl.num_minibatches
+  if rl.micro_batches < 1 or mb % rl.micro_batches:
+    raise ValueError(f"--config.{prefix}.micro_batches={rl.micro_batches}: must be >= 1 and "
+                     f"divide the minibatch of {mb} sequences ({prefix}.num_prompts * "
+                     f"{prefix}.group_size / {prefix}.num_minibatches).")
   try:  # max_len (the Dr.GRPO horizon) depends on the task: build() passes the real one
     update_config_from(rl, master_rounding="nearest", max_len=None)
   except ValueError as e:
@@ -300,7 +306,12 @@ RL = Section("rl", (
          "else 0.2", factory=lambda: ml_collections.config_dict.placeholder(float)),
     Knob("cispo_eps_max", 4.0, "CISPO: the detached weight is min(ratio, cispo_eps_max)"),
     Knob("mu", 1, "inner updates per batch against pi_old"),
-    Knob("num_minibatches", 1, "PPO minibatches per pass over the batch"),
+    Knob("num_minibatches", 1, "PPO minibatches per pass over the batch (minibatch i = rows i, "
+         "i + n, ...: strided, so each draws evenly from every data shard)"),
+    Knob("micro_batches", 1, "gradient accumulation: each minibatch's gradient summed over this "
+         "many micro-batches (strided like minibatches; must divide the minibatch), so only one "
+         "micro-batch's activations are live; equal to the whole minibatch's up to FP32 "
+         "summation order (1 = off, the plain step)"),
     Knob("old_logp_source", "trainer", "pi_old of the PPO ratio: trainer (recompute; decoupled "
          "PPO, the sampler corrected by rl.correction) or sampler (recorded; rl.correction must "
          "be none)", OneOf(OLD_LOGP_SOURCES)),
@@ -334,6 +345,10 @@ TRAIN_RL = RL.extended(
          AtLeast(0, hint="0 = never")),
     Knob("log_kl_ref", True, "keep pi_ref (the base) to log KL(pi || pi_ref) even when "
          "kl_coef = 0"),
+    Knob("ref_storage", "param", "where pi_ref's params live: param (param dtype on the devices) "
+         "| bfloat16 (a BF16 copy: half the memory, the rounded weights' KL) | host (param dtype "
+         "in host memory, on the devices only during the step; same numbers as param)",
+         OneOf(STORAGES)),
     *_DAPO_KNOBS,
     checks=(_sampling_check,))
 
@@ -371,6 +386,13 @@ ASYNC_RL = Section("async_rl", (
     Knob("sync_every", 1, "steps between weight syncs to the sampler (>= 1)"),
     Knob("lag_distribution", "fixed", "lag draws: " + " | ".join(LAG_DISTRIBUTIONS)),
 ), checks=(_schedule_check,))
+
+# The loop's async section: the simulator keeps no parameter versions.
+TRAIN_ASYNC_RL = ASYNC_RL.extended(
+    Knob("version_storage", "param", "where the parameter versions kept for a stale sampler "
+         "live: param | bfloat16 (the sampler then samples the BF16-rounded version) | host (as "
+         "rl.ref_storage)", OneOf(STORAGES)),
+)
 
 # The decoder (ModelConfig checks the values when build() constructs it). The defaults are the
 # loop's ~0.8M-parameter base: a forward+backward on 512x48 tokens is ~2 s on 2 CPU cores.
@@ -481,7 +503,7 @@ TRAIN = Schema((
              "consecutive RL steps with a skipped optimizer update (non-finite loss, gradient or "
              "new parameters)", POSITIVE),
     )),
-    ASYNC_RL,
+    TRAIN_ASYNC_RL,
     # The mesh spans every process's devices (sharding.plan_from_config checks it).
     Section("mesh", (
         Knob("shape", (-1, 1), "devices per mesh axis; -1 = the remaining devices"),

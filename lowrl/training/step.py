@@ -22,6 +22,7 @@ import optax
 from lowrl.rl.advantages import compute_advantages, group_has_signal, overlong_penalty
 from lowrl.rl.drift import drift_metrics
 from lowrl.sampling import SampleOutput
+from lowrl.sharding import ShardingPlan
 from lowrl.training.rl_update import UpdateConfig, make_rl_update
 
 
@@ -141,14 +142,15 @@ Step = Callable[[Any, Any, Any, Rollout, jax.Array], tuple[Any, Any, dict[str, j
 
 
 def make_step(logprob_fn, tx: optax.GradientTransformation, update_cfg: UpdateConfig,
-              batch_cfg: BatchConfig) -> Step:
+              batch_cfg: BatchConfig, plan: ShardingPlan | None = None) -> Step:
   """`step(params, opt_state, ref_params, rollout, key) -> (params, opt_state, metrics)`.
 
   `make_batch` + `drift_metrics` + the update; pure and jittable. `logprob_fn` is the trainer's
   (`rl_update.make_logprob_fn`); `ref_params` None = no KL to a reference (kl_coef must be 0).
-  Metrics: the update's, `drift/<part>/<metric>` and `make_batch`'s, in that order.
+  Metrics: the update's, `drift/<part>/<metric>` and `make_batch`'s, in that order. `plan`: the
+  mesh the step is jitted on (the update keeps rows on their data shards), None when unplaced.
   """
-  update = make_rl_update(logprob_fn, tx, update_cfg)
+  update = make_rl_update(logprob_fn, tx, update_cfg, plan)
 
   def step(params, opt_state, ref_params, rollout: Rollout, key: jax.Array):
     out = rollout.out
