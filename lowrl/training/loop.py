@@ -113,14 +113,16 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
 
 # The loop's flags that shrink each term of the estimate (memory.KNOB_HINTS's keys).
 MEMORY_HINTS = {
-    "blocks": "--config.model.remat=full, or more --config.rl.num_minibatches",
-    "scores": "--config.model.attention=chunked, or more --config.rl.num_minibatches",
-    "logits": "--config.model.logprob_chunk=8192, or more --config.rl.num_minibatches",
+    "blocks": "--config.model.remat=full, or more --config.rl.micro_batches",
+    "scores": "--config.model.attention=chunked, or more --config.rl.micro_batches",
+    "logits": "--config.model.logprob_chunk=8192, or more --config.rl.micro_batches",
     "params": "--config.optimizer.master_dtype=bfloat16 or more devices",
     "grads": "--config.optimizer.master_dtype=bfloat16 or more devices",
     "optimizer": "more devices (--config.mesh.shape)",
-    "reference": "--config.rl.log_kl_ref=False with --config.rl.kl_coef=0, or more devices",
-    "versions": "a smaller --config.async_rl.lag, or more devices",
+    "reference": "--config.rl.ref_storage=bfloat16, or --config.rl.log_kl_ref=False with "
+                 "--config.rl.kl_coef=0, or more devices",
+    "versions": "--config.async_rl.version_storage=bfloat16, a smaller --config.async_rl.lag, "
+                "or more devices",
     "kv_cache": "fewer --config.rl.num_prompts x group_size rows, or a 2-byte "
                 "precision.compute_dtype",
     "prefill": "--config.model.attention=chunked",
@@ -137,19 +139,26 @@ def memory_estimate(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
   What the loop holds: FP32 Adam moments over the master params (optimizer.master_dtype), the
   reference params when `uses_reference`, the schedule's parameter copies, the RL sampler's KV
   cache (all rows, the sampler policy's compute dtype; the eval samplers' caches are left out,
-  as in lowrl.memory); each PPO minibatch is one forward/backward and one optimizer step.
+  as in lowrl.memory); each PPO minibatch is one optimizer step over `rl.micro_batches`
+  forward/backward passes.
   """
   rl = cfg.rl
   rows = rl.num_prompts * rl.group_size
   data = plan.batch_shards
   stale = schedule.lag > 0 or schedule.sync_every > 1  # versions copied, stale ones re-scored
   master = cfg.optimizer.master_dtype
+  # A host-stored copy is moved to the devices for the step that reads it: counted at full size.
+  def stored(storage: str) -> str:
+    return "bfloat16" if storage == "bfloat16" else master
+
   return memory.estimate(
-      model_cfg, batch=rows, micro_batch=rows // rl.num_minibatches, seq_len=seq_len,
+      model_cfg, batch=rows, micro_batch=rows // rl.num_minibatches // rl.micro_batches,
+      seq_len=seq_len,
       max_new_tokens=rl.max_new_tokens, mesh=(data, plan.mesh.size // data),
       param_dtype=master, optimizer_dtype="float32", compute_dtype=trainer_policy.compute_dtype,
-      keep_reference=uses_reference(cfg), reference_dtype=master,
-      async_versions=schedule.max_versions if stale else 0, async_dtype=master,
+      keep_reference=uses_reference(cfg), reference_dtype=stored(rl.ref_storage),
+      async_versions=schedule.max_versions if stale else 0,
+      async_dtype=stored(cfg.async_rl.version_storage),
       kv_cache_dtype=sampler_policy.compute_dtype, sampler_batch=rows, ppo_epochs=rl.mu,
       score_forwards=2 if stale else 1, minibatches=rl.num_minibatches)
 
