@@ -54,7 +54,8 @@ def aggregate(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         s[f"{k}_{when}"] = _stats([r[f"eval_{when}"][k] for r in runs])
     s["gain"] = _stats([r["eval_end"]["pass_at_1"] - r["eval_start"]["pass_at_1"] for r in runs])
     for k in ("final_reward", "mismatch_kl", "mismatch_kl_k3", "ess", "kl_ref", "grad_cos",
-              "grad_rel_err", "update_erasure", "twin_kl_start", "twin_kl_end"):
+              "grad_rel_err", "update_erasure", "twin_kl_start", "twin_kl_end",
+              "twin_kl_k3_start", "twin_kl_k3_end"):
       s[k] = _stats([r.get(k) for r in runs])
   return out
 
@@ -93,11 +94,11 @@ def claims(agg: dict[str, dict[str, Any]]) -> list[tuple[str, str | None, list[s
                 [f"bf16 pass@1 {_fmt(bf['pass_at_1_start'])} -> {_fmt(end)}, gain {_fmt(gain)}; "
                  f"test: gain > 3 x std(end) = {3 * end[1]:.3f}"]))
   if all(s in agg for s in ("bf16", "nvfp4_naive", "nvfp4_recipe")):
-    held = _apart(g("nvfp4_recipe", "twin_kl_end"), g("nvfp4_naive", "twin_kl_end"))
+    held = _apart(g("nvfp4_recipe", "twin_kl_k3_end"), g("nvfp4_naive", "twin_kl_k3_end"))
     out.append(("The 4-bitter recipe tracks the BF16 twin while naive NVFP4 does not "
                 "(KL to the BF16 twin's final policy, lower is closer)",
                 "held" if held else "did not hold",
-                [f"{s}: twin KL end {_fmt(g(s, 'twin_kl_end'))} (start {_fmt(g(s, 'twin_kl_start'))}),"
+                [f"{s}: twin KL end {_fmt(g(s, 'twin_kl_k3_end'))} (start {_fmt(g(s, 'twin_kl_k3_start'))}),"
                  f" pass@1 gain {_fmt(g(s, 'gain'))}, final reward {_fmt(g(s, 'final_reward'))}"
                  for s in ("bf16", "nvfp4_naive", "nvfp4_recipe") if s in agg]
                 + ["test: recipe's twin KL below naive's by more than the sum of their seed stds"]))
@@ -105,11 +106,11 @@ def claims(agg: dict[str, dict[str, Any]]) -> list[tuple[str, str | None, list[s
   if len(steps) > 1:
     lines = []
     for prev, cur in zip(steps, steps[1:]):
-      a, b = g(cur, "twin_kl_end"), g(prev, "twin_kl_end")
+      a, b = g(cur, "twin_kl_k3_end"), g(prev, "twin_kl_k3_end")
       lines.append(f"{cur} (after {prev}): twin KL end {_fmt(a)} vs {_fmt(b)} "
                    f"({'lower beyond the seed spread' if _apart(a, b) else 'not separated'}); "
                    f"grad cos {_fmt(g(cur, 'grad_cos'), 4)}; pass@1 gain {_fmt(g(cur, 'gain'))}")
-    helped = sum(_apart(g(c, "twin_kl_end"), g(p, "twin_kl_end")) for p, c in zip(steps, steps[1:]))
+    helped = sum(_apart(g(c, "twin_kl_k3_end"), g(p, "twin_kl_k3_end")) for p, c in zip(steps, steps[1:]))
     out.append(("Each component of the recipe brings the policy closer to BF16",
                 "held" if helped == len(steps) - 1 else "did not hold",
                 lines + [f"{helped} of {len(steps) - 1} components lowered the twin KL beyond the "
@@ -163,8 +164,8 @@ def _plots(workdir: str, agg: dict, out_md: str) -> list[str]:
     files.append(os.path.basename(path))
 
   fig, axes = plt.subplots(1, 3, figsize=(18, 5))
-  for ax, key, title in zip(axes, ("pass_at_1_end", "twin_kl_end", "grad_cos"),
-                            ("held-out pass@1 (end; dashed: base)", "KL to the BF16 twin (end)",
+  for ax, key, title in zip(axes, ("pass_at_1_end", "twin_kl_k3_end", "grad_cos"),
+                            ("held-out pass@1 (end; dashed: base)", "KL to the BF16 twin (end, k3)",
                              "gradient cosine vs FP32")):
     vals = [agg[n][key] for n in names]
     y = [v[0] if v else np.nan for v in vals]
@@ -207,7 +208,7 @@ def _table(agg: dict) -> str:
           ("gain", "gain"), ("greedy end", "greedy_end"), ("final reward", "final_reward"),
           ("mismatch k1", "mismatch_kl"), ("ESS", "ess"), ("grad cos", "grad_cos"),
           ("grad rel err", "grad_rel_err"), ("erasure", "update_erasure"),
-          ("twin KL start", "twin_kl_start"), ("twin KL end", "twin_kl_end"),
+          ("twin KL start", "twin_kl_k3_start"), ("twin KL end", "twin_kl_k3_end"),
           ("KL to ref", "kl_ref"))
   lines = ["| setting | group | " + " | ".join(c for c, _ in cols) + " |",
            "|" + "---|" * (len(cols) + 2)]
@@ -235,7 +236,8 @@ def write_report(workdir: str, out_md: str) -> str:
         f"{len(results)} runs ({len(agg)} settings x seeds {meta.get('seeds', '?')}); wall time "
         f"of the runs {wall / 60:.1f} min in all ({meta.get('machine', 'this machine')}). Numbers "
         "are mean ± population std over seeds. Twin KL: KL(run || BF16 twin of the same seed) "
-        "per completion token on the held-out prompts (start: the base under both precisions).",
+        "per completion token on the held-out prompts, k3 estimate on the run's samples (start: "
+        "the base under both precisions).",
         "", "## Claims", ""]
   for claim, verdict, lines in claims(agg):
     md.append(f"- **{claim}**: {verdict or 'not measured'}.")

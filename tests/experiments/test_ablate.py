@@ -71,7 +71,7 @@ def test_report_writes_markdown_and_pngs(grid, tmp_path):
   _, work, _, _ = grid
   out = str(tmp_path / "results.md")
   text = report.write_report(work, out)
-  assert "bf16_rtn@1e-3" in text and "BF16 master weights" in text
+  assert "bf16_rtn@1e-3" in text and "RL gains over the base at BF16" in text
   pngs = sorted(p for p in os.listdir(tmp_path) if p.endswith(".png"))
   assert pngs == ["results_curves.png", "results_settings.png"]
   for p in pngs:
