@@ -180,14 +180,23 @@ class Trainer:
     self._calibrate = jax.jit(transformer.calibrate_act_amax,
                               static_argnames=("model_cfg", "policy", "paths"))
     self.calib_tokens, self.calib_mask = self._calibration_batch(repl)
-    # Gradient bias vs FP32 and update erasure (diagnostics.every): a program of its own.
-    self.probe = None
+    # Gradient bias vs FP32 and update erasure (diagnostics.every): programs of their own (the
+    # FP32 gradient's and the erasure's are the same for every recipe: the compile cache shares
+    # them between runs).
+    self._probe_fns = None
     if cfg.diagnostics.every:
       fp32 = precision.PrecisionPolicy.unquantized(layout.matmuls(setup.model_cfg), "float32",
                                                    name="fp32")
-      self.probe = jax.jit(probes.make_probe(
-          self.logprob_fn, make_logprob_fn(setup.model_cfg, fp32, setup.sampling), self.tx,
-          setup.update_cfg, setup.batch_cfg), out_shardings=repl)
+      grad_in = (p_sh, ref_sh, batch, repl)
+      self._probe_fns = (
+          jax.jit(probes.make_grad_fn(self.logprob_fn, setup.update_cfg, setup.batch_cfg),
+                  in_shardings=grad_in, out_shardings=p_sh),
+          jax.jit(probes.make_grad_fn(make_logprob_fn(setup.model_cfg, fp32, setup.sampling),
+                                      setup.update_cfg, setup.batch_cfg, param_dtype="float32"),
+                  in_shardings=grad_in, out_shardings=p_sh),
+          jax.jit(probes.grad_agreement, out_shardings=repl),
+          jax.jit(probes.make_erasure_fn(self.tx, cfg.optimizer.master_rounding),
+                  in_shardings=(p_sh, p_sh, o_sh, repl), out_shardings=repl))
     self.weight_errors = jax.jit(
         lambda p: diagnostics.weight_quant_errors(p, setup.model_cfg, setup.trainer_policy),
         in_shardings=(p_sh,), out_shardings=repl)
@@ -342,6 +351,17 @@ class Trainer:
                             self.plan.batch)
     return rollout, {"rewards": rewards, "completions": completions, "examples": examples}
 
+  def probe(self, params, opt_state, ref_params, rollout: Rollout, key: jax.Array
+            ) -> dict[str, jax.Array]:
+    """`lowrl.training.probes` on the step's rollout, before its update: the trainer's gradient
+    vs the FP32 one (`grad_bias/*`) and the erasure of one optimizer step on the trainer's
+    gradient (`update_erasure`). Needs diagnostics.every > 0."""
+    grad_q, grad_32, agreement, erasure = self._probe_fns
+    k_grad, k_opt = jax.random.split(key)
+    g_q = grad_q(params, ref_params, rollout, k_grad)
+    metrics = agreement(g_q, grad_32(params, ref_params, rollout, k_grad))
+    return {**metrics, "update_erasure": erasure(params, g_q, opt_state, k_opt)}
+
   def rl_step(self, sampler_params, params, opt_state, ref_params, step: int, key: jax.Array,
               stale: bool, probe: bool = False
               ) -> tuple[Any, Any, dict[str, jax.Array], dict[str, Any]]:
@@ -355,7 +375,7 @@ class Trainer:
     k_roll, k_upd = jax.random.split(key)
     rollout, info = self.rollout(sampler_params, params, step, k_roll, stale=stale)
     probe_metrics = {}
-    if probe and self.probe is not None:
+    if probe and self._probe_fns is not None:
       probe_metrics = self.probe(params, opt_state, ref_params, rollout,
                                  jax.random.fold_in(key, _PROBE_STREAM))
     params, opt_state, metrics = self.step(params, opt_state, ref_params, rollout, k_upd)

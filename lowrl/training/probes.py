@@ -1,7 +1,8 @@
 """Gradient-bias and update-erasure probes of the RL step (logged every `diagnostics.every` steps).
 
 Both are measured on the step's own batch, at the parameters and optimizer state the step starts
-from, in a program of their own: the training step's program and numbers are untouched.
+from, in programs of their own (`Trainer.probe` jits `make_grad_fn` twice, `grad_agreement` and
+`make_erasure_fn`): the training step's program and numbers are untouched.
 
 Gradient bias: the gradient of the RL loss on the whole batch (one minibatch, one pass; pi_old
 recomputed in each gradient's own precision, so the PPO ratio is 1 and the gradient is the
@@ -91,35 +92,38 @@ def _capture_grads() -> optax.GradientTransformation:
   return optax.GradientTransformation(init, update)
 
 
-Probe = Callable[[Any, Any, Any, Rollout, jax.Array], dict[str, jax.Array]]
+def make_grad_fn(logprob_fn, update_cfg: UpdateConfig, batch_cfg: BatchConfig, *,
+                 param_dtype: str | None = None
+                 ) -> Callable[[Any, Any, Rollout, jax.Array], Any]:
+  """`grad(params, ref_params, rollout, key) -> FP32 gradient tree` of the RL loss on the whole
+  rollout (one minibatch, one pass, pi_old recomputed in this precision); pure and jittable.
 
-
-def make_probe(logprob_fn, logprob_fn32, tx: optax.GradientTransformation,
-               update_cfg: UpdateConfig, batch_cfg: BatchConfig) -> Probe:
-  """`probe(params, opt_state, ref_params, rollout, key) -> metrics`: `grad_agreement` of the
-  trainer's gradient (`logprob_fn`) against the FP32 one (`logprob_fn32`, an unquantized FP32
-  policy) and `update_erasure` of one `tx` step in the master dtype; pure and jittable.
-
-  The gradients come from the update itself (`make_rl_update` with one minibatch and one pass),
-  so they are of exactly the loss the step trains.
+  The gradient comes from the update itself (`make_rl_update` with an optimizer that keeps the
+  gradient as its state), so it is of exactly the loss the step trains. `param_dtype`: params
+  and ref_params are cast to it first (e.g. "float32" for the FP32 reference gradient).
   """
   one = dataclasses.replace(update_cfg, mu=1, num_minibatches=1, master_rounding="nearest")
   capture = _capture_grads()
-  grad_q = make_rl_update(logprob_fn, capture, one)
-  grad_32 = make_rl_update(logprob_fn32, capture, one)
+  update = make_rl_update(logprob_fn, capture, one)
 
-  def probe(params, opt_state, ref_params, rollout: Rollout, key: jax.Array):
-    k_grad, k_opt = jax.random.split(key)
+  def grad(params, ref_params, rollout: Rollout, key: jax.Array):
+    if param_dtype is not None:
+      params = to_master(params, param_dtype)
+      ref_params = None if ref_params is None else to_master(ref_params, param_dtype)
     batch, _ = make_batch(rollout.out, rollout.rewards_B, batch_cfg)  # pi_old recomputed
-    _, g_q, _ = grad_q(params, capture.init(params), ref_params, batch, k_grad)
-    p32 = to_master(params, "float32")
-    ref32 = None if ref_params is None else to_master(ref_params, "float32")
-    _, g_32, _ = grad_32(p32, capture.init(p32), ref32, batch, k_grad)
-    metrics = grad_agreement(g_q, g_32)
-    new32, _ = apply_update(tx, p32, g_q, opt_state, master_rounding="nearest", key=None)
-    new_m, _ = apply_update(tx, params, g_q, opt_state, master_rounding=update_cfg.master_rounding,
-                            key=k_opt)
-    metrics["update_erasure"] = update_erasure(params, new_m, new32)
-    return metrics
+    _, grads, _ = update(params, capture.init(params), ref_params, batch, key)
+    return grads
 
-  return probe
+  return grad
+
+
+def make_erasure_fn(tx: optax.GradientTransformation, master_rounding: str
+                    ) -> Callable[[Any, Any, Any, jax.Array], jax.Array]:
+  """`erasure(params, grads, opt_state, key) -> update_erasure` of one `tx` step from
+  `opt_state` on `grads`: the step in FP32 vs in the params' dtype with `master_rounding`."""
+  def erasure(params, grads, opt_state, key):
+    new32, _ = apply_update(tx, to_master(params, "float32"), grads, opt_state,
+                            master_rounding="nearest", key=None)
+    new_m, _ = apply_update(tx, params, grads, opt_state, master_rounding=master_rounding, key=key)
+    return update_erasure(params, new_m, new32)
+  return erasure
