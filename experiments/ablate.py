@@ -133,17 +133,17 @@ def settings(cfg: ml_collections.ConfigDict) -> list[Setting]:
   }
   unknown = set(cfg.groups) - set(groups)
   if unknown:
-    raise ValueError(f"--config.groups: unknown groups {sorted(unknown)}; use some of "
+    raise run_config.ConfigError(f"--config.groups: unknown groups {sorted(unknown)}; use some of "
                      f"{sorted(groups)}.")
   chosen = [s for g in groups if g in cfg.groups for s in groups[g]]
   if cfg.get("only"):
     chosen = [s for s in chosen if s.name in cfg.only]
   every = {s.name: s for g in groups.values() for s in g}
   if cfg.twin not in every:
-    raise ValueError(f"--config.twin={cfg.twin!r} is not a setting; use one of {sorted(every)}.")
+    raise run_config.ConfigError(f"--config.twin={cfg.twin!r} is not a setting; use one of {sorted(every)}.")
   chosen = [every[cfg.twin]] + [s for s in chosen if s.name != cfg.twin]
   if not chosen:
-    raise ValueError("the grid is empty: check --config.groups / --config.only.")
+    raise run_config.ConfigError("the grid is empty: check --config.groups / --config.only.")
   return chosen
 
 
@@ -295,7 +295,11 @@ def main(argv):
     cli.fail(f"unexpected arguments {argv[1:]}; flags look like --workdir=DIR.")
   cfg = cli.config_value(_CONFIG, sys.argv, _DEFAULT_CONFIG)
   if _PRINT_CONFIG.value:
-    print(run_config.describe(cfg))
+    from lowrl.training import schema  # noqa: PLC0415
+    docs = schema.TRAIN.docs("run.")
+    with open(os.path.join(cli.REPO, "configs", "ablate.py")) as f:
+      docs.update(run_config.comment_docs(f.read()))
+    print(run_config.describe(cfg, docs))
     return
   logging.set_verbosity(logging.WARNING)
   try:
