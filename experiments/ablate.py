@@ -235,6 +235,7 @@ def run_grid(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print,
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, GRID), "w") as f:
     json.dump({"command": command or f"python -m experiments.ablate --workdir={workdir}",
+               "quick": bool(cfg.quick),
                "seeds": [int(s) for s in cfg.seeds], "settings": [s.name for s, _ in grid],
                "machine": f"{os.cpu_count()} CPU cores, {jax.default_backend()}"}, f)
   # One compilation cache for the grid: seeds (and settings sharing programs) reuse compiles.

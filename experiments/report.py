@@ -238,7 +238,15 @@ def write_report(workdir: str, out_md: str) -> str:
         "are mean ± population std over seeds. Twin KL: KL(run || BF16 twin of the same seed) "
         "per completion token on the held-out prompts, k3 estimate on the run's samples (start: "
         "the base under both precisions).",
-        "", "## Claims", ""]
+        ""]
+  if meta.get("quick"):
+    md += ["**This is the quick grid** (`--config.quick=True`: a d=32 model, a 100-step base, 8 RL "
+           "steps): it checks that every part of the experiment runs; its numbers are too small "
+           "and short to test the claims.", ""]
+  missing = [s for s in meta.get("settings", []) if s not in agg]
+  if missing:
+    md += [f"Not finished (no results yet): {', '.join(missing)}.", ""]
+  md += ["## Claims", ""]
   for claim, verdict, lines in claims(agg):
     md.append(f"- **{claim}**: {verdict or 'not measured'}.")
     md.extend(f"  - {x}" for x in lines)
