@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from absl import app, flags
 import jax

@@ -30,7 +30,7 @@ def _worker(shape: tuple[int, int], contiguous: bool) -> None:
   import jax.numpy as jnp
   import numpy as np
 
-  from lowrl import precision, sharding
+  from lowrl import precision
   from lowrl.models import layout, transformer
   from lowrl.sampling import SamplingConfig, rescore
   from lowrl.sampling.generate import _decode_program

@@ -35,18 +35,22 @@ from lowrl.checkpoints import hf
 from lowrl.metrics.writer import create_writer
 from lowrl.models import layout, transformer
 from lowrl.models.config import ModelConfig
+from lowrl.rl.mismatch import mismatch_metrics
 from lowrl.sampling import SampleOutput, Sampler, SamplingConfig, rescore
 from lowrl.tasks.base import Task
 from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
 from lowrl.tasks.registry import make_task
-from lowrl.training import diagnostics, optimizer, run_config, run_logs, schema, sft, storage
+from lowrl.training import (diagnostics, optimizer, probes, run_config, run_logs, schema, sft,
+                            storage)
 from lowrl.training.checkpointing import Checkpointer, verify_manifest
 from lowrl.training.evaluation import eval_metrics
+from lowrl.training.loss_scaling import loss_scaled
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, update_config_from
 from lowrl.training.schedule import AsyncSchedule, VersionBuffer
 from lowrl.training.step import BATCH_METRICS, BatchConfig, Rollout, make_step
 
 Log = Callable[[str], None]
+_PROBE_STREAM = 0x9B0BE  # fold_in of the step key for the probes: a stream no step uses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,7 +287,9 @@ class Trainer:
     cfg = setup.cfg
     self.tx = optimizer.make_optimizer(cfg.optimizer, cfg.rl.steps * cfg.rl.mu
                                        * cfg.rl.num_minibatches)
-    self.logprob_fn = make_logprob_fn(setup.model_cfg, setup.trainer_policy, setup.sampling)
+    self.logprob_fn = loss_scaled(
+        make_logprob_fn(setup.model_cfg, setup.trainer_policy, setup.sampling),
+        cfg.optimizer.loss_scale)
     # The pure RL step the simulator also runs (lowrl.training.step), unjitted.
     # Every step runs on the mesh with explicit shardings: sampler and update take the same
     # sharded params (no gather in between), batches are split over the batch axes.
@@ -311,6 +317,23 @@ class Trainer:
     self._calibrate = jax.jit(transformer.calibrate_act_amax,
                               static_argnames=("model_cfg", "policy", "paths"))
     self.calib_tokens, self.calib_mask = self._calibration_batch(repl)
+    # Gradient bias vs FP32 and update erasure (diagnostics.every): programs of their own (the
+    # FP32 gradient's and the erasure's are the same for every recipe: the compile cache shares
+    # them between runs).
+    self._probe_fns = None
+    if cfg.diagnostics.every:
+      fp32 = precision.PrecisionPolicy.unquantized(layout.matmuls(setup.model_cfg), "float32",
+                                                   name="fp32")
+      grad_in = (p_sh, ref_sh, batch, repl)
+      self._probe_fns = (
+          jax.jit(probes.make_grad_fn(self.logprob_fn, setup.update_cfg, setup.batch_cfg),
+                  in_shardings=grad_in, out_shardings=p_sh),
+          jax.jit(probes.make_grad_fn(make_logprob_fn(setup.model_cfg, fp32, setup.sampling),
+                                      setup.update_cfg, setup.batch_cfg, param_dtype="float32"),
+                  in_shardings=grad_in, out_shardings=p_sh),
+          jax.jit(probes.grad_agreement, out_shardings=repl),
+          jax.jit(probes.make_erasure_fn(self.tx, cfg.optimizer.master_rounding),
+                  in_shardings=(p_sh, p_sh, o_sh, repl), out_shardings=repl))
     self.weight_errors = jax.jit(
         lambda p: diagnostics.weight_quant_errors(p, setup.model_cfg, setup.trainer_policy),
         in_shardings=(p_sh,), out_shardings=repl)
@@ -390,11 +413,7 @@ class Trainer:
     accuracy; reward: mean reward of the samples.
     """
     cfg = self.setup.cfg
-    rng = np.random.default_rng([cfg.seed, 3])
-    examples = self.setup.task.sample(rng, cfg.eval_num_prompts, "eval")
-    tokens, lens = encode_prompts(self.setup.task.tokenizer, [e.prompt for e in examples],
-                                  self.setup.task.max_prompt_len)
-    mask = np.arange(tokens.shape[1])[None, :] < lens[:, None]
+    examples, tokens, mask = self._eval_prompts()
     k_greedy, k_sample = jax.random.split(key)
     qk = _quant_key(self.setup.trainer_policy, key)
     act_amax = self.act_amax(params, self.setup.trainer_policy)
@@ -409,6 +428,39 @@ class Trainer:
     m = eval_metrics(greedy, sampled)
     # "pass_at_1", not "pass@1": TensorBoard tag names cannot hold "@".
     return {k: float(m[k]) for k in ("pass_at_1", "greedy", "reward")}
+
+  def _eval_prompts(self) -> tuple[list, np.ndarray, np.ndarray]:
+    """The fixed held-out prompts (eval split, `eval_num_prompts`), left-padded, and their mask."""
+    cfg = self.setup.cfg
+    rng = np.random.default_rng([cfg.seed, 3])
+    examples = self.setup.task.sample(rng, cfg.eval_num_prompts, "eval")
+    tokens, lens = encode_prompts(self.setup.task.tokenizer, [e.prompt for e in examples],
+                                  self.setup.task.max_prompt_len)
+    return examples, tokens, np.arange(tokens.shape[1])[None, :] < lens[:, None]
+
+  def policy_kl(self, params, other_params, other_policy: precision.PrecisionPolicy,
+                key: jax.Array) -> dict[str, float]:
+    """KL(pi || pi_other) per completion token on the held-out prompts.
+
+    pi = `params` under this run's trainer policy, pi_other = `other_params` under
+    `other_policy` (e.g. a BF16 twin run's final params); both the distribution sampled at the
+    rollout temperature. `eval_samples` completions per held-out prompt are sampled from pi
+    (as `evaluate` samples), and both policies score them with the exact-mode scoring program;
+    returns {"kl": k1 mean, "kl_k3": k3 mean, "abs_dlogp_mean": ...} (`mismatch_metrics` of
+    logp_pi - logp_other: unbiased estimates of KL(pi || pi_other) on pi's samples).
+    """
+    _, tokens, mask = self._eval_prompts()
+    n = self.setup.cfg.eval_samples
+    tp = self.setup.trainer_policy
+    qk = _quant_key(tp, key)
+    out = self.eval_sampler_t(params, jnp.asarray(np.repeat(tokens, n, 0)),
+                              jnp.asarray(np.repeat(mask, n, 0)), key, quant_key=qk,
+                              act_amax=self.act_amax(params, tp))
+    logp_BT = self.score(params, tp, out, key)
+    logp_other_BT = self.score(other_params, other_policy, out, key)
+    m = mismatch_metrics(logp_BT, logp_other_BT, out.completion_mask)
+    return {"kl": float(m["mismatch_kl"]), "kl_k3": float(m["mismatch_kl_k3"]),
+            "abs_dlogp_mean": float(m["abs_dlogp_mean"])}
 
   # -- one step ---------------------------------------------------------------------------------
 
@@ -436,17 +488,35 @@ class Trainer:
                             self.plan.batch)
     return rollout, {"rewards": rewards, "completions": completions, "examples": examples}
 
+  def probe(self, params, opt_state, ref_params, rollout: Rollout, key: jax.Array
+            ) -> dict[str, jax.Array]:
+    """`lowrl.training.probes` on the step's rollout, before its update: the trainer's gradient
+    vs the FP32 one (`grad_bias/*`) and the erasure of one optimizer step on the trainer's
+    gradient (`update_erasure`). Needs diagnostics.every > 0."""
+    grad_q, grad_32, agreement, erasure = self._probe_fns
+    k_grad, k_opt = jax.random.split(key)
+    g_q = grad_q(params, ref_params, rollout, k_grad)
+    metrics = agreement(g_q, grad_32(params, ref_params, rollout, k_grad))
+    return {**metrics, "update_erasure": erasure(params, g_q, opt_state, k_opt)}
+
   def rl_step(self, sampler_params, params, opt_state, ref_params, step: int, key: jax.Array,
-              stale: bool) -> tuple[Any, Any, dict[str, jax.Array], dict[str, Any]]:
+              stale: bool, probe: bool = False
+              ) -> tuple[Any, Any, dict[str, jax.Array], dict[str, Any]]:
     """One RL step: rollout, then the jitted step (donates `params` and `opt_state`).
 
-    `key` is the step's key (fold_in(run key, step)). Returns (params, opt_state, metrics,
+    `key` is the step's key (fold_in(run key, step)). `probe`: also run the gradient-bias /
+    update-erasure probe (`lowrl.training.probes`) on the rollout, before the step, with a key
+    of its own (the step's keys and numbers are unchanged). Returns (params, opt_state, metrics,
     host info of the rollout).
     """
     k_roll, k_upd = jax.random.split(key)
     rollout, info = self.rollout(sampler_params, params, step, k_roll, stale=stale)
+    probe_metrics = {}
+    if probe and self._probe_fns is not None:
+      probe_metrics = self.probe(params, opt_state, ref_params, rollout,
+                                 jax.random.fold_in(key, _PROBE_STREAM))
     params, opt_state, metrics = self.step(params, opt_state, ref_params, rollout, k_upd)
-    return params, opt_state, metrics, info
+    return params, opt_state, {**metrics, **probe_metrics}, info
 
 
 class NonFiniteError(RuntimeError):
@@ -648,10 +718,12 @@ def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: 
   skipped_in_a_row = 0
   for step in range(start, rl.steps):
     sv = setup.schedule.sampler_version(step)
+    every = cfg.diagnostics.every
     params, opt_state, m, info = trainer.rl_step(storage.use(versions.get(sv)), params,
                                                  opt_state, storage.use(ref_params),
                                                  step, jax.random.fold_in(base_key, step),
-                                                 stale=sv != step)
+                                                 stale=sv != step,
+                                                 probe=bool(every) and step % every == 0)
     versions.put(step + 1, copy(params))
     versions.evict_before(step + 1)
     if use_ref and rl.ref_reset_every and (step + 1) % rl.ref_reset_every == 0:
@@ -728,7 +800,8 @@ def _load_base(base_dir: str, setup: Setup, log: Log,
     return hf.load_hf_params(cfg.model.hf_checkpoint, setup.model_cfg,
                              dtype=jnp.dtype(cfg.model.param_dtype),
                              shardings=setup.plan.param_shardings(shapes))
-  fp = sft.fingerprint(cfg.task, setup.model_cfg, cfg.sft, cfg.seed)
+  seed = base_seed(cfg)
+  fp = sft.fingerprint(cfg.task, setup.model_cfg, cfg.sft, seed)
   ckpt = Checkpointer(os.path.join(base_dir, fp), every=1, max_to_keep=1)
   repl = jax.tree.map(lambda _: setup.plan.replicated, shapes)
   if ckpt.latest_step() is not None:
@@ -737,10 +810,10 @@ def _load_base(base_dir: str, setup: Setup, log: Log,
     return out["params"]
   if jax.process_count() == 1:
     return sft.load_or_train_base(base_dir, setup.task, cfg.task, setup.model_cfg, cfg.sft,
-                                  cfg.seed, log, on_sft_loss)
+                                  seed, log, on_sft_loss)
   if distributed.is_primary():
     params = jax.tree.map(np.asarray, sft.train_base(setup.task, setup.model_cfg, cfg.sft,
-                                                     cfg.seed, log, on_sft_loss))
+                                                     seed, log, on_sft_loss))
   else:
     params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
   params = setup.plan.put(distributed.broadcast_from_primary(params), repl)
@@ -749,6 +822,35 @@ def _load_base(base_dir: str, setup: Setup, log: Log,
   ckpt.wait()
   log(f"[sft] saved base {fp} to {base_dir}")
   return params
+
+
+def base_seed(cfg: ml_collections.ConfigDict) -> int:
+  """The seed the run's base is trained with: `sft.seed`, or the run's seed when it is -1."""
+  return cfg.sft.seed if cfg.sft.seed >= 0 else cfg.seed
+
+
+def load_base(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> Any:
+  """The base params a run of `cfg` in `workdir` starts from (trained and saved if missing)."""
+  setup = build(cfg)
+  return _load_base(cfg.sft.base_dir or os.path.join(workdir, "base"), setup, log)
+
+
+def final_params(cfg: ml_collections.ConfigDict, workdir: str, trainer: Trainer | None = None
+                 ) -> Any:
+  """The policy params of the finished run of `cfg` in `workdir` (its step-`rl.steps`
+  checkpoint, checksums verified), on `trainer`'s mesh (a Trainer of `cfg` built if None)."""
+  trainer = trainer or Trainer(build(cfg), log=lambda _: None)
+  setup, steps = trainer.setup, cfg.rl.steps
+  params = jax.eval_shape(lambda p: optimizer.to_master(p, cfg.optimizer.master_dtype),
+                          trainer.param_shapes)
+  state = jax.eval_shape(lambda p: _state(
+      p, optimizer.init_opt_state(trainer.tx, p), jax.random.key_data(jax.random.key(0)),
+      p if uses_reference(cfg) else None, {}), params)
+  state = _with_versions(state, setup, steps)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint_every)
+  restored, _, _ = ckpt.restore(sharding.abstract(state, trainer.state_shardings(state)),
+                                step=steps)
+  return restored["params"]
 
 
 def _state(params, opt_state, rng, ref_params, versions: dict[str, Any]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from lowrl.rl.corrections import CORRECTION_LEVELS, CORRECTION_MODES
 from lowrl.rl.kl import KL_ESTIMATORS
 from lowrl.rl.losses import AGGREGATIONS, LOSSES
 from lowrl.sampling import SamplingConfig
+from lowrl.training.loss_scaling import check_loss_scale
 from lowrl.training.optimizer import MASTER_DTYPES, MASTER_ROUNDINGS, SCHEDULES
 from lowrl.training.rl_update import OLD_LOGP_SOURCES, update_config_from
 from lowrl.training.schedule import LAG_DISTRIBUTIONS, AsyncSchedule
@@ -372,6 +373,27 @@ OPTIMIZER = Section("optimizer", (
          OneOf(MASTER_ROUNDINGS)),
 ), checks=(_master_check,))
 
+
+def _loss_scale_check(prefix: str, o: ml_collections.ConfigDict) -> None:
+  try:
+    check_loss_scale(o.loss_scale)
+  except ValueError as e:
+    raise ValueError(str(e).replace("--config.optimizer.", f"--config.{prefix}.")) from None
+
+
+# The loop's optimizer section: + static loss scaling (FP16 compute needs it).
+TRAIN_OPTIMIZER = OPTIMIZER.extended(
+    Knob("loss_scale", 1.0, "static loss scale, a power of two: the backward runs on gradients "
+         "x loss_scale, unscaled before the optimizer (FP16 compute: e.g. 1024; 1 = off)"),
+    checks=(_loss_scale_check,))
+
+# Probes of the step logged by the loop (lowrl.training.probes); off by default.
+DIAGNOSTICS = Section("diagnostics", (
+    Knob("every", 0, "steps between the gradient-bias (recipe vs FP32 gradient: grad_bias/*) and "
+         "update-erasure (update_erasure) probes; 0 = off; a probe step that is not a logged "
+         "step (log_every) is not logged", NON_NEGATIVE),
+))
+
 SFT = Section("sft", (
     Knob("steps", 150, "supervised mid-training steps of the base (0 = RL from the random/loaded "
          "init)", NON_NEGATIVE),
@@ -380,6 +402,10 @@ SFT = Section("sft", (
     Knob("warmup_steps", 20, "SFT linear warmup steps", NON_NEGATIVE),
     Knob("base_dir", "", "'' = <workdir>/base; point several runs at one dir to share the base"),
 ))
+# The loop's sft section: one base can serve runs of several seeds.
+TRAIN_SFT = SFT.extended(
+    Knob("seed", -1, "seed of the base (init and SFT data); -1 = the run's seed (set it to share "
+         "one base between runs of different seeds)", AtLeast(-1)))
 
 ASYNC_RL = Section("async_rl", (
     Knob("lag", 0, "sampler version = trainer version - lag (>= 0; 0 = synchronous)"),
@@ -485,9 +511,9 @@ TRAIN = Schema((
              OneOf(("",) + precision.RECIPES)),)),
     Section("", (Knob("sampler_exact", True, "sampler logprobs from the trainer's forward "
                       "(bit-identical when same recipe)"),)),
-    SFT,
+    TRAIN_SFT,
     TRAIN_RL,
-    OPTIMIZER,
+    TRAIN_OPTIMIZER,
     Section("", (
         EVAL_NUM_PROMPTS,
         Knob("eval_samples", 4, "samples per eval prompt for pass@1 at the rollout temperature",
@@ -503,6 +529,7 @@ TRAIN = Schema((
              "consecutive RL steps with a skipped optimizer update (non-finite loss, gradient or "
              "new parameters)", POSITIVE),
     )),
+    DIAGNOSTICS,
     TRAIN_ASYNC_RL,
     # The mesh spans every process's devices (sharding.plan_from_config checks it).
     Section("mesh", (

@@ -66,6 +66,7 @@ def fingerprint(task_cfg, model_cfg: ModelConfig, sft_cfg, seed: int) -> str:
   """Short hash of everything that determines the base."""
   sft = dict(sft_cfg.to_dict() if hasattr(sft_cfg, "to_dict") else sft_cfg)
   sft.pop("base_dir", None)  # where the base is stored does not change it
+  sft.pop("seed", None)  # the loop's sft.seed: resolved into `seed`
   blob = json.dumps({"task": task_cfg.to_dict() if hasattr(task_cfg, "to_dict") else task_cfg,
                      "model": repr(model_cfg), "sft": sft, "seed": seed},
                     sort_keys=True, default=str)

@@ -1,0 +1,43 @@
+"""The recipe ablation of experiments/ablate.py: a grid of settings of the real training loop.
+
+`run` is one training run (configs/base.py's schema; its precision is replaced per setting), shared
+by every setting: an 8-layer decoder on sorting 3-6 letters, one mid-trained base for every
+setting and seed (`run.sft.seed`), the probes on (`run.diagnostics.every`). `groups` chooses which
+parts of the grid run (experiments/ablate.py `settings` lists them); `seeds` run for every
+setting; `twin` is the setting every run's policy is compared with (KL to the BF16 twin); `lrs`
+the learning rates of the stochastic-rounding group. `quick=True` is a small grid at small sizes
+(about 10 minutes on 2 CPU cores) that exercises every part; the other values are then ignored.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+from configs import base
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.quick = False  # small grid, small sizes: a smoke test of the whole experiment
+  c.seeds = (0, 1, 2)  # every setting runs every seed (the same base)
+  c.groups = ("recipe", "sampler_only", "sr", "kl_reset")  # parts of the grid to run
+  c.only = ()  # setting names to run (within `groups`); () = all
+  c.twin = "bf16"  # the setting whose policy (same seed) every run is compared with
+  c.lrs = (3e-4, 3e-5, 3e-6)  # stochastic-rounding group: BF16 RTN erases updates at the low end
+  c.fp16_loss_scale = 1024.0  # static loss scale of every FP16-compute setting
+  c.kl_coef = 0.05  # KL reference reset group: beta of the KL penalty
+  c.ref_reset_every = 10  # KL reference reset group: steps between pi_ref resets
+
+  run = base.get_config("bf16")
+  # 8 layers: the BF16 tail (15%) is one layer; scanned so compile time does not grow with depth.
+  run.model.update(d_model=64, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=192,
+                   scan_layers=True)
+  run.sft.update(steps=300, batch_size=64, seed=0)  # one base for every seed
+  run.rl.update(steps=30, num_prompts=16, group_size=8)
+  run.optimizer.lr = 3e-4
+  run.eval_num_prompts = 128
+  run.eval_samples = 4
+  run.diagnostics.every = 5
+  run.checkpoint_every = 10
+  run.num_text_samples = 0
+  c.run = run
+  return c

@@ -1,0 +1,329 @@
+r"""The recipe ablation: a grid of settings of the real training loop, several seeds each.
+
+  python -m experiments.ablate --workdir=/tmp/lowrl_ablate                     # configs/ablate.py
+  python -m experiments.ablate --workdir=/tmp/lowrl_ablate_quick --config.quick=True   # ~10 min
+  python -m experiments.report --workdir=/tmp/lowrl_ablate                     # docs/results.md
+
+Every run is `lowrl.training.loop.run` (what experiments/train.py runs) on a config of its own,
+all from one mid-trained base (`<workdir>/base`, trained once: `run.sft.seed` fixes its seed for
+every run seed). Settings (`settings`), by group:
+  recipe        sampler = trainer in one recipe: fp32, bf16, fp16 (static loss scale), mxfp8,
+                nvfp4_naive, then the 4-bitter recipe built up one component at a time
+                (+ per-token activation scale, + 4/6, + last 15% of layers BF16, + dequantized
+                backward = nvfp4_recipe) and nvfp4_recipe with quantized backward;
+  sampler_only  the trainer in BF16, the sampler in mxfp8 / nvfp4_naive / nvfp4_recipe;
+  sr            BF16 compute with FP32 master weights, BF16 master weights rounded to nearest, BF16
+                master weights with stochastic rounding, and FP16 compute (FP32 master, static
+                loss scale), at each learning rate of `lrs`;
+  kl_reset      BF16 with a KL penalty (kl_coef) to the base, without and with resetting the
+                reference every `ref_reset_every` steps.
+A run's workdir is `<workdir>/runs/<config fingerprint>`: two settings with the same config (e.g.
+fp16 at the default lr in two groups) share one run. Each finished (setting, seed) adds a line to
+`<workdir>/results.jsonl` (eval start/end, summaries of metrics.jsonl, the twin KL, wall time);
+an interrupted grid started again skips the lines it has (and the loop resumes a half-finished run
+from its checkpoint); a line whose config changed since is an error, not a silent mix.
+
+Distance to the BF16 twin (the "tracks BF16 dynamics" claim): after a run finishes, its final
+policy (trainer precision) is compared with the final policy of the `twin` setting of the same
+seed (same base, prompts, sampling keys) by KL(run || twin) per completion token on the held-out
+prompts (`Trainer.policy_kl`: completions sampled from the run's policy, both policies score
+them); `twin_kl_start` is the same between the two precisions' views of the base (quantization
+alone). Computed from the two runs' final checkpoints, so no run trains a second model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import ml_collections
+import numpy as np
+
+from lowrl import precision
+from lowrl.training import loop, optimizer, run_config, run_logs
+
+Log = Callable[[str], None]
+RESULTS = "results.jsonl"
+GRID = "grid.json"  # the grid's command, seeds and settings (for the report)
+TAIL = 0.2  # "final" training reward = mean over the last 20% of the steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """One point of the grid: a trainer precision (a PRECISION dict), a sampler recipe ('' = the
+  trainer's) and further `--config.run.*` values ((flag, value), ...)."""
+
+  name: str
+  group: str
+  precision: tuple[tuple[str, Any], ...]
+  sampler: str = ""
+  overrides: tuple[tuple[str, Any], ...] = ()
+
+  def config(self, run: ml_collections.ConfigDict, seed: int) -> ml_collections.ConfigDict:
+    """The loop config of this setting and `seed` (`run` is left unchanged)."""
+    c = ml_collections.ConfigDict(run.to_dict())
+    c.precision = ml_collections.ConfigDict(dict(self.precision))
+    c.sampler_precision.recipe = self.sampler
+    c.seed = seed
+    for flag, value in self.overrides:
+      *parents, leaf = flag.split(".")
+      node = c
+      for p in parents:
+        node = node[p]
+      node[leaf] = value
+    return c
+
+
+def _recipe(name: str, label: str | None = None, **changes: Any) -> tuple[tuple[str, Any], ...]:
+  p = precision.recipe(name).to_dict()
+  unknown = set(changes) - set(p)
+  if unknown:
+    raise ValueError(f"unknown precision knobs {sorted(unknown)}")
+  p.update(changes, name=label or name)
+  return tuple(sorted(p.items()))
+
+
+def _lr_tag(lr: float) -> str:
+  return f"{lr:.0e}".replace("e-0", "e-")
+
+
+def settings(cfg: ml_collections.ConfigDict) -> list[Setting]:
+  """The grid of `cfg` (configs/ablate.py), the `twin` setting first; only `cfg.groups`."""
+  scale = (("optimizer.loss_scale", float(cfg.fp16_loss_scale)),)
+  groups = {
+      "recipe": [
+          Setting("fp32", "recipe", _recipe("fp32")),
+          Setting("bf16", "recipe", _recipe("bf16")),
+          Setting("fp16", "recipe", _recipe("fp16"), overrides=scale),
+          Setting("mxfp8", "recipe", _recipe("mxfp8")),
+          Setting("nvfp4_naive", "recipe", _recipe("nvfp4_naive")),
+          Setting("+per_token", "recipe", _recipe("nvfp4_naive", "nvfp4_pt", act_per_token=True)),
+          Setting("+4/6", "recipe", _recipe("nvfp4_naive", "nvfp4_pt_46", act_per_token=True,
+                                            four_over_six=True)),
+          Setting("+bf16_tail", "recipe", _recipe("nvfp4_naive", "nvfp4_pt_46_tail",
+                                                  act_per_token=True, four_over_six=True,
+                                                  bf16_last_fraction=0.15)),
+          Setting("nvfp4_recipe", "recipe", _recipe("nvfp4_recipe")),  # + dequantized backward
+          Setting("nvfp4_recipe_qbwd", "recipe",
+                  _recipe("nvfp4_recipe", "nvfp4_recipe_qbwd", backward="quantized")),
+      ],
+      "sampler_only": [Setting(f"s={s}/t=bf16", "sampler_only", _recipe("bf16"), sampler=s)
+                       for s in ("mxfp8", "nvfp4_naive", "nvfp4_recipe")],
+      "sr": [s for lr in cfg.lrs for s in (
+          Setting(f"fp32_master@{_lr_tag(lr)}", "sr", _recipe("bf16"),
+                  overrides=(("optimizer.lr", float(lr)),)),
+          Setting(f"bf16_rtn@{_lr_tag(lr)}", "sr", _recipe("bf16"),
+                  overrides=(("optimizer.lr", float(lr)), ("optimizer.master_dtype", "bfloat16"))),
+          Setting(f"bf16_sr@{_lr_tag(lr)}", "sr", _recipe("bf16"),
+                  overrides=(("optimizer.lr", float(lr)), ("optimizer.master_dtype", "bfloat16"),
+                             ("optimizer.master_rounding", "stochastic"))),
+          Setting(f"fp16@{_lr_tag(lr)}", "sr", _recipe("fp16"),
+                  overrides=(("optimizer.lr", float(lr)),) + scale))],
+      "kl_reset": [
+          Setting("kl", "kl_reset", _recipe("bf16"),
+                  overrides=(("rl.kl_coef", float(cfg.kl_coef)),)),
+          Setting("kl+reset", "kl_reset", _recipe("bf16"),
+                  overrides=(("rl.kl_coef", float(cfg.kl_coef)),
+                             ("rl.ref_reset_every", int(cfg.ref_reset_every)))),
+      ],
+  }
+  unknown = set(cfg.groups) - set(groups)
+  if unknown:
+    raise run_config.ConfigError(f"--config.groups: unknown groups {sorted(unknown)}; use some of "
+                     f"{sorted(groups)}.")
+  chosen = [s for g in groups if g in cfg.groups for s in groups[g]]
+  if cfg.get("only"):
+    chosen = [s for s in chosen if s.name in cfg.only]
+  every = {s.name: s for g in groups.values() for s in g}
+  if cfg.twin not in every:
+    raise run_config.ConfigError(f"--config.twin={cfg.twin!r} is not a setting; use one of {sorted(every)}.")
+  chosen = [every[cfg.twin]] + [s for s in chosen if s.name != cfg.twin]
+  if not chosen:
+    raise run_config.ConfigError("the grid is empty: check --config.groups / --config.only.")
+  return chosen
+
+
+def quick(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The small grid of `--config.quick=True`: one or two settings of every group, 2 seeds, an
+  8-layer d=32 decoder, a short base and 8 RL steps."""
+  c = ml_collections.ConfigDict(cfg.to_dict())
+  c.seeds = (0, 1)
+  c.lrs = (3e-6,)
+  c.only = ("nvfp4_naive", "nvfp4_recipe", "s=nvfp4_recipe/t=bf16", "bf16_rtn@3e-6",
+            "bf16_sr@3e-6", "kl+reset")
+  c.ref_reset_every = 4
+  r = c.run
+  r.model.update(d_model=32, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64)
+  r.sft.update(steps=100, batch_size=64)
+  r.rl.update(steps=8, num_prompts=8, group_size=4)
+  r.eval_num_prompts = 32
+  r.eval_samples = 2
+  r.diagnostics.every = 4
+  r.checkpoint_every = 8
+  return c
+
+
+def validate(cfg: ml_collections.ConfigDict) -> list[tuple[Setting, ml_collections.ConfigDict]]:
+  """Every (setting, seed config) of the grid, each checked by the loop's `build` (raises
+  run_config.ConfigError naming the flag) before anything runs."""
+  seeds = tuple(int(s) for s in cfg.seeds)
+  if not seeds or len(set(seeds)) != len(seeds):
+    raise run_config.ConfigError(f"--config.seeds={cfg.seeds!r}: distinct ints, at least one.")
+  out = []
+  for s in settings(cfg):
+    c = s.config(cfg.run, seeds[0])
+    try:
+      loop.build(c)
+    except ValueError as e:
+      raise run_config.ConfigError(f"setting {s.name}: {e}".replace("--config.",
+                                                                    "--config.run.")) from e
+    out.append((s, c))
+  return out
+
+
+def read_results(workdir: str) -> list[dict[str, Any]]:
+  """The lines of `<workdir>/results.jsonl` (a line cut short by a kill is dropped)."""
+  path = os.path.join(workdir, RESULTS)
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def summarize_metrics(lines: list[dict[str, Any]]) -> dict[str, float | None]:
+  """Per-run numbers from metrics.jsonl lines: final training reward (mean of the last 20% of
+  steps), and means over the steps of mismatch k1/k3/ESS, KL to the reference, and of the probe
+  steps' gradient cosine / relative error and update erasure (None when never logged)."""
+  def mean(key, rows=lines):
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return float(np.mean(vals)) if vals else None
+  tail = lines[-max(1, int(round(len(lines) * TAIL))):]
+  return {"final_reward": mean("reward/mean", tail),
+          "mismatch_kl": mean("mismatch/mismatch_kl"),
+          "mismatch_kl_k3": mean("mismatch/mismatch_kl_k3"),
+          "ess": mean("mismatch/ess"), "kl_ref": mean("kl_ref"),
+          "grad_cos": mean("grad_bias/cos/total"), "grad_rel_err": mean("grad_bias/rel_err/total"),
+          "update_erasure": mean("update_erasure")}
+
+
+def _twin_kl(cfg: ml_collections.ConfigDict, workdir: str, twin_cfg: ml_collections.ConfigDict,
+             twin_dir: str, base) -> dict[str, float]:
+  """KL(run || twin) of the final policies and of the base under both precisions."""
+  trainer = loop.Trainer(loop.build(cfg), log=lambda _: None)
+  twin = loop.Trainer(loop.build(twin_cfg), log=lambda _: None)
+  key = jax.random.key(cfg.seed)
+  start = trainer.policy_kl(trainer.place(optimizer.to_master(base, cfg.optimizer.master_dtype)),
+                            trainer.place(base), twin.setup.trainer_policy, key)
+  end = trainer.policy_kl(loop.final_params(cfg, workdir, trainer),
+                          loop.final_params(twin_cfg, twin_dir, twin), twin.setup.trainer_policy,
+                          key)
+  return {"twin_kl_start": start["kl"], "twin_kl_k3_start": start["kl_k3"],
+          "twin_kl_end": end["kl"], "twin_kl_k3_end": end["kl_k3"]}
+
+
+def run_grid(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print,
+             command: str = "") -> list[dict]:
+  """Runs (or resumes) the grid of `cfg` in `workdir`; returns the results lines. `command`
+  (the command line) is recorded in `<workdir>/grid.json` for the report."""
+  if cfg.quick:
+    cfg = quick(cfg)
+  grid = validate(cfg)
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, GRID), "w") as f:
+    json.dump({"command": command or f"python -m experiments.ablate --workdir={workdir}",
+               "quick": bool(cfg.quick),
+               "seeds": [int(s) for s in cfg.seeds], "settings": [s.name for s, _ in grid],
+               "machine": f"{os.cpu_count()} CPU cores, {jax.default_backend()}"}, f)
+  # One compilation cache for the grid: seeds (and settings sharing programs) reuse compiles.
+  if not jax.config.jax_compilation_cache_dir:  # keep a cache the caller set up (tests)
+    jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  done = {(r["setting"], r["seed"]): r for r in read_results(workdir)}
+  twin_setting = grid[0][0]
+  base_dir = os.path.join(workdir, "base")
+  total = len(grid) * len(cfg.seeds)
+  log(f"[ablate] {len(grid)} settings x {len(cfg.seeds)} seeds = {total} runs in {workdir}; "
+      f"twin {twin_setting.name}; {len(done)} already finished")
+  base = None
+  i = 0
+  for setting, _ in grid:
+    for seed in cfg.seeds:
+      i += 1
+      c = setting.config(cfg.run, int(seed))
+      c.sft.base_dir = base_dir
+      fp = run_config.fingerprint(c)
+      prev = done.get((setting.name, int(seed)))
+      if prev is not None:
+        if prev["fingerprint"] != fp:
+          raise run_config.ConfigError(
+              f"{workdir}/{RESULTS} holds setting {setting.name} seed {seed} with another config "
+              f"(fingerprint {prev['fingerprint']} != {fp}); use a new --workdir.")
+        continue
+      run_dir = os.path.join(workdir, "runs", fp)
+      log(f"[ablate] run {i}/{total}: {setting.name} seed {seed} -> {run_dir}")
+      t0 = time.time()
+      summary = loop.run(c, run_dir, log=lambda s: None)
+      if base is None:
+        base = loop.load_base(c, run_dir, log=lambda s: None)
+      twin_c = twin_setting.config(cfg.run, int(seed))
+      twin_c.sft.base_dir = base_dir
+      twin_dir = os.path.join(workdir, "runs", run_config.fingerprint(twin_c))
+      kl = _twin_kl(c, run_dir, twin_c, twin_dir, base)
+      line = {"setting": setting.name, "group": setting.group, "seed": int(seed),
+              "fingerprint": fp, "run_dir": os.path.relpath(run_dir, workdir),
+              "precision": dict(setting.precision)["name"], "sampler": setting.sampler,
+              "overrides": dict(setting.overrides),
+              "eval_start": summary["eval_start"], "eval_end": summary["eval_end"],
+              **summarize_metrics(run_logs.read_metrics(run_dir)), **kl,
+              "wall_s": time.time() - t0}
+      with open(os.path.join(workdir, RESULTS), "a") as f:
+        f.write(json.dumps(line) + "\n")
+      log(f"[ablate] {setting.name} seed {seed}: pass@1 {line['eval_start']['pass_at_1']:.3f} -> "
+          f"{line['eval_end']['pass_at_1']:.3f}, twin KL {kl['twin_kl_end']:.2e}, "
+          f"{line['wall_s']:.0f}s")
+  results = read_results(workdir)
+  log(f"[ablate] done: {len(results)} runs, {sum(r['wall_s'] for r in results):.0f}s of runs "
+      f"in all; report: python -m experiments.report --workdir={workdir}")
+  return results
+
+
+def main(argv):
+  if len(argv) > 1:
+    cli.fail(f"unexpected arguments {argv[1:]}; flags look like --workdir=DIR.")
+  cfg = cli.config_value(_CONFIG, sys.argv, _DEFAULT_CONFIG)
+  if _PRINT_CONFIG.value:
+    from lowrl.training import schema  # noqa: PLC0415
+    docs = schema.TRAIN.docs("run.")
+    with open(os.path.join(cli.REPO, "configs", "ablate.py")) as f:
+      docs.update(run_config.comment_docs(f.read()))
+    print(run_config.describe(cfg, docs))
+    return
+  logging.set_verbosity(logging.WARNING)
+  try:
+    run_grid(cfg, _WORKDIR.value, log=lambda s: print(s, flush=True),
+             command="python -m experiments.ablate " + " ".join(sys.argv[1:]))
+  except run_config.ConfigError as e:
+    cli.fail(str(e))
+
+
+if __name__ == "__main__":
+  from absl import app, flags, logging
+  from ml_collections import config_flags
+
+  from lowrl.training import cli
+
+  _DEFAULT_CONFIG = os.path.join(cli.REPO, "configs", "ablate.py")
+  sys.argv = cli.resolve_config_paths(sys.argv)
+  try:
+    _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG,
+                                              "Path to an ml_collections config file.")
+  except Exception as e:  # noqa: BLE001 - any failure here is a usage error
+    cli.config_error(e, sys.argv, _DEFAULT_CONFIG)
+  _WORKDIR = flags.DEFINE_string("workdir", "/tmp/lowrl_ablate", "Grid directory.")
+  _PRINT_CONFIG = flags.DEFINE_bool("print_config", False,
+                                    "Print every --config.* knob with its value and exit.")
+  app.run(main, flags_parser=cli.make_flags_parser(_DEFAULT_CONFIG))

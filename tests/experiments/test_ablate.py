@@ -1,0 +1,91 @@
+"""experiments.ablate + experiments.report: a 2-setting, 2-seed, 2-step grid of the real loop
+runs, records the probes and the twin KL, resumes without rerunning finished runs, and the
+report writes its markdown and PNGs."""
+import os
+
+import ml_collections
+import pytest
+import tiny
+
+from configs import ablate as ablate_config
+from experiments import ablate, report
+from lowrl.training import run_config, run_logs
+
+
+def _grid_cfg(base_dir: str) -> ml_collections.ConfigDict:
+  c = ablate_config.get_config()
+  c.seeds = (0, 1)
+  c.groups = ("sr",)
+  c.lrs = (1e-3,)
+  c.only = ("bf16_rtn@1e-3",)  # + the twin, bf16: 2 settings
+  run = tiny.loop_config("bf16", base_dir, steps=2)
+  run.sft.seed = 0
+  run.diagnostics.every = 1
+  run.checkpoint_every = 2
+  c.run = run
+  return c
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+  work = str(tmp_path_factory.mktemp("ablate"))
+  cfg = _grid_cfg(os.path.join(work, "unused_base"))
+  logs = []
+  results = ablate.run_grid(cfg, work, log=logs.append)
+  return cfg, work, results, logs
+
+
+def test_grid_runs_every_setting_and_seed(grid):
+  _, work, results, _ = grid
+  assert [(r["setting"], r["seed"]) for r in results] == [
+      ("bf16", 0), ("bf16", 1), ("bf16_rtn@1e-3", 0), ("bf16_rtn@1e-3", 1)]
+  # One base for every run and seed (run.sft.seed), in <workdir>/base.
+  assert len(os.listdir(os.path.join(work, "base"))) == 1
+  for r in results:
+    lines = run_logs.read_metrics(os.path.join(work, r["run_dir"]))
+    assert len(lines) == 2 and all("grad_bias/cos/total" in x and "update_erasure" in x
+                                   for x in lines)
+    if r["setting"] == "bf16":
+      # The twin against itself; FP32 master weights erase nothing by definition.
+      assert r["twin_kl_end"] == 0.0 and r["update_erasure"] == 0.0
+    for k in ("twin_kl_start", "twin_kl_end", "grad_cos", "final_reward"):
+      assert r[k] is not None
+
+
+def test_grid_resumes_skipping_finished_runs(grid):
+  cfg, work, results, _ = grid
+  logs = []
+  again = ablate.run_grid(cfg, work, log=logs.append)
+  assert again == results
+  assert not [x for x in logs if x.startswith("[ablate] run ")]
+  assert "4 already finished" in logs[0]
+  # A finished line whose config changed since is an error, not a silent mix.
+  changed = ml_collections.ConfigDict(cfg.to_dict())
+  changed.run.optimizer.lr = 1e-4
+  with pytest.raises(run_config.ConfigError, match="another config"):
+    ablate.run_grid(changed, work, log=lambda _: None)
+
+
+def test_report_writes_markdown_and_pngs(grid, tmp_path):
+  _, work, _, _ = grid
+  out = str(tmp_path / "results.md")
+  text = report.write_report(work, out)
+  assert "bf16_rtn@1e-3" in text and "RL gains over the base at BF16" in text
+  pngs = sorted(p for p in os.listdir(tmp_path) if p.endswith(".png"))
+  assert pngs == ["results_curves.png", "results_settings.png"]
+  for p in pngs:
+    with open(tmp_path / p, "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert f"]({p})" in text
+
+
+def test_bad_grid_is_rejected_before_any_run(tmp_path):
+  cfg = _grid_cfg(str(tmp_path / "b"))
+  cfg.groups = ("nope",)
+  with pytest.raises(ValueError, match="unknown groups"):
+    ablate.run_grid(cfg, str(tmp_path / "w"))
+  cfg = _grid_cfg(str(tmp_path / "b"))
+  cfg.run.rl.num_minibatches = 3
+  with pytest.raises(run_config.ConfigError, match="--config.run.rl.num_minibatches"):
+    ablate.run_grid(cfg, str(tmp_path / "w"))
+  assert not os.path.exists(tmp_path / "w" / ablate.RESULTS)
