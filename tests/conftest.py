@@ -11,9 +11,11 @@ default (TF32 / BF16-pass) dots those tolerances would not hold.
 import os
 import pathlib
 
-_flag = "--xla_force_host_platform_device_count=8"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+from xla_env import COMPILE_FAST  # noqa: E402  (tests/ is on sys.path: pyproject pythonpath)
+
+for _flag in ("--xla_force_host_platform_device_count=8", COMPILE_FAST):
+  if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -37,12 +39,32 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
 # Test files that compile many or large programs, heaviest first, as measured with
-# `pytest --durations=0` (seconds of one file on one worker, 2-core machine). pytest-xdist hands
+# `pytest --durations=0` (seconds of one file on one worker of a loaded 2-core machine: only the
+# order matters). pytest-xdist hands
 # whole files to workers in collection order (`--dist loadfile --no-loadscope-reorder` in
 # pyproject.toml); starting the longest files first keeps a 4-minute file from being handed out
 # last, which otherwise leaves one worker running it alone at the end. The numbers only order the
 # files; a file missing here runs after these, in its usual order.
 _FILE_SECONDS = {
+    "tests/models/test_model_chunked.py": 1229,
+    "tests/test_sharding.py": 1107,
+    "tests/training/test_hf_loop.py": 950,
+    "tests/asyncrl/test_simulator.py": 932,
+    "tests/models/test_model_scan.py": 927,
+    "tests/training/test_training.py": 865,
+    "tests/test_distributed.py": 600,
+    "tests/sampling/test_act_scales.py": 588,
+    "tests/sampling/test_sampler.py": 475,
+    "tests/training/test_async_loop.py": 392,
+    "tests/quant/test_qdot.py": 343,
+    "tests/test_partitioner.py": 300,
+    "tests/experiments/test_export_hf.py": 271,
+    "tests/experiments/test_ablate.py": 250,
+    "tests/training/test_resume_kill.py": 250,
+    "tests/quant/test_quant_exact.py": 227,
+    "tests/models/test_model.py": 217,
+    "tests/training/test_probes.py": 170,
+    "tests/training/test_micro_batches.py": 150,
 }
 
 
