@@ -294,36 +294,23 @@ def run_grid(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print,
 def main(argv):
   if len(argv) > 1:
     cli.fail(f"unexpected arguments {argv[1:]}; flags look like --workdir=DIR.")
-  cfg = cli.config_value(_CONFIG, sys.argv, _DEFAULT_CONFIG)
-  if _PRINT_CONFIG.value:
+  cfg = _FLAGS.config_value()
+  if _FLAGS.print_config.value:
     from lowrl.training import schema  # noqa: PLC0415
-    docs = schema.TRAIN.docs("run.")
-    with open(os.path.join(cli.REPO, "configs", "ablate.py")) as f:
-      docs.update(run_config.comment_docs(f.read()))
-    print(run_config.describe(cfg, docs))
+    _FLAGS.show_config(cfg, schema.TRAIN.docs("run."))
     return
   logging.set_verbosity(logging.WARNING)
   try:
-    run_grid(cfg, _WORKDIR.value, log=lambda s: print(s, flush=True),
+    run_grid(cfg, _FLAGS.workdir.value, log=lambda s: print(s, flush=True),
              command="python -m experiments.ablate " + " ".join(sys.argv[1:]))
   except run_config.ConfigError as e:
     cli.fail(str(e))
 
 
 if __name__ == "__main__":
-  from absl import app, flags, logging
-  from ml_collections import config_flags
+  from absl import app, logging
 
   from lowrl.training import cli
 
-  _DEFAULT_CONFIG = os.path.join(cli.REPO, "configs", "ablate.py")
-  sys.argv = cli.resolve_config_paths(sys.argv)
-  try:
-    _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG,
-                                              "Path to an ml_collections config file.")
-  except Exception as e:  # noqa: BLE001 - any failure here is a usage error
-    cli.config_error(e, sys.argv, _DEFAULT_CONFIG)
-  _WORKDIR = flags.DEFINE_string("workdir", "/tmp/lowrl_ablate", "Grid directory.")
-  _PRINT_CONFIG = flags.DEFINE_bool("print_config", False,
-                                    "Print every --config.* knob with its value and exit.")
-  app.run(main, flags_parser=cli.make_flags_parser(_DEFAULT_CONFIG))
+  _FLAGS = cli.define_run_flags("ablate.py", "/tmp/lowrl_ablate", "Grid directory.")
+  app.run(main, flags_parser=_FLAGS.parser())

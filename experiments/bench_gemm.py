@@ -43,21 +43,6 @@ from lowrl.quant import QuantConfig, quantize
 GPU_SIZES = ("4096x4096x4096", "8192x4096x12288", "8192x12288x4096", "8192x8192x28672")
 SMALL_SIZES = ("64x64x64", "128x64x96")
 
-_SMALL = flags.DEFINE_bool("small", False, "Tiny sizes and the tiny model (CPU tests).")
-_SIZES = flags.DEFINE_list("sizes", None, f"GEMM sizes MxKxN; default {GPU_SIZES} "
-                           f"(--small: {SMALL_SIZES}).")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed rounds per comparison.")
-_ITERS = flags.DEFINE_integer("iters", 10, "Calls per timed round (--small: 2).")
-_MODEL = flags.DEFINE_string("model", "qwen3_0_6b", "Model preset of the train step (--small: "
-                             "tiny).")
-_BATCH = flags.DEFINE_integer("batch", 8, "Sequences per train step (--small: 2).")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 1024, "Tokens per sequence (--small: 16).")
-_RECIPE = flags.DEFINE_enum("recipe", "mxfp8", precision.RECIPES, "Precision recipe of the step.")
-_STEP_FORMAT = flags.DEFINE_enum("step_format", "fp8_e4m3",
-                                 ["fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2"],
-                                 "precision.format of the train step (an FP8 format).")
-_STEP = flags.DEFINE_bool("train_step", True, "Also time the train step.")
-_OUT = flags.DEFINE_string("out", "", "Optional JSON file for the results.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +188,12 @@ def run(*, small: bool, sizes: list[str] | None, repeats: int, iters: int, model
   return "\n".join(lines), results
 
 
+def write_json(results: list[Comparison], path: str) -> None:
+  """The comparisons as a JSON list (each with its median `ratio`)."""
+  with open(path, "w") as f:
+    json.dump([dict(dataclasses.asdict(r), ratio=r.ratio) for r in results], f, indent=1)
+
+
 def main(argv):
   del argv
   text, results = run(small=_SMALL.value, sizes=_SIZES.value, repeats=_REPEATS.value,
@@ -211,9 +202,24 @@ def main(argv):
                       step_format=_STEP_FORMAT.value, train_step=_STEP.value)
   print(text)
   if _OUT.value:
-    with open(_OUT.value, "w") as f:
-      json.dump([dict(dataclasses.asdict(r), ratio=r.ratio) for r in results], f, indent=1)
+    write_json(results, _OUT.value)
 
 
 if __name__ == "__main__":
+  # Flags only when run as a binary: the tests import several experiments (one absl flag registry).
+  _SMALL = flags.DEFINE_bool("small", False, "Tiny sizes and the tiny model (CPU tests).")
+  _SIZES = flags.DEFINE_list("sizes", None, f"GEMM sizes MxKxN; default {GPU_SIZES} "
+                             f"(--small: {SMALL_SIZES}).")
+  _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed rounds per comparison.")
+  _ITERS = flags.DEFINE_integer("iters", 10, "Calls per timed round (--small: 2).")
+  _MODEL = flags.DEFINE_string("model", "qwen3_0_6b", "Model preset of the train step (--small: "
+                               "tiny).")
+  _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per train step (--small: 2).")
+  _SEQ_LEN = flags.DEFINE_integer("seq_len", 1024, "Tokens per sequence (--small: 16).")
+  _RECIPE = flags.DEFINE_enum("recipe", "mxfp8", precision.RECIPES, "Precision recipe of the step.")
+  _STEP_FORMAT = flags.DEFINE_enum("step_format", "fp8_e4m3",
+                                   ["fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2"],
+                                   "precision.format of the train step (an FP8 format).")
+  _STEP = flags.DEFINE_bool("train_step", True, "Also time the train step.")
+  _OUT = flags.DEFINE_string("out", "", "Optional JSON file for the results.")
   app.run(main)

@@ -21,28 +21,16 @@ Several processes (one per host, or per GPU): run the same command on each, with
 and a --workdir every process can reach. The mesh (--config.mesh.shape/axes/rules) spans all
 processes' devices; see README "Sharding and multi-host runs".
 """
-import os
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from lowrl import distributed
-from lowrl.training import cli, loop, run_config
+from lowrl.training import cli, loop, run_config, schema
 from lowrl.training.checkpointing import CheckpointError
 
-_DEFAULT_CONFIG = os.path.join(cli.REPO, "configs", "default.py")
-sys.argv = cli.resolve_config_paths(sys.argv)
-try:  # ml_collections loads the config file and checks the overrides right here
-  _CONFIG = config_flags.DEFINE_config_file(
-      "config", _DEFAULT_CONFIG,
-      "Path to an ml_collections config file (optionally `path:arg`, e.g. configs/base.py:bf16); "
-      "override its knobs with --config.KEY=VALUE (see --print_config).")
-except Exception as e:  # noqa: BLE001 - any failure here is a usage error
-  cli.config_error(e, sys.argv, _DEFAULT_CONFIG)
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/lowrl_run", "Run directory (checkpoints, logs).")
-_PRINT_CONFIG = flags.DEFINE_bool("print_config", False,
-                                  "Print every --config.* knob with its value and exit.")
+_FLAGS = cli.define_run_flags("default.py", "/tmp/lowrl_run",
+                               "Run directory (checkpoints, logs).")
 _ALLOW_CHANGE = flags.DEFINE_bool(
     "allow_config_change", False, "Resume a run in --workdir even though the config differs from "
     "the one it was started with (the changed keys are printed).")
@@ -63,9 +51,9 @@ _LOCAL_DEVICES = flags.DEFINE_list(
 def main(argv):
   if len(argv) > 1:
     cli.fail(f"unexpected arguments {argv[1:]}; flags look like --workdir=DIR.")
-  cfg = cli.config_value(_CONFIG, sys.argv, _DEFAULT_CONFIG)
-  if _PRINT_CONFIG.value:
-    print(run_config.describe(cfg))
+  cfg = _FLAGS.config_value()
+  if _FLAGS.print_config.value:
+    _FLAGS.show_config(cfg, schema.TRAIN.docs())
     return
   if not flags.FLAGS["verbosity"].present:
     # Orbax logs every save at INFO; progress lines are printed, so keep the log to warnings.
@@ -76,7 +64,7 @@ def main(argv):
       local_device_ids=None if _LOCAL_DEVICES.value is None else
       [int(i) for i in _LOCAL_DEVICES.value])
   try:
-    loop.run(cfg, _WORKDIR.value, log=lambda s: print(s, flush=True), allow_config_change=_ALLOW_CHANGE.value,
+    loop.run(cfg, _FLAGS.workdir.value, log=lambda s: print(s, flush=True), allow_config_change=_ALLOW_CHANGE.value,
              reevaluate=_REEVALUATE.value)
   except run_config.ConfigError as e:  # raised before any compile
     cli.fail(str(e))
@@ -87,7 +75,7 @@ def main(argv):
 
 def run_main():
   """Console entry point (`lowrl-train`)."""
-  app.run(main, flags_parser=cli.make_flags_parser(_DEFAULT_CONFIG))
+  app.run(main, flags_parser=_FLAGS.parser())
 
 
 if __name__ == "__main__":

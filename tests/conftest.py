@@ -11,11 +11,9 @@ default (TF32 / BF16-pass) dots those tolerances would not hold.
 import os
 import pathlib
 
-from xla_env import COMPILE_FAST  # noqa: E402  (tests/ is on sys.path: pyproject pythonpath)
-
-for _flag in ("--xla_force_host_platform_device_count=8", COMPILE_FAST):
-  if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+_flag = "--xla_force_host_platform_device_count=8"
+if _flag not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

@@ -5,6 +5,7 @@ A config error is one line on stderr naming the flag (with a "did you mean" for 
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -106,3 +107,49 @@ def config_value(holder: Any, argv: Sequence[str], default_spec: str) -> Any:
     return cfg
   except Exception as e:  # noqa: BLE001 - config files raise anything; all are usage errors
     config_error(e, argv, default_spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFlags:
+  """The flags every binary defines: its config file (`default_spec`), --config, --workdir and
+  --print_config (absl flag holders)."""
+  default_spec: str
+  config: Any
+  workdir: Any
+  print_config: Any
+
+  def config_value(self) -> Any:
+    """The config with its --config.* overrides, or a one-line error (exit 2)."""
+    return config_value(self.config, sys.argv, self.default_spec)
+
+  def show_config(self, cfg: Any, schema_docs: dict[str, str] | None = None) -> None:
+    """Prints every knob of `cfg` with its value and meaning: `schema_docs`, then the comments of
+    the binary's default config file."""
+    docs = dict(schema_docs or {})
+    with open(self.default_spec) as f:
+      docs.update(run_config.comment_docs(f.read()))
+    print(run_config.describe(cfg, docs))
+
+  def parser(self) -> Callable[[list[str]], list[str]]:
+    """The `flags_parser` for `absl.app.run` (one-line flag errors)."""
+    return make_flags_parser(self.default_spec)
+
+
+def define_run_flags(config_file: str, workdir: str, workdir_help: str) -> RunFlags:
+  """Defines --config (`configs/<config_file>` by default; `path[:arg]` and --config.KEY=VALUE
+  overrides), --workdir and --print_config. Call at import time of a binary, before app.run."""
+  from ml_collections import config_flags  # noqa: PLC0415 - only the binaries need it
+
+  default_spec = os.path.join(REPO, "configs", config_file)
+  sys.argv = resolve_config_paths(sys.argv)
+  try:  # ml_collections loads the config file and checks the overrides right here
+    config = config_flags.DEFINE_config_file(
+        "config", default_spec,
+        "Path to an ml_collections config file (optionally `path:arg`, e.g. configs/base.py:bf16); "
+        "override its knobs with --config.KEY=VALUE (see --print_config).")
+  except Exception as e:  # noqa: BLE001 - any failure here is a usage error
+    config_error(e, sys.argv, default_spec)
+  return RunFlags(
+      default_spec, config, flags.DEFINE_string("workdir", workdir, workdir_help),
+      flags.DEFINE_bool("print_config", False,
+                        "Print every --config.* knob with its value and meaning, and exit."))

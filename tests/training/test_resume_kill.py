@@ -10,7 +10,6 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import tiny
-from xla_env import xla_flags
 
 REPO = str(tiny.REPO)
 STEPS = 6
@@ -26,7 +25,7 @@ FLAGS = [
 
 def _train(workdir: str) -> subprocess.Popen:
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-             XLA_FLAGS=xla_flags(1))
+             XLA_FLAGS="--xla_force_host_platform_device_count=1")
   return subprocess.Popen([sys.executable, "-m", "experiments.train", f"--workdir={workdir}",
                            *FLAGS], cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
