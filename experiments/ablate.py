@@ -292,12 +292,10 @@ def run_grid(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print,
 
 
 def main(argv):
-  if len(argv) > 1:
-    cli.fail(f"unexpected arguments {argv[1:]}; flags look like --workdir=DIR.")
-  cfg = _FLAGS.config_value()
-  if _FLAGS.print_config.value:
-    from lowrl.training import schema  # noqa: PLC0415
-    _FLAGS.show_config(cfg, schema.TRAIN.docs("run."))
+  from lowrl.training import schema  # noqa: PLC0415
+
+  cfg = _FLAGS.start(argv, schema.TRAIN.docs("run."))
+  if cfg is None:
     return
   logging.set_verbosity(logging.WARNING)
   try:

@@ -21,11 +21,8 @@ _FLAGS = cli.define_run_flags("simulate.py", "/tmp/lowrl_sim",
 
 
 def main(argv):
-  if len(argv) > 1:
-    cli.fail(f"unexpected arguments {argv[1:]}; flags look like --workdir=DIR.")
-  cfg = _FLAGS.config_value()
-  if _FLAGS.print_config.value:
-    _FLAGS.show_config(cfg, simulator.SCHEMA.docs("sim."))
+  cfg = _FLAGS.start(argv, simulator.SCHEMA.docs("sim."))
+  if cfg is None:
     return
   sweep.run_sweep(cfg, _FLAGS.workdir.value, log=lambda s: print(s, flush=True))
 

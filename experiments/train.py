@@ -49,11 +49,8 @@ _LOCAL_DEVICES = flags.DEFINE_list(
 
 
 def main(argv):
-  if len(argv) > 1:
-    cli.fail(f"unexpected arguments {argv[1:]}; flags look like --workdir=DIR.")
-  cfg = _FLAGS.config_value()
-  if _FLAGS.print_config.value:
-    _FLAGS.show_config(cfg, schema.TRAIN.docs())
+  cfg = _FLAGS.start(argv, schema.TRAIN.docs())
+  if cfg is None:
     return
   if not flags.FLAGS["verbosity"].present:
     # Orbax logs every save at INFO; progress lines are printed, so keep the log to warnings.

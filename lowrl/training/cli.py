@@ -130,6 +130,17 @@ class RunFlags:
       docs.update(run_config.comment_docs(f.read()))
     print(run_config.describe(cfg, docs))
 
+  def start(self, argv: Sequence[str], schema_docs: dict[str, str] | None = None) -> Any | None:
+    """The config a binary's `main(argv)` runs; None when --print_config printed it instead.
+    Stray positional arguments are a one-line error."""
+    if len(argv) > 1:
+      fail(f"unexpected arguments {list(argv[1:])}; flags look like --workdir=DIR.")
+    cfg = self.config_value()
+    if self.print_config.value:
+      self.show_config(cfg, schema_docs)
+      return None
+    return cfg
+
   def parser(self) -> Callable[[list[str]], list[str]]:
     """The `flags_parser` for `absl.app.run` (one-line flag errors)."""
     return make_flags_parser(self.default_spec)
