@@ -34,11 +34,13 @@ def test_layer_groups_split_at_the_bf16_suffix():
 
 @pytest.mark.parametrize("name,overrides", [
     ("nvfp4_recipe", {}),
-    # Stochastic rounding everywhere: every layer's quant key must be fold_in(key, layer).
-    ("nvfp4_recipe", {"stochastic_rounding": "all", "high_precision_paths": r"layers_1/.*"}),
+    # Stochastic rounding everywhere: every layer's quant key must be fold_in(key, layer), also
+    # inside a scanned group (layer 0 high precision: groups (0, 1), (1, 3), (3, 4)).
+    ("nvfp4_recipe", {"stochastic_rounding": "all", "high_precision_paths": r"layers_0/.*"}),
 ])
 def test_scan_equals_unrolled_forward_and_gradients(name, overrides):
   policy = _policy(name, **overrides)
+  assert any(hi - lo > 1 for lo, hi in transformer.layer_groups(DEEP, policy))  # a real scan
   key = jax.random.key(7) if policy.needs_key else None
   (loss_a, aux_a), grads_a = _loss_and_grads(DEEP, policy, key)
   (loss_b, aux_b), grads_b = _loss_and_grads(dataclasses.replace(DEEP, scan_layers=True), policy,
