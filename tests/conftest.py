@@ -16,15 +16,23 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-
 # One persistent compilation cache for the whole test run: test modules that build the same tiny
 # model, sampler or update compile it once. It lives in the (git-ignored) pytest cache folder, so a
-# second local run reuses it too; LOWRL_TEST_JAX_CACHE overrides the folder ("" disables it).
+# second local run reuses it too; LOWRL_TEST_JAX_CACHE overrides the folder ("" disables it). It is
+# set through JAX's environment variables, so the processes a test launches (the training binary,
+# two-process runs, a killed and resumed run) share it: a program compiled once is not compiled
+# again by every child.
 _cache_dir = os.environ.get(
     "LOWRL_TEST_JAX_CACHE",
     str(pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax"))
 if _cache_dir:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+import jax  # noqa: E402
+
+if _cache_dir:  # also here, in case a plugin imported jax before the variables were set
   jax.config.update("jax_compilation_cache_dir", _cache_dir)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -23,8 +23,7 @@ def run_processes(cmds: Sequence[Sequence[str]], devices_per_process: int,
   each process with `devices_per_process` fake CPU devices; returns their outputs (stdout and
   stderr) after asserting that every one exited with status 0."""
   env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
-             JAX_DEFAULT_MATMUL_PRECISION="highest")  # as conftest.py sets for this process
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
   procs = [subprocess.Popen([sys.executable, *cmd], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for cmd in cmds]
   outs = []
