@@ -543,8 +543,12 @@ def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict
   tx = setup.make_optimizer()
   rl_step, logprob_fn = make_rl_step(setup)
   use_ref = setup.update_cfg.loss.kl_coef > 0
-  # Identical recipes: the current weights in the sampler's precision are the trainer's score.
-  same_precision = setup.sampler_policy == setup.trainer_policy
+  # Identical recipes: the current weights in the sampler's precision are the trainer's score,
+  # unless the sampler runs on static activation scales (per-tensor recipes, as deployed) where
+  # the trainer takes each batch's own: then the fourth score is the sampler's, else the scale
+  # difference would count half as staleness.
+  same_precision = (setup.sampler_policy == setup.trainer_policy and not
+                    setup.sampler_policy.act_paths(layout.matmuls(setup.model_cfg), "tensor"))
   p_width = setup.task.length + 1
 
   def train(params, key, plan):
