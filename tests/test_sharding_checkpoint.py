@@ -33,15 +33,21 @@ def _state(plan):
   return state, plan.put(state, plan.shardings_like_params(state, shapes))
 
 
-@pytest.mark.parametrize("target", [(4, 2), (2, 4), (8, 1), (1, 1)])
-def test_sharded_state_restores_onto_any_mesh(tmp_path, target):
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """(host state, checkpointer): the state saved once on a (4, 2) mesh, restored by every case."""
   host, saved = _state(_plan((4, 2)))
-  ckpt = Checkpointer(str(tmp_path / "ckpt"), every=1)
+  ckpt = Checkpointer(str(tmp_path_factory.mktemp("sharded") / "ckpt"), every=1)
   ckpt.save(5, saved, {"data_position": 5}, force=True)
   ckpt.wait()
   assert saved["params"]["layers_0"]["mlp"]["up_proj"]["kernel"].sharding.spec == \
       jax.sharding.PartitionSpec("data", "model")
+  return host, ckpt
 
+
+@pytest.mark.parametrize("target", [(4, 2), (2, 4), (8, 1), (1, 1)])
+def test_sharded_state_restores_onto_any_mesh(saved, target):
+  host, ckpt = saved
   plan = _plan(target)
   shapes = jax.eval_shape(lambda: host)
   want = plan.shardings_like_params(shapes, transformer.param_shapes(MODEL))

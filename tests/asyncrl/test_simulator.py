@@ -5,6 +5,7 @@ decoder, 2 prompts x 4 samples, horizon 4. Runs of the bf16 setup share one ring
 the seeds, so they share one compiled program.
 """
 import collections
+import functools
 import itertools
 import json
 import os
@@ -201,7 +202,8 @@ def sweep_config():
   c.sim = tiny_config()
   c.seeds = SEEDS
   c.log_every = 1
-  c.grid = ml_collections.ConfigDict({"lag": (0, 2, "auto"), "sync_every": (1,),
+  # Lag 3: the ring the sweep sizes for its largest lag is SLOTS, the bf16 runs' program.
+  c.grid = ml_collections.ConfigDict({"lag": (0, 3, "auto"), "sync_every": (1,),
                                       "sampler_recipe": ("bf16",), "correction": ("none",)})
   return c
 
@@ -220,7 +222,7 @@ class _Crash(Exception):
 def test_sweep_writes_runs_summary_and_resumes(tmp_path):
   cfg = sweep_config()
   full = sweep.run_sweep(cfg, str(tmp_path / "full"), log=lambda _: None)
-  assert [r["lag"] for r in full] == [0, 2, "auto"]
+  assert [r["lag"] for r in full] == [0, 3, "auto"]
   # 'auto' runs at the cost model's lag of the modelled system; the clock is the model's.
   auto = sweep.expand_grid(cfg)[2].cfg
   assert full[2]["lag_used"] == timing.clock(auto).lag == 2
@@ -241,13 +243,13 @@ def test_sweep_writes_runs_summary_and_resumes(tmp_path):
   with pytest.raises(_Crash):
     sweep.run_sweep(cfg, workdir, log=crash_after_first)
   with open(os.path.join(workdir, "results.jsonl"), "a") as f:
-    f.write('{"name": "lag=2_sy')  # a line cut short by the interruption
+    f.write('{"name": "lag=3_sy')  # a line cut short by the interruption
   logs = []
   resumed = sweep.run_sweep(cfg, workdir, log=logs.append)
   assert "1 already done, 2 to run" in logs[0]
   assert _strip(resumed) == _strip(full)
   with open(os.path.join(workdir, "results.jsonl")) as f:
-    assert [json.loads(line)["lag"] for line in f] == [0, 2, "auto"]
+    assert [json.loads(line)["lag"] for line in f] == [0, 3, "auto"]
 
   for r in resumed:
     for seed in SEEDS:
@@ -349,12 +351,14 @@ def test_pipeline_tokens_come_from_their_versions():
 
 
 def _fixed_rollout(setup, key):
-  """A sampled batch of `setup`'s shape with rewards and trainer scores (stale != now)."""
-  params = simulator.initial_params(setup, key)
-  out, reward_B, _ = simulator.rollout(setup, params, key)
+  """A sampled batch of `setup`'s shape with rewards and trainer scores (stale != now).
+
+  Each piece jitted: run op by op, the scoring forward took several times its compile time."""
+  params = jax.jit(functools.partial(simulator.initial_params, setup))(key)
+  out, reward_B, _ = jax.jit(functools.partial(simulator.rollout, setup))(params, key)
   _, logprob_fn = simulator.make_rl_step(setup)
   tokens = rl_update.TokenBatch(out.tokens, out.attention_mask)
-  logp_now_BT = logprob_fn(params, tokens, None)[0]
+  logp_now_BT = jax.jit(logprob_fn)(params, tokens, None)[0]
   return params, step_lib.Rollout(out, reward_B, logp_now_BT, logp_now_BT + 0.01)
 
 
