@@ -1,8 +1,7 @@
 """Simulated asynchrony in the real training loop (lowrl.training.loop.run), on a tiny config.
 
 One module-scoped base (a 1-layer model SFT'd to a 10-50% train pass rate, so advantages and
-updates are non-zero)
-is shared by every run. Runs:
+updates are non-zero) is shared by every run. Runs:
   sync   lag 0, sync every step, sampler recipe == trainer recipe (bf16)
   async  lag 2, sampler nvfp4_naive, trainer bf16 (both drift parts non-zero), run twice and
          once interrupted + resumed.
