@@ -19,6 +19,7 @@ U = 2.0**-24  # FP32 unit roundoff
 
 def _setup(aggregation: str):
   cfg = tiny.loop_config("fp32")
+  cfg.model.n_layers = 1  # the bound does not depend on the depth: the smaller programs
   cfg.rl.update(num_prompts=4, group_size=4, max_new_tokens=4, aggregation=aggregation,
                 log_kl_ref=False)
   return loop.build(cfg)

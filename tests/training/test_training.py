@@ -1,4 +1,6 @@
 """Optimizer / master weights, the pure RL update and config validation of the training loop."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,9 @@ from lowrl.training import loop, optimizer, schema
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, make_rl_update
 from lowrl.training.step import RLBatch
 
-MODEL = tiny.LOOP_MODEL
+# The pure-update tests' model: the loop's test model with one layer (nothing here depends on the
+# depth; a smaller program compiles faster).
+MODEL = dataclasses.replace(tiny.LOOP_MODEL, n_layers=1)
 
 
 def _opt_cfg(**kw):
@@ -88,7 +92,7 @@ def test_update_recomputes_pi_old_and_moves_params():
   logprob_fn, tx, update = _update()
   params = transformer.init_params(MODEL, jax.random.key(0))
   batch = _batch(jax.random.key(1))
-  logp, _ = logprob_fn(params, batch, None)
+  logp, _ = jax.jit(logprob_fn)(params, batch, None)
   batch = batch._replace(logp_sampler_BT=logp * batch.loss_mask_BT)
   new, _, m = update(params, tx.init(params), None, batch, jax.random.key(2))
   # pi_old recomputed by the trainer with the same params: ratio 1, nothing clipped, and the
@@ -225,7 +229,7 @@ def test_update_loss_is_decoupled_ppo(source, correction):
   update = jax.jit(make_rl_update(logprob_fn, optax.sgd(0.0), cfg))
   params = transformer.init_params(MODEL, jax.random.key(0))
   batch = _batch(jax.random.key(1))
-  logp_new, _ = logprob_fn(params, batch, None)
+  logp_new, _ = jax.jit(logprob_fn)(params, batch, None)
   mask = batch.loss_mask_BT
   # pi_prox and pi_behav: the model's logprobs shifted per token, far enough that both the PPO
   # clip and the TIS cap are active on some tokens.
@@ -304,6 +308,7 @@ def test_loop_rollout_scores_the_sampled_distribution():
   # Stale sampler (other params) at temperature 0.5: the batch's logprobs and the TIS weights are
   # those of q = softmax(logits / 0.5), not of the raw model.
   c = _tiny_config()
+  c.model.n_layers = 1  # the claim does not depend on the depth: the smaller program
   c.rl.update(dict(num_prompts=2, group_size=4, max_new_tokens=4, temperature=0.5,
                    correction="tis", tis_cap=1.2))
   setup = loop.build(c)
@@ -341,7 +346,7 @@ def test_tokens_outside_pi_old_support_leave_the_loss():
   update = jax.jit(make_rl_update(logprob_fn, optax.adam(1e-2), cfg))
   params = transformer.init_params(MODEL, jax.random.key(0))
   batch = _batch(jax.random.key(1))
-  logp, _ = logprob_fn(params, batch, None)
+  logp, _ = jax.jit(logprob_fn)(params, batch, None)
   mask = np.asarray(batch.loss_mask_BT)
   outside = (np.asarray(logp) < -1e29) & (mask > 0)
   assert 0 < outside.sum() < mask.sum()
