@@ -12,9 +12,10 @@ from lowrl import precision
 from lowrl.models import layout, transformer
 from lowrl.models.config import ModelConfig
 
-# 4 layers: nvfp4_recipe's BF16 suffix (at least 1 layer) is its own scan group after a scan
-# of 3 quantized layers (8 layers, tiny.DEEP, would only cost compile time).
-DEEP = dataclasses.replace(tiny.DEEP, n_layers=4)
+# 3 layers: nvfp4_recipe's BF16 suffix (at least 1 layer) is its own scan group after a scan
+# of 2 quantized layers, the fewest a real scan has (more layers, e.g. tiny.DEEP's 8, would only
+# cost compile time).
+DEEP = dataclasses.replace(tiny.DEEP, n_layers=3)
 # The logprob and attention-model tests need no depth.
 SHALLOW = dataclasses.replace(DEEP, n_layers=2)
 U = 2.0 ** -24  # FP32 unit roundoff
@@ -46,6 +47,19 @@ def _same(a, b) -> bool:
 
 
 def _loss_and_grads(cfg, policy, quant_key=None, act_amax=None):
+  """((loss, (logp, entropy)), grads) on `_batch(cfg)`; without a key or static amaxes computed
+  once per (cfg, policy) (several tests compare against the same plain program)."""
+  if quant_key is None and act_amax is None:
+    return _plain_loss_and_grads(cfg, policy)
+  return _compute_loss_and_grads(cfg, policy, quant_key, act_amax)
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_loss_and_grads(cfg, policy):
+  return _compute_loss_and_grads(cfg, policy, None, None)
+
+
+def _compute_loss_and_grads(cfg, policy, quant_key, act_amax):
   tokens, mask = _batch(cfg)
 
   def loss(p):

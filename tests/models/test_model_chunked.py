@@ -2,6 +2,7 @@
 log-probabilities. Each is checked against the default (unrolled, materialized, full-vocabulary)
 path: bit for bit where the same operations run, else within a bound derived below."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +105,21 @@ def test_chunked_logprobs_one_chunk_is_exact(head, kind, chunks):
     assert _same(full, _loss_and_grads(dataclasses.replace(cfg, logprob_chunk=chunk), policy))
 
 
+@functools.lru_cache(maxsize=None)
+def _full_path(cfg, policy):
+  """The full-vocabulary (logp, entropy), the logits and the final hidden states h of
+  `_batch(cfg)`, in one program (computed once per head and policy)."""
+  tokens, mask = _batch(cfg)
+
+  def run(p):
+    logits = transformer.forward(p, tokens, cfg, policy, mask_BT=mask)[:, :-1]
+    h = transformer.Transformer(cfg, policy).apply(
+        {"params": p}, tokens, transformer.positions_from_mask(mask), mask, head=False)[0]
+    return transformer.token_logprobs_and_entropy(p, tokens, cfg, policy, mask_BT=mask), logits, h
+
+  return jax.jit(run)(_params(cfg))
+
+
 @pytest.mark.parametrize("head,kind,chunk", [("tied", "fp32", 7), ("untied", "fp32", 16),
                                               ("untied", "nvfp4_naive", 7),
                                               ("tied", "mxfp8", 16)])
@@ -122,17 +138,12 @@ def test_chunked_logprobs_within_online_logsumexp_bound(head, kind, chunk):
   (entropy and chunk entropies are averages of -log p <= R)."""
   cfg = HEADS[head]
   policy = _head_policy(kind, cfg)
+  (logp, ent), logits, h = _full_path(cfg, policy)
   tokens, mask = _batch(cfg)
-  logp, ent = jax.jit(transformer.token_logprobs_and_entropy, static_argnums=(2, 3))(
-      _params(cfg), tokens, cfg, policy, mask_BT=mask)
   chunked = dataclasses.replace(cfg, logprob_chunk=chunk)
   logp_c, ent_c = jax.jit(transformer.token_logprobs_and_entropy, static_argnums=(2, 3))(
       _params(cfg), tokens, chunked, policy, mask_BT=mask)
 
-  logits = transformer.forward(_params(cfg), tokens, cfg, policy, mask_BT=mask)[:, :-1]
-  h = jax.jit(lambda p: transformer.Transformer(cfg, policy).apply(
-      {"params": p}, tokens, transformer.positions_from_mask(mask), mask, head=False)[0])(
-          _params(cfg))
   head_w = layout.get_param(_params(cfg), layout.matmul(cfg, None, "lm_head").param_keys)
   d, v = cfg.d_model, cfg.vocab_size
   n = -(-v // chunk)

@@ -30,6 +30,7 @@ N = 6
 RL = SamplingConfig(max_new_tokens=N, temperature=1.0)
 PATHS = NAIVE.act_paths(layout.matmuls(TINY), "tensor")
 
+forward_jit = jax.jit(transformer.forward, static_argnames=("model_cfg", "policy"))
 logprobs_jit = jax.jit(transformer.token_logprobs, static_argnames=("model_cfg", "policy"))
 calibrate_jit = jax.jit(transformer.calibrate_act_amax,
                         static_argnames=("model_cfg", "policy", "paths"))
@@ -44,7 +45,13 @@ def _params():
           "lm_head": {"kernel": p["lm_head"]["kernel"] * 4.0}}
 
 
-def _tokens(seed, shape=(8, 12)):
+# One batch shape for the sampled and scored batches below ([128, 4] prompts + N = 6 tokens), so
+# the tests that score or sample the same way share one compiled program.
+PROMPT_SHAPE = (128, 4)
+SHAPE = (PROMPT_SHAPE[0], PROMPT_SHAPE[1] + N)
+
+
+def _tokens(seed, shape=SHAPE):
   # Ordinary tokens only (the spike is placed by the tests that need it).
   return jax.random.randint(jax.random.key(seed), shape, 0, SPIKE, jnp.int32)
 
@@ -116,12 +123,15 @@ def test_calibration_is_the_masked_max_of_each_matmul_input():
 
 
 def _logp(tokens, act_amax, policy=NAIVE, mask=None):
+  """The trainer's scores (an all-ones mask when none is given: the mask a finished rollout of
+  full prompts without stop tokens has, so scoring programs are shared)."""
+  mask = jnp.ones(tokens.shape, jnp.float32) if mask is None else mask
   return np.asarray(logprobs_jit(_params(), tokens, model_cfg=TINY, policy=policy, mask_BT=mask,
                                  act_amax=act_amax))
 
 
 def test_static_scales_are_row_local_and_causal_dynamic_ones_are_not():
-  tokens = _tokens(2)
+  tokens = _tokens(2)  # [128, 10]
   others = tokens.at[1:].set(_tokens(3)[1:]).at[1:, 5].set(SPIKE)  # other rows changed
   later = tokens.at[0, 8:].set(SPIKE)  # row 0's later tokens changed
   for act_amax in (_amax(), None):
@@ -148,8 +158,8 @@ def test_static_scale_sampler_records_the_distribution_it_sampled_from():
   # rescore is off by (checked below).
   ref = np.zeros(out.tokens.shape)
   for b in range(8):
-    logits = np.asarray(transformer.forward(_params(), out.tokens[b:b + 1], TINY, NAIVE_FP32,
-                                            act_amax=_amax()), np.float64)[0]
+    logits = np.asarray(forward_jit(_params(), out.tokens[b:b + 1], model_cfg=TINY,
+                                    policy=NAIVE_FP32, act_amax=_amax()), np.float64)[0]
     logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     ref[b, 1:] = logits[np.arange(logits.shape[0] - 1), np.asarray(out.tokens[b, 1:])] - logz[:-1]
   np.testing.assert_allclose(np.asarray(out.logprobs)[comp], ref[comp], atol=1e-4)
@@ -159,7 +169,7 @@ def test_static_scale_sampler_records_the_distribution_it_sampled_from():
 
 
 def test_exact_mode_with_static_scales_is_the_trainers_program():
-  prompts = _tokens(6, (8, 5))
+  prompts = _tokens(6, PROMPT_SHAPE)
   mask = jnp.ones(prompts.shape, bool)
   s = sampling.Sampler(TINY, NAIVE, RL, exact=True)
   out = s(_params(), prompts, mask, jax.random.key(7), act_amax=_amax())
@@ -184,13 +194,13 @@ def test_exact_mode_with_static_scales_is_the_trainers_program():
 def test_mean_importance_weight_is_one(sampler_name, trainer_name):
   sampler_policy = precision.policy_for(sampler_name, layout.matmuls(TINY))
   trainer_policy = precision.policy_for(trainer_name, layout.matmuls(TINY))
-  prompts = _tokens(8, (128, 4))
+  prompts = _tokens(8, PROMPT_SHAPE)
   act_amax = _amax() if sampler_policy.act_paths(layout.matmuls(TINY), "tensor") else None
   out, _ = sampling.generate(_params(), prompts, jnp.ones(prompts.shape, bool), jax.random.key(9),
                              model_cfg=TINY, policy=sampler_policy, config=RL, act_amax=act_amax)
   comp = np.asarray(out.completion_mask) > 0
   # The trainer's own scaling (dynamic per tensor for nvfp4_naive), as the loop scores pi_old.
-  trainer = _logp(out.tokens, None, trainer_policy)
+  trainer = _logp(out.tokens, None, trainer_policy, mask=out.attention_mask)
   w = np.exp(trainer[comp] - np.asarray(out.logprobs)[comp])
   # Given everything sampled before it, a token's weight has mean exactly 1 (q is the distribution
   # sampled from), so the weights minus 1 are martingale differences: uncorrelated, and the
