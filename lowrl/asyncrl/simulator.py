@@ -532,6 +532,19 @@ def make_rl_step(setup: SimSetup) -> tuple[Step, Any]:
                    setup.batch_cfg), logprob_fn
 
 
+def sampler_scores_are_trainers(setup: SimSetup) -> bool:
+  """Whether the sampler's precision scores any weights exactly as the trainer's does, so the
+  drift's fourth score (current weights in the sampler's precision) is the trainer's own.
+
+  Identical recipes, unless the sampler runs on static activation scales (per-tensor recipes,
+  as deployed) while the trainer takes each batch's own: then the scale difference is a
+  quantization drift, and taking the trainer's score as the fourth would count half of it as
+  staleness.
+  """
+  return (setup.sampler_policy == setup.trainer_policy and not
+          setup.sampler_policy.act_paths(layout.matmuls(setup.model_cfg), "tensor"))
+
+
 def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict[str, jax.Array]]]:
   """`train(params, key, plan) -> (final params, metrics)`: all the updates of a run, one scan.
 
@@ -543,12 +556,7 @@ def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict
   tx = setup.make_optimizer()
   rl_step, logprob_fn = make_rl_step(setup)
   use_ref = setup.update_cfg.loss.kl_coef > 0
-  # Identical recipes: the current weights in the sampler's precision are the trainer's score,
-  # unless the sampler runs on static activation scales (per-tensor recipes, as deployed) where
-  # the trainer takes each batch's own: then the fourth score is the sampler's, else the scale
-  # difference would count half as staleness.
-  same_precision = (setup.sampler_policy == setup.trainer_policy and not
-                    setup.sampler_policy.act_paths(layout.matmuls(setup.model_cfg), "tensor"))
+  same_precision = sampler_scores_are_trainers(setup)
   p_width = setup.task.length + 1
 
   def train(params, key, plan):

@@ -173,11 +173,19 @@ def test_lag0_sync1_same_recipe_is_the_synchronous_trainer(bf16_setup):
   assert np.all(lagged["drift/staleness/version_distance"][lag_BT == 0] == 0)
 
 
+def test_fourth_drift_score_is_the_samplers_where_its_scales_are_static():
+  """The sampler's precision scores like the trainer's only for identical recipes without static
+  activation scales: naive NVFP4 on both sides (per-tensor scales, static on the sampler side)
+  still differs by its scales, and that difference is quantization drift, not staleness."""
+  def same(s, t):
+    return simulator.sampler_scores_are_trainers(simulator.build(tiny_config(s, t)))
+  assert same("bf16", "bf16") and same("nvfp4_recipe", "nvfp4_recipe")
+  assert not same("nvfp4_naive", "nvfp4_naive")
+  assert not same("nvfp4_recipe", "bf16") and not same("nvfp4_naive", "bf16")
+
+
 def test_drift_parts_add_up_with_a_quantized_stale_sampler():
-  # The 4-bitter setting: sampler = trainer recipe, but the sampler decodes on static calibrated
-  # activation scales and the trainer scores with each batch's own, so quantization drift is
-  # non-zero while staleness must be exactly 0 at the first step (nothing is stale yet).
-  setup = simulator.build(tiny_config(sampler_recipe="nvfp4_naive", trainer_recipe="nvfp4_naive"))
+  setup = simulator.build(tiny_config(sampler_recipe="nvfp4_naive"))
   m = simulator.simulate(setup, AsyncSchedule(lag=2), SEEDS[:1]).metrics
   q, s, t = (m[f"drift/{p}/mismatch_kl"][0] for p in DRIFT_PARTS)
   np.testing.assert_allclose(q + s, t, atol=1e-5)
