@@ -44,33 +44,34 @@ settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
-# Test files that compile many or large programs, heaviest first, as measured with
-# `pytest --durations=0` (seconds of one file on one worker of a loaded 2-core machine: only the
-# order matters). pytest-xdist hands
-# whole files to workers in collection order (`--dist loadfile --no-loadscope-reorder` in
-# pyproject.toml); starting the longest files first keeps a 4-minute file from being handed out
-# last, which otherwise leaves one worker running it alone at the end. The numbers only order the
-# files; a file missing here runs after these, in its usual order.
+# Test files that compile many or large programs, heaviest first: seconds of each file's tests
+# that took over 5 s in a fresh-clone `.ci/run` with `--durations=80` (2 workers on 2 cores; files
+# of many short tests estimated; only the order matters). pytest-xdist hands whole files to
+# workers in collection order (`--dist loadfile --no-loadscope-reorder` in pyproject.toml);
+# starting the longest files first keeps a 3-minute file from being handed out last, which
+# otherwise leaves one worker running it alone at the end. A file missing here runs after these,
+# in its usual order.
 _FILE_SECONDS = {
-    "tests/models/test_model_chunked.py": 1229,
-    "tests/test_sharding.py": 1107,
-    "tests/training/test_hf_loop.py": 950,
-    "tests/asyncrl/test_simulator.py": 932,
-    "tests/models/test_model_scan.py": 927,
-    "tests/training/test_training.py": 865,
-    "tests/test_distributed.py": 600,
-    "tests/sampling/test_act_scales.py": 588,
-    "tests/sampling/test_sampler.py": 475,
-    "tests/training/test_async_loop.py": 392,
-    "tests/quant/test_qdot.py": 343,
-    "tests/test_partitioner.py": 300,
-    "tests/experiments/test_export_hf.py": 271,
-    "tests/experiments/test_ablate.py": 250,
-    "tests/training/test_resume_kill.py": 250,
-    "tests/quant/test_quant_exact.py": 227,
-    "tests/models/test_model.py": 217,
-    "tests/training/test_probes.py": 170,
-    "tests/training/test_micro_batches.py": 150,
+    "tests/models/test_model_scan.py": 179,
+    "tests/training/test_training.py": 169,
+    "tests/models/test_model_chunked.py": 156,
+    "tests/training/test_hf_loop.py": 152,
+    "tests/asyncrl/test_simulator.py": 150,
+    "tests/test_sharding.py": 125,
+    "tests/sampling/test_act_scales.py": 109,
+    "tests/test_distributed.py": 99,
+    "tests/experiments/test_ablate.py": 85,
+    "tests/sampling/test_sampler.py": 84,
+    "tests/test_partitioner.py": 73,
+    "tests/training/test_resume_kill.py": 61,
+    "tests/training/test_async_loop.py": 61,
+    "tests/quant/test_qdot.py": 45,
+    "tests/training/test_micro_batches.py": 43,
+    "tests/experiments/test_export_hf.py": 40,
+    "tests/quant/test_quant_exact.py": 40,
+    "tests/models/test_model.py": 37,
+    "tests/training/test_storage.py": 32,
+    "tests/training/test_probes.py": 20,
 }
 
 

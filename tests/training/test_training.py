@@ -308,7 +308,6 @@ def test_loop_rollout_scores_the_sampled_distribution():
   # Stale sampler (other params) at temperature 0.5: the batch's logprobs and the TIS weights are
   # those of q = softmax(logits / 0.5), not of the raw model.
   c = _tiny_config()
-  c.model.n_layers = 1  # the claim does not depend on the depth: the smaller program
   c.rl.update(dict(num_prompts=2, group_size=4, max_new_tokens=4, temperature=0.5,
                    correction="tis", tis_cap=1.2))
   setup = loop.build(c)
