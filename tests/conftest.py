@@ -27,14 +27,17 @@ _cache_dir = os.environ.get(
     str(pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax"))
 if _cache_dir:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
-  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  # Only programs that take a second or more to compile: those are what a second process would
+  # otherwise compile again. Op-by-op (eager) programs compile in milliseconds; caching them made
+  # every process read and write thousands of tiny entries concurrently, for nothing.
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1"
   os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
 
 if _cache_dir:  # also here, in case a plugin imported jax before the variables were set
   jax.config.update("jax_compilation_cache_dir", _cache_dir)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 from hypothesis import settings  # noqa: E402
