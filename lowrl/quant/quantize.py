@@ -376,8 +376,10 @@ def _nvfp4_elements(x_f32, s_block, parts: _OuterParts, cfg: QuantConfig, key) -
   if cfg.stochastic_rounding:
     return stochastic_round_to_grid(jnp.copysign(ax, x_f32) * inv, formats.E2M1, key)
   # Blocks whose scale is 0 (or NaN: dequantized through the NaN scale) get s_hi = inf: code 0.
-  s_hi = _materialize(jnp.where(s_block > 0, s_block * parts.g_hi, jnp.inf))
-  s_lo = _materialize(jnp.where(s_block > 0, s_block * parts.g_lo, 0.0))
+  s_hi = jnp.where(s_block > 0, s_block * parts.g_hi, jnp.inf)
+  s_lo = jnp.where(s_block > 0, s_block * parts.g_lo, 0.0)
+  # The three per-block values in one buffer (one small program piece instead of three).
+  inv, s_hi, s_lo = _materialize(jnp.stack([inv, s_hi, s_lo]))
   code = exact.round_e2m1_quotient(ax, s_hi, s_lo, ax * inv)
   return _with_sign_of(code, x_f32)
 
