@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from lowrl.quant.rounding import f32_exponent, pow2
 
@@ -48,7 +49,12 @@ def _split16(v_i32: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _sum_is_negative(limbs: list[jax.Array], axes) -> jax.Array:
   """sign(sum over axes of sum_k limbs[k] * 2**(16 k)) < 0, limbs[k] int32 small enough that
   their sums over axes fit int32; the top limb carries the sign, the others are >= 0."""
-  total = [jnp.sum(limb, axis=axes, keepdims=True) for limb in limbs]
+  # One variadic reduction: the limbs share their (elementwise) computation in one loop, where
+  # separate sums would each recompute the products they come from.
+  axes = tuple(a % limbs[0].ndim for a in axes)
+  sums = lax.reduce(tuple(limbs), tuple(jnp.int32(0) for _ in limbs),
+                    lambda xs, ys: tuple(x + y for x, y in zip(xs, ys)), axes)
+  total = [jnp.expand_dims(t, axes) for t in sums]
   carry = jnp.zeros_like(total[0])
   for t in total[:-1]:
     carry = (t + carry) >> 16  # the remainders (t + carry) & 0xFFFF are >= 0

@@ -326,7 +326,8 @@ def _nvfp4_outer(amax_b: jax.Array, cfg: QuantConfig, layout: _Layout,
   # element saturates and SR stays unbiased on every element (RNE scales that round down clip the
   # block max; RNE also flushes tiny blocks to 0).
   q = exact.div_rn(jnp.where(finite, amax, 0.0), denom, round_up=cfg.stochastic_rounding)
-  return jnp.where(finite, q, jnp.nan)
+  # Computed once (a scalar, or one per row): its exact division stays out of every consumer.
+  return _materialize(jnp.where(finite, q, jnp.nan))
 
 
 class _OuterParts(NamedTuple):
@@ -340,8 +341,7 @@ class _OuterParts(NamedTuple):
 
 
 def _outer_parts(outer: jax.Array) -> _OuterParts:
-  outer = _materialize(outer)  # a scalar (or per row): keeps its exact division out of the loops
-  e, g = exact.normalize(outer)
+  e, g = exact.normalize(outer)  # outer: materialized by _nvfp4_outer (or a stored input)
   g_hi, g_lo = exact.split12(g)
   return _OuterParts(e, g, g_hi, g_lo, outer > 0)
 
@@ -351,11 +351,13 @@ def _scaled_by_outer(v: jax.Array, parts: _OuterParts) -> jax.Array:
   return v * pow2(jnp.clip(-parts.e, -126, 127))
 
 
-def _nvfp4_block_scale(amax_b, outer, parts: _OuterParts, target: float,
+def _nvfp4_block_scale(amax_b, outer, parts: _OuterParts, target,
                        round_up: bool = False) -> jax.Array:
   """E4M3 block scale (FP32 value) RNE_e4m3(amax_b / (target * outer)) of the exact quotient
   (its exact ceiling with round_up), saturating at 448 (RNE values below 2**-10 flush to 0); 0
-  where outer is 0, NaN where it or amax_b is NaN."""
+  where outer is 0, NaN where it or amax_b is NaN. target: 6, or an array of targets (6 and 4
+  stacked on a leading axis: both 4/6 candidates in one program piece, each element computed by
+  the same operations as alone)."""
   a_b = _scaled_by_outer(amax_b, parts)
   approx = a_b * _recip(target * parts.g)
   rnd = exact.ceil_quotient if round_up else exact.round_quotient
@@ -374,8 +376,10 @@ def _nvfp4_elements(x_f32, s_block, parts: _OuterParts, cfg: QuantConfig, key) -
   if cfg.stochastic_rounding:
     return stochastic_round_to_grid(jnp.copysign(ax, x_f32) * inv, formats.E2M1, key)
   # Blocks whose scale is 0 (or NaN: dequantized through the NaN scale) get s_hi = inf: code 0.
-  s_hi = _materialize(jnp.where(s_block > 0, s_block * parts.g_hi, jnp.inf))
-  s_lo = _materialize(jnp.where(s_block > 0, s_block * parts.g_lo, 0.0))
+  s_hi = jnp.where(s_block > 0, s_block * parts.g_hi, jnp.inf)
+  s_lo = jnp.where(s_block > 0, s_block * parts.g_lo, 0.0)
+  # The three per-block values in one buffer (one small program piece instead of three).
+  inv, s_hi, s_lo = _materialize(jnp.stack([inv, s_hi, s_lo]))
   code = exact.round_e2m1_quotient(ax, s_hi, s_lo, ax * inv)
   return _with_sign_of(code, x_f32)
 
@@ -400,35 +404,45 @@ def _opaque(v: jax.Array) -> jax.Array:
   return jnp.minimum(v, np.float32(np.finfo(np.float32).max))
 
 
-def _rne_dequantized_scaled(x_f32, s_block, parts) -> jax.Array:
-  """FP32 dequantized values of x with block scale s_block, divided by 2**e of the outer scale:
-  fl(code * s_block * G) (round to nearest: 4/6 compares round-to-nearest errors)."""
-  code = _nvfp4_elements(x_f32, s_block, parts, _NO_SR, None)
-  return _opaque(code * s_block) * parts.g
-
-
 _NO_SR = QuantConfig("nvfp4")
 
 
-def _nvfp4_scales(x_b, cfg, fmt, layout, tensor_amax):
+def _nvfp4_scales_and_grid(x_b, cfg, layout, tensor_amax):
+  """(stored E4M3 block scales, stored outer scale, the E2M1 grid values or None).
+
+  With four_over_six and round to nearest, the grid values of both candidates are computed (once,
+  stacked) to choose between them, so the chosen block's are returned: they are what
+  `_nvfp4_elements` gives for the stored scale (the same function of x, the same scale value and
+  the same outer scale). Otherwise None: the caller rounds the elements with the stored scale.
+  """
   amax_b = _abs_max(x_b, layout.reduce_axes)
   outer = _nvfp4_outer(amax_b, cfg, layout, tensor_amax)
   parts = _outer_parts(outer)
   sr = cfg.stochastic_rounding
-  s_block = _materialize(_nvfp4_block_scale(amax_b, outer, parts, 6.0, sr))
-  if cfg.four_over_six:
+  grid_b = None
+  if not cfg.four_over_six:
+    s_block = _nvfp4_block_scale(amax_b, outer, parts, 6.0, sr)
+  else:
     # Four over six: also try mapping the block max to 4 (finer steps near the top of the block),
-    # keep whichever reconstructs the block better; ties keep 6.
-    s_block4 = _materialize(_nvfp4_block_scale(amax_b, outer, parts, 4.0, sr))
+    # keep whichever reconstructs the block better; ties keep 6. Both candidates run through one
+    # copy of the scale and element rounding, stacked on a leading axis (index 0: 6, 1: 4).
+    target = np.array([6.0, 4.0], np.float32).reshape((2,) + (1,) * amax_b.ndim)
+    s_both = _materialize(_nvfp4_block_scale(amax_b[None], outer, parts, target, sr))
     x_f32 = x_b.astype(jnp.float32)
+    # Round-to-nearest grid values of both candidates (4/6 compares round-to-nearest errors),
+    # computed once into a buffer: read by the selection and, without SR, by the result.
+    codes = _materialize(_nvfp4_elements(x_f32[None], s_both, parts, _NO_SR, None))
+    # fl(code * s_block * G): the dequantized values divided by 2**e of the outer scale.
+    dq = _opaque(codes * s_both) * parts.g
     use4 = four_over_six.four_wins(
-        _scaled_by_outer(x_f32, parts), _rne_dequantized_scaled(x_f32, s_block4, parts),
-        _rne_dequantized_scaled(x_f32, s_block, parts), _scaled_by_outer(amax_b, parts),
+        _scaled_by_outer(x_f32, parts), dq[1], dq[0], _scaled_by_outer(amax_b, parts),
         layout.reduce_axes, cfg.four_over_six_metric)
-    s_block = jnp.where(use4, s_block4, s_block)
-  scale = _squeeze(s_block, layout).astype(E4M3.dtype)
+    s_block = jnp.where(use4, s_both[1], s_both[0])
+    if not sr:
+      grid_b = jnp.where(use4, codes[1], codes[0])
+  scale = _squeeze(_materialize(s_block), layout).astype(E4M3.dtype)
   outer_stored = _squeeze(outer, layout) if cfg.per_token else outer
-  return scale, outer_stored
+  return scale, outer_stored, grid_b
 
 
 def _materialize(v: jax.Array) -> jax.Array:
@@ -496,8 +510,8 @@ def _te_apply(grid_b, final_scale):
   return grid_b * final_scale
 
 
-_SCALES = {"tensor": _tensor_scales, "mx": _mx_scales, "nvfp4": _nvfp4_scales,
-           "nvfp4_te": _te_scales}
+# NVFP4 (exact): _nvfp4_scales_and_grid, which may return the grid values too.
+_SCALES = {"tensor": _tensor_scales, "mx": _mx_scales, "nvfp4_te": _te_scales}
 # Per-block (encode, decode) parameters from the stored scales, and the elementwise decode.
 # quantize, dequantize and fake_quant all go through these.
 _PARAMS = {"tensor": _tensor_params, "mx": _mx_params, "nvfp4": _nvfp4_params,
@@ -510,12 +524,16 @@ def _quantize_blocked(x, cfg, layout, key, tensor_amax):
   """(FP32 grid values in the blocked view, stored scale, stored outer, decode parameters)."""
   fmt = formats.element_format(cfg.fmt)
   x_b = x.reshape(layout.blocked_shape)  # scales read the input dtype, elements work in FP32
+  if cfg.scheme == "nvfp4":
+    scale, outer, grid_b = _nvfp4_scales_and_grid(x_b, cfg, layout, tensor_amax)
+    enc, dec = _PARAMS[cfg.scheme](scale, outer, layout)
+    if grid_b is None:  # else 4/6 (round to nearest) already has the chosen candidate's values
+      s_block, outer_b = dec
+      grid_b = _nvfp4_elements(x_b.astype(jnp.float32), s_block, _outer_parts(outer_b), cfg, key)
+    return grid_b, scale, outer, dec
   scale, outer = _SCALES[cfg.scheme](x_b, cfg, fmt, layout, tensor_amax)
   enc, dec = _PARAMS[cfg.scheme](scale, outer, layout)
-  if cfg.scheme == "nvfp4":
-    s_block, outer_b = dec
-    grid_b = _nvfp4_elements(x_b.astype(jnp.float32), s_block, _outer_parts(outer_b), cfg, key)
-  elif cfg.kind == "mx":
+  if cfg.kind == "mx":
     grid_b = _round(_mx_encode(x_b.astype(jnp.float32), dec), fmt, cfg, key)
   else:
     grid_b = _round(x_b.astype(jnp.float32) * enc, fmt, cfg, key)
