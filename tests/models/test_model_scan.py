@@ -81,20 +81,20 @@ def test_scan_with_static_act_amax_and_calibration():
   assert not np.array_equal(a, c)
 
 
-@pytest.mark.parametrize("name,extra", [
+@pytest.mark.parametrize("name,extra,groups", [
     # nvfp4_recipe: 2 scanned quantized layers, then the BF16 tail's group; each group reads and
     # writes its layers' slices of the one stacked cache.
-    ("nvfp4_recipe", {}),
+    ("nvfp4_recipe", {}, ((0, 2), (2, 3))),
     # Chunked attention over the stacked cache. Attention runs in the compute dtype (BF16 under
     # both recipes), so the BF16 recipe (one group of 3 layers) is all it needs.
-    ("bf16", {"attention": "chunked", "attention_chunk": 16}),
+    ("bf16", {"attention": "chunked", "attention_chunk": 16}, ((0, 3),)),
 ])
-def test_scan_kv_cache_decode_equals_unrolled(name, extra):
+def test_scan_kv_cache_decode_equals_unrolled(name, extra, groups):
   """Greedy decoding through the sampler's while_loop: the stacked cache of the scanned model
   gives the unrolled model's tokens and log-probabilities bit for bit (chunk 16 >= every call's
   T, so the chunked attention runs the same rows in one chunk)."""
   policy = _policy(name)
-  assert len(transformer.layer_groups(DEEP, policy)) == (2 if name == "nvfp4_recipe" else 1)
+  assert transformer.layer_groups(DEEP, policy) == groups
   prompts = jax.random.randint(jax.random.key(3), (3, 6), 0, DEEP.vocab_size)
   pmask = jnp.ones((3, 6), bool).at[1, :2].set(False)
   config = SamplingConfig(max_new_tokens=5, temperature=0.0)
