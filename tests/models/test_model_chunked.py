@@ -17,6 +17,11 @@ from model_scale_helpers import (DEEP, SHALLOW, U, _batch, _loss_and_grads, _par
                                  _same, gamma)
 
 
+# The chunked attention-model and log-probability tests: one layer (the chunks split the attention
+# or the head; a deeper body would only make other hidden states).
+ONE = dataclasses.replace(SHALLOW, n_layers=1)
+
+
 # ----------------------------------------------------------------------------------------------
 # Rematerialisation.
 
@@ -89,10 +94,10 @@ def test_chunked_attention_within_reassociation_bound(chunk):
 
 
 def test_chunked_attention_model_one_chunk_is_exact_and_gradients_flow():
-  policy = _policy("bf16", SHALLOW)
-  tokens, mask = _batch(SHALLOW)
-  cfg = dataclasses.replace(SHALLOW, attention="chunked", attention_chunk=tokens.shape[1])
-  assert _same(_loss_and_grads(SHALLOW, policy), _loss_and_grads(cfg, policy))
+  policy = _policy("bf16", ONE)
+  tokens, mask = _batch(ONE)
+  cfg = dataclasses.replace(ONE, attention="chunked", attention_chunk=tokens.shape[1])
+  assert _same(_loss_and_grads(ONE, policy), _loss_and_grads(cfg, policy))
   (loss, _), grads = _loss_and_grads(dataclasses.replace(cfg, attention_chunk=5), policy)
   assert np.isfinite(loss) and all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
 
@@ -101,8 +106,8 @@ def test_chunked_attention_model_one_chunk_is_exact_and_gradients_flow():
 # Chunked log-probabilities.
 
 HEADS = {
-    "tied": SHALLOW,
-    "untied": dataclasses.replace(SHALLOW, tie_embeddings=False),
+    "tied": ONE,
+    "untied": dataclasses.replace(ONE, tie_embeddings=False),
 }
 
 
@@ -187,9 +192,9 @@ def test_chunked_logprobs_within_online_logsumexp_bound(head, kind, chunk):
 
 def test_chunked_logprob_gradients_are_finite_and_close():
   """Gradients through the rematerialised chunks and the padded last chunk (64 = 9 x 7 + 1)."""
-  policy = _policy("fp32", SHALLOW)
-  _, grads = _loss_and_grads(SHALLOW, policy)
-  _, grads_c = _loss_and_grads(dataclasses.replace(SHALLOW, logprob_chunk=7), policy)
+  policy = _policy("fp32", ONE)
+  _, grads = _loss_and_grads(ONE, policy)
+  _, grads_c = _loss_and_grads(dataclasses.replace(ONE, logprob_chunk=7), policy)
   for g, g_c in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_c)):
     assert np.isfinite(g_c).all()
     # A sanity check, not a derived bound: the same function's gradient through another
