@@ -16,7 +16,8 @@ from lowrl.models.config import ModelConfig
 # of 2 quantized layers, the fewest a real scan has (more layers, e.g. tiny.DEEP's 8, would only
 # cost compile time).
 DEEP = dataclasses.replace(tiny.DEEP, n_layers=3)
-# The logprob and attention-model tests need no depth.
+# 2 layers: a quantized layer then nvfp4_recipe's BF16 tail (remat); under a recipe without a BF16
+# tail (nvfp4_naive) one real scan.
 SHALLOW = dataclasses.replace(DEEP, n_layers=2)
 U = 2.0 ** -24  # FP32 unit roundoff
 

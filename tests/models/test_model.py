@@ -306,25 +306,28 @@ def test_layout_agrees_with_the_param_tree(cfg):
 
 @pytest.mark.parametrize("cfg", LAYOUT_CONFIGS, ids=range(len(LAYOUT_CONFIGS)))
 def test_layout_order_is_the_forward_execution_order(cfg, monkeypatch):
-  # Each weight is filled with its matmul's index, so the spy identifies which weight every
-  # quantized_dot_general call reads (and along which axis it contracts).
+  # The spy identifies which weight every quantized_dot_general call reads (the parameter leaf
+  # itself, by identity: a copy or another leaf has no index) and along which axis it
+  # contracts. Traced abstractly (eval_shape): the same Python forward, nothing compiled.
   matmuls = layout.matmuls(cfg)
-  params = jax.tree.map(jnp.zeros_like, _params(cfg))
-  for i, m in enumerate(matmuls):
-    keys = m.param_keys
-    parent = layout.get_param(params, keys[:-1])
-    parent[keys[-1]] = jnp.full(m.weight_shape, i + 1, jnp.float32)
+  shapes = transformer.param_shapes(cfg)  # (an init trace: before the spy is in)
   calls = []
   real = transformer.quantized_dot_general
+  index: dict[int, int] = {}
 
   def spy(lhs, rhs, dims, qcfg, **kw):
-    calls.append((int(rhs.reshape(-1)[0]) - 1, tuple(rhs.shape), dims[0][1]))
+    calls.append((index.get(id(rhs)), tuple(rhs.shape), dims[0][1]))
     return real(lhs, rhs, dims, qcfg, **kw)
 
   monkeypatch.setattr(transformer, "quantized_dot_general", spy)
   policy = precision.PrecisionPolicy.unquantized(matmuls)
-  # [2, 8] tokens: for TINY the eager ops test_jit_and_eager_agree already compiled.
-  transformer.forward(params, jnp.zeros((2, 8), jnp.int32), cfg, policy)
+
+  def run(params):
+    index.update({id(layout.get_param(params, m.param_keys)): i for i, m in enumerate(matmuls)})
+    return transformer.forward(params, jnp.zeros((2, 8), jnp.int32), cfg, policy)
+
+  jax.eval_shape(run, shapes)
+  assert len(index) == len(matmuls)
   assert calls == [(i, m.weight_shape, (m.contract_axis,)) for i, m in enumerate(matmuls)]
 
 

@@ -14,7 +14,7 @@ from lowrl.models import layout, transformer
 from lowrl import sampling
 from lowrl.sampling import SamplingConfig
 
-from model_scale_helpers import DEEP, _batch, _loss_and_grads, _params, _policy, _same
+from model_scale_helpers import DEEP, SHALLOW, _batch, _loss_and_grads, _params, _policy, _same
 
 
 # ----------------------------------------------------------------------------------------------
@@ -32,59 +32,69 @@ def test_layer_groups_split_at_the_bf16_suffix():
   assert transformer.layer_groups(tiny.DEEP, mid) == ((0, 3), (3, 4), (4, 8))
 
 
-@pytest.mark.parametrize("name,overrides", [
-    ("nvfp4_recipe", {}),
-    # Stochastic rounding everywhere: every layer's quant key must be fold_in(key, layer), also
-    # inside a scanned group that starts past layer 0 (layer 0 high precision, no BF16 tail:
-    # groups (0, 1), (1, 3)).
-    ("nvfp4_recipe", {"stochastic_rounding": "all", "high_precision_paths": r"layers_0/.*",
-                      "bf16_last_fraction": 0.0}),
-])
-def test_scan_equals_unrolled_forward_and_gradients(name, overrides):
-  policy = _policy(name, **overrides)
-  groups = transformer.layer_groups(DEEP, policy)
-  assert any(hi - lo > 1 for lo, hi in groups)  # a real scan
-  if policy.needs_key:
-    assert groups == ((0, 1), (1, 3))  # the scanned group's first layer is layer 1
-  else:
-    assert groups == ((0, 2), (2, 3))  # 2 quantized layers, then the BF16 tail
-  key = jax.random.key(7) if policy.needs_key else None
-  (loss_a, aux_a), grads_a = _loss_and_grads(DEEP, policy, key)
-  (loss_b, aux_b), grads_b = _loss_and_grads(dataclasses.replace(DEEP, scan_layers=True), policy,
-                                             key)
+# 4 layers: layer 0 unquantized (a high-precision path), layers 1-2 quantized, layer 3 the BF16
+# tail. One program covers both claims: a real scan of the quantized layers between two other
+# groups (its input from a group before, its output into the BF16 tail's group), and stochastic
+# rounding everywhere, so every layer's quant key must be fold_in(key, layer), also inside a
+# scanned group that starts past layer 0.
+SCAN_MODEL = dataclasses.replace(DEEP, n_layers=4)
+
+
+def test_scan_equals_unrolled_forward_and_gradients():
+  policy = _policy("nvfp4_recipe", SCAN_MODEL, stochastic_rounding="all",
+                   high_precision_paths=r"layers_0/.*")
+  assert policy.needs_key
+  assert precision.bf16_tail_layers(SCAN_MODEL.n_layers, 0.15) == (3,)  # the recipe's 15%
+  # Layer 0 and the tail are unquantized; the 2 quantized layers are one real scan.
+  assert transformer.layer_groups(SCAN_MODEL, policy) == ((0, 1), (1, 3), (3, 4))
+  key = jax.random.key(7)
+  (loss_a, aux_a), grads_a = _loss_and_grads(SCAN_MODEL, policy, key)
+  (loss_b, aux_b), grads_b = _loss_and_grads(dataclasses.replace(SCAN_MODEL, scan_layers=True),
+                                             policy, key)
   assert np.isfinite(loss_a)
   assert _same((loss_a, aux_a), (loss_b, aux_b))
   assert _same(grads_a, grads_b)
-  assert jax.tree.structure(grads_b) == jax.tree.structure(_params())
+  assert jax.tree.structure(grads_b) == jax.tree.structure(_params(SCAN_MODEL))
 
 
 def test_scan_with_static_act_amax_and_calibration():
-  policy = _policy("nvfp4_naive")  # per-tensor activation scales
-  paths = policy.act_paths(layout.matmuls(DEEP), "tensor")
+  # 2 layers, both quantized (no BF16 tail): one real scan, the fewest layers it takes.
+  policy = _policy("nvfp4_naive", SHALLOW)  # per-tensor activation scales
+  assert transformer.layer_groups(SHALLOW, policy) == ((0, 2),)
+  paths = policy.act_paths(layout.matmuls(SHALLOW), "tensor")
   assert paths
-  tokens, mask = _batch()
-  scanned = dataclasses.replace(DEEP, scan_layers=True)
+  tokens, mask = _batch(SHALLOW)
+  params = _params(SHALLOW)
+  scanned = dataclasses.replace(SHALLOW, scan_layers=True)
   calib = jax.jit(transformer.calibrate_act_amax, static_argnames=("model_cfg", "policy", "paths"))
-  amax_a = calib(_params(), tokens, model_cfg=DEEP, policy=policy, paths=paths, mask_BT=mask)
-  amax_b = calib(_params(), tokens, model_cfg=scanned, policy=policy, paths=paths, mask_BT=mask)
+  amax_a = calib(params, tokens, model_cfg=SHALLOW, policy=policy, paths=paths, mask_BT=mask)
+  amax_b = calib(params, tokens, model_cfg=scanned, policy=policy, paths=paths, mask_BT=mask)
   assert set(amax_a) == set(paths) and _same(amax_a, amax_b)
   fwd = jax.jit(transformer.forward, static_argnames=("model_cfg", "policy"))
-  a = fwd(_params(), tokens, model_cfg=DEEP, policy=policy, mask_BT=mask, act_amax=amax_a)
-  b = fwd(_params(), tokens, model_cfg=scanned, policy=policy, mask_BT=mask, act_amax=amax_a)
+  a = fwd(params, tokens, model_cfg=SHALLOW, policy=policy, mask_BT=mask, act_amax=amax_a)
+  b = fwd(params, tokens, model_cfg=scanned, policy=policy, mask_BT=mask, act_amax=amax_a)
   assert _same(a, b)
   # The static amaxes are used, not the data's: other amaxes give other logits (x3: a power of
   # two would only shift every scale's exponent, which NVFP4 can leave exactly invariant).
   tripled = {p: 3 * v for p, v in amax_a.items()}
-  c = fwd(_params(), tokens, model_cfg=scanned, policy=policy, mask_BT=mask, act_amax=tripled)
+  c = fwd(params, tokens, model_cfg=scanned, policy=policy, mask_BT=mask, act_amax=tripled)
   assert not np.array_equal(a, c)
 
 
-@pytest.mark.parametrize("extra", [{}, {"attention": "chunked", "attention_chunk": 16}])
-def test_scan_kv_cache_decode_equals_unrolled(extra):
+@pytest.mark.parametrize("name,extra,groups", [
+    # nvfp4_recipe: 2 scanned quantized layers, then the BF16 tail's group; each group reads and
+    # writes its layers' slices of the one stacked cache.
+    ("nvfp4_recipe", {}, ((0, 2), (2, 3))),
+    # Chunked attention over the stacked cache. Attention runs in the compute dtype (BF16 under
+    # both recipes), so the BF16 recipe (one group of 3 layers) is all it needs.
+    ("bf16", {"attention": "chunked", "attention_chunk": 16}, ((0, 3),)),
+])
+def test_scan_kv_cache_decode_equals_unrolled(name, extra, groups):
   """Greedy decoding through the sampler's while_loop: the stacked cache of the scanned model
   gives the unrolled model's tokens and log-probabilities bit for bit (chunk 16 >= every call's
   T, so the chunked attention runs the same rows in one chunk)."""
-  policy = _policy("nvfp4_recipe")
+  policy = _policy(name)
+  assert transformer.layer_groups(DEEP, policy) == groups
   prompts = jax.random.randint(jax.random.key(3), (3, 6), 0, DEEP.vocab_size)
   pmask = jnp.ones((3, 6), bool).at[1, :2].set(False)
   config = SamplingConfig(max_new_tokens=5, temperature=0.0)
