@@ -51,22 +51,28 @@ def bf16_setup():
 # The task.
 
 
+def _prompts(task, key, n, split="train"):
+  """task.prompts as one program (op by op it compiled a dozen small ones per shape)."""
+  return jax.jit(task.prompts, static_argnums=(1, 2))(key, n, split)
+
+
 def test_task_targets_and_rewards():
   prompt = jnp.array([[5, 3, 0, 4, 0]])  # bos = num_symbols = 5
   completion = jnp.array([[0, 0, 4, 3]])
   for kind, target in (("sort", [0, 0, 3, 4]), ("reverse", [0, 4, 0, 3]),
                        ("copy", [3, 0, 4, 0])):
     task = simulator.SequenceTask(kind=kind, num_symbols=5, length=4)
-    np.testing.assert_array_equal(task.targets(prompt), [target])
+    np.testing.assert_array_equal(jax.jit(task.targets)(prompt), [target])
   task = simulator.SequenceTask(kind="sort", num_symbols=5, length=4)
-  reward, exact = task.rewards(prompt, completion)
+  rewards = jax.jit(task.rewards)
+  reward, exact = rewards(prompt, completion)
   assert float(reward[0]) == 0.5 and float(exact[0]) == 0.0
-  reward, exact = task.rewards(prompt, jnp.array([[0, 0, 3, 4]]))
+  reward, exact = rewards(prompt, jnp.array([[0, 0, 3, 4]]))
   assert float(reward[0]) == 1.0 and float(exact[0]) == 1.0
   exact_task = simulator.SequenceTask(kind="sort", num_symbols=5, length=4, reward="exact")
-  assert float(exact_task.rewards(prompt, completion)[0][0]) == 0.0
-  p = task.prompts(jax.random.key(0), 64)
-  assert p.shape == (64, 5) and bool(jnp.all(p[:, 0] == 5)) and int(p[:, 1:].max()) < 5
+  assert float(jax.jit(exact_task.rewards)(prompt, completion)[0][0]) == 0.0
+  p = np.asarray(_prompts(task, jax.random.key(0), 64))
+  assert p.shape == (64, 5) and np.all(p[:, 0] == 5) and int(p[:, 1:].max()) < 5
 
 
 def _multisets(prompts):
@@ -77,8 +83,8 @@ def test_default_task_eval_split_is_disjoint_from_training():
   # Sorting 6 of 8 symbols: C(8 + 6 - 1, 6) = 1716 problems (multisets), all of which random
   # draws used to reach. Now the held-out ones are never drawn for training (or the warm start).
   task = simulator.SequenceTask(**simulator.default_config().task.to_dict())
-  train = task.prompts(jax.random.key(0), 100_000, "train")
-  held_out = task.prompts(jax.random.key(1), 20_000, "eval")
+  train = np.asarray(_prompts(task, jax.random.key(0), 100_000, "train"))
+  held_out = np.asarray(_prompts(task, jax.random.key(1), 20_000, "eval"))
   assert int(train[:, 0].min()) == int(held_out[:, 0].max()) == task.bos_id
   train_sets, eval_sets = _multisets(train), _multisets(held_out)
   assert not train_sets & eval_sets
@@ -97,7 +103,7 @@ def test_split_prompts_are_uniform_over_their_sequences(split):
   # its sequences: every count within 6 binomial standard deviations of n / size.
   task = simulator.SequenceTask(num_symbols=3, length=3)
   n = 60_000
-  rows = np.asarray(task.prompts(jax.random.key(7), n, split))[:, 1:]
+  rows = np.asarray(_prompts(task, jax.random.key(7), n, split))[:, 1:]
   seqs = [s for s in itertools.product(range(3), repeat=3) if (sum(s) % 3 == 0) == (split == "eval")]
   counts = collections.Counter(map(tuple, rows.tolist()))
   assert set(counts) == set(seqs)
