@@ -104,12 +104,12 @@ def test_micro_batches_must_divide_the_minibatch():
   cfg = tiny.loop_config("fp32")
   cfg.rl.update(num_prompts=4, group_size=4, num_minibatches=2, micro_batches=3)
   with pytest.raises(ValueError, match=r"--config.rl.micro_batches=3: must be >= 1 and divide "
-                                     r"the minibatch of 8"):
-  schema.TRAIN.validate(cfg)
+                                       r"the minibatch of 8"):
+    schema.TRAIN.validate(cfg)
   cfg.rl.micro_batches = 0
   with pytest.raises(ValueError, match="rl.micro_batches=0"):
-  schema.TRAIN.validate(cfg)
+    schema.TRAIN.validate(cfg)
   cfg.rl.micro_batches = 8  # micro-batches of 1 row cannot split over 8 data shards
   cfg.mesh.shape = (-1, 1)
   with pytest.raises(ValueError, match="a micro-batch"):
-  loop.build(cfg)
+    loop.build(cfg)
