@@ -423,7 +423,8 @@ def test_make_batch_dynamic_sampling_and_overlong_penalty():
       model_logprobs=jnp.zeros((b, t)), prompt_lengths=jnp.full((b,), 2, jnp.int32),
       completion_lengths=jnp.asarray(lengths, jnp.int32), prompt_width=2)
   rewards = jnp.array([1.0, 1.0, 0.0, 1.0])
-  batch, m = step_lib.make_batch(out, rewards, cfg)
+  # Jitted (it is jittable, and runs so in the step): op by op it compiled dozens of programs.
+  batch, m = jax.jit(functools.partial(step_lib.make_batch, cfg=cfg))(out, rewards)
   # DAPO overlong: 0 up to 4 - 2 = 2 tokens, then (2 - L) / 2: -1 at L = 4, -0.5 at L = 3.
   # Shaped: (0, 1) and (-0.5, 1). Dr.GRPO: reward - group mean; the first group has signal
   # only through the penalty.
