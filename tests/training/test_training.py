@@ -172,9 +172,7 @@ def test_exact_mode_rollout_and_update_agree_bitwise_under_nvfp4():
   # Wide enough that NVFP4 blocks of 16 tile the contracting axes sharded over 8 fake devices.
   c.model.update(dict(d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=128))
   c.precision = base_config.precision.recipe("nvfp4_recipe")
-  # No reference forward in the step (the logged KL to it is checked on the fp32 step of
-  # test_loop_rollout_scores_the_sampled_distribution): one NVFP4 forward fewer to compile.
-  c.rl.update(dict(num_prompts=4, group_size=4, max_new_tokens=4, log_kl_ref=False))
+  c.rl.update(dict(num_prompts=4, group_size=4, max_new_tokens=4))
   setup = loop.build(c)
   trainer = loop.Trainer(setup, log=lambda _: None)
   params = transformer.init_params(setup.model_cfg, jax.random.key(0))
@@ -187,6 +185,9 @@ def test_exact_mode_rollout_and_update_agree_bitwise_under_nvfp4():
   assert float(m["drift/total/mismatch_kl"]) == 0.0
   assert float(m["mismatch/mismatch_kl"]) == 0.0
   assert float(m["ratio_mean"]) == pytest.approx(1.0, abs=1e-5)
+  # rl.log_kl_ref: the KL to the reference is logged (here pi_ref = pi_old, so ~0) but, with
+  # kl_coef = 0, not penalised.
+  assert float(m["kl_ref"]) == pytest.approx(0.0, abs=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -334,9 +335,6 @@ def test_loop_rollout_scores_the_sampled_distribution():
   assert 0 < np.mean(w > 1.2) < 1
   assert float(m["correction/is_weight_mean"]) == pytest.approx(np.mean(np.minimum(w, 1.2)),
                                                                 rel=1e-4)
-  # rl.log_kl_ref (on by default): the KL to the reference is logged (here pi_ref = pi_old, so
-  # ~0) but, with kl_coef = 0, not penalised.
-  assert float(m["kl_ref"]) == pytest.approx(0.0, abs=1e-5)
 
 
 def test_tokens_outside_pi_old_support_leave_the_loss():
