@@ -2,7 +2,8 @@
 
 Every run uses one of two tiny setups (bf16 and an NVFP4 sampler; one compile each): a 1-layer
 decoder, 2 prompts x 4 samples, horizon 4. Runs of the bf16 setup share one ring size (SLOTS) and
-the seeds, so they share one compiled program.
+the seeds, so they share one compiled program; every run uses the same seeds (SEEDS), so all share
+one compiled init and eval (their trainers are bf16).
 """
 import collections
 import functools
@@ -50,22 +51,28 @@ def bf16_setup():
 # The task.
 
 
+def _prompts(task, key, n, split="train"):
+  """task.prompts as one program (op by op it compiled a dozen small ones per shape)."""
+  return jax.jit(task.prompts, static_argnums=(1, 2))(key, n, split)
+
+
 def test_task_targets_and_rewards():
   prompt = jnp.array([[5, 3, 0, 4, 0]])  # bos = num_symbols = 5
   completion = jnp.array([[0, 0, 4, 3]])
   for kind, target in (("sort", [0, 0, 3, 4]), ("reverse", [0, 4, 0, 3]),
                        ("copy", [3, 0, 4, 0])):
     task = simulator.SequenceTask(kind=kind, num_symbols=5, length=4)
-    np.testing.assert_array_equal(task.targets(prompt), [target])
+    np.testing.assert_array_equal(jax.jit(task.targets)(prompt), [target])
   task = simulator.SequenceTask(kind="sort", num_symbols=5, length=4)
-  reward, exact = task.rewards(prompt, completion)
+  rewards = jax.jit(task.rewards)
+  reward, exact = rewards(prompt, completion)
   assert float(reward[0]) == 0.5 and float(exact[0]) == 0.0
-  reward, exact = task.rewards(prompt, jnp.array([[0, 0, 3, 4]]))
+  reward, exact = rewards(prompt, jnp.array([[0, 0, 3, 4]]))
   assert float(reward[0]) == 1.0 and float(exact[0]) == 1.0
   exact_task = simulator.SequenceTask(kind="sort", num_symbols=5, length=4, reward="exact")
-  assert float(exact_task.rewards(prompt, completion)[0][0]) == 0.0
-  p = task.prompts(jax.random.key(0), 64)
-  assert p.shape == (64, 5) and bool(jnp.all(p[:, 0] == 5)) and int(p[:, 1:].max()) < 5
+  assert float(jax.jit(exact_task.rewards)(prompt, completion)[0][0]) == 0.0
+  p = np.asarray(_prompts(task, jax.random.key(0), 64))
+  assert p.shape == (64, 5) and np.all(p[:, 0] == 5) and int(p[:, 1:].max()) < 5
 
 
 def _multisets(prompts):
@@ -76,8 +83,8 @@ def test_default_task_eval_split_is_disjoint_from_training():
   # Sorting 6 of 8 symbols: C(8 + 6 - 1, 6) = 1716 problems (multisets), all of which random
   # draws used to reach. Now the held-out ones are never drawn for training (or the warm start).
   task = simulator.SequenceTask(**simulator.default_config().task.to_dict())
-  train = task.prompts(jax.random.key(0), 100_000, "train")
-  held_out = task.prompts(jax.random.key(1), 20_000, "eval")
+  train = np.asarray(_prompts(task, jax.random.key(0), 100_000, "train"))
+  held_out = np.asarray(_prompts(task, jax.random.key(1), 20_000, "eval"))
   assert int(train[:, 0].min()) == int(held_out[:, 0].max()) == task.bos_id
   train_sets, eval_sets = _multisets(train), _multisets(held_out)
   assert not train_sets & eval_sets
@@ -96,7 +103,7 @@ def test_split_prompts_are_uniform_over_their_sequences(split):
   # its sequences: every count within 6 binomial standard deviations of n / size.
   task = simulator.SequenceTask(num_symbols=3, length=3)
   n = 60_000
-  rows = np.asarray(task.prompts(jax.random.key(7), n, split))[:, 1:]
+  rows = np.asarray(_prompts(task, jax.random.key(7), n, split))[:, 1:]
   seqs = [s for s in itertools.product(range(3), repeat=3) if (sum(s) % 3 == 0) == (split == "eval")]
   counts = collections.Counter(map(tuple, rows.tolist()))
   assert set(counts) == set(seqs)
@@ -186,13 +193,13 @@ def test_fourth_drift_score_is_the_samplers_where_its_scales_are_static():
 
 def test_drift_parts_add_up_with_a_quantized_stale_sampler():
   setup = simulator.build(tiny_config(sampler_recipe="nvfp4_naive"))
-  m = simulator.simulate(setup, AsyncSchedule(lag=2), SEEDS[:1]).metrics
-  q, s, t = (m[f"drift/{p}/mismatch_kl"][0] for p in DRIFT_PARTS)
+  m = simulator.simulate(setup, AsyncSchedule(lag=2), SEEDS).metrics
+  q, s, t = (m[f"drift/{p}/mismatch_kl"] for p in DRIFT_PARTS)
   np.testing.assert_allclose(q + s, t, atol=1e-5)
-  np.testing.assert_allclose(t, m["mismatch/mismatch_kl"][0], atol=1e-5)
+  np.testing.assert_allclose(t, m["mismatch/mismatch_kl"], atol=1e-5)
   assert np.all(m["drift/quantization/abs_dlogp_max"] > 1e-3)
-  assert np.all(m["drift/staleness/abs_dlogp_max"][0, 1:] > 0)
-  assert m["drift/staleness/abs_dlogp_max"][0, 0] == 0.0
+  assert np.all(m["drift/staleness/abs_dlogp_max"][:, 1:] > 0)
+  assert np.all(m["drift/staleness/abs_dlogp_max"][:, 0] == 0.0)
   assert np.all(m["drift/total/ess"] < 1.0)
   # The NVFP4 sampler samples with static calibrated scales and records that distribution: the
   # mean weight pi_now / pi_sampler is 1 within 5 standard errors (see test_act_scales.py).
@@ -342,12 +349,12 @@ def test_pipeline_tokens_come_from_their_versions():
   c.async_rl.update(schedule="pipeline", lag=2)
   setup = simulator.build(c)
   schedule = simulator.schedule_of(c)
-  m = simulator.simulate(setup, schedule, SEEDS[:1]).metrics
+  m = simulator.simulate(setup, schedule, SEEDS).metrics
   # Scores of one function by two XLA programs (the scan's forward vs the scorer): FP32 sums of a
   # few dozen terms, a few ulps of |logp| < 10 apart.
   assert np.all(np.abs(m["drift/quantization/abs_dlogp_max"]) < 1e-4)
   lagged = np.arange(STEPS) >= 2  # from step 2 the late tokens are newer than the first ones
-  assert np.all(m["drift/staleness/abs_dlogp_max"][0, lagged] > 1e-4)
+  assert np.all(m["drift/staleness/abs_dlogp_max"][:, lagged] > 1e-4)
   np.testing.assert_array_equal(m["sampler_version"][0],
                                 [schedule.sampler_version(t) for t in range(STEPS)])
   with pytest.raises(ValueError, match="PipelineSchedule"):
@@ -416,7 +423,8 @@ def test_make_batch_dynamic_sampling_and_overlong_penalty():
       model_logprobs=jnp.zeros((b, t)), prompt_lengths=jnp.full((b,), 2, jnp.int32),
       completion_lengths=jnp.asarray(lengths, jnp.int32), prompt_width=2)
   rewards = jnp.array([1.0, 1.0, 0.0, 1.0])
-  batch, m = step_lib.make_batch(out, rewards, cfg)
+  # Jitted (it is jittable, and runs so in the step): op by op it compiled dozens of programs.
+  batch, m = jax.jit(functools.partial(step_lib.make_batch, cfg=cfg))(out, rewards)
   # DAPO overlong: 0 up to 4 - 2 = 2 tokens, then (2 - L) / 2: -1 at L = 4, -0.5 at L = 3.
   # Shaped: (0, 1) and (-0.5, 1). Dr.GRPO: reward - group mean; the first group has signal
   # only through the penalty.
@@ -438,7 +446,7 @@ def test_simulator_supports_kl_dynamic_sampling_and_top_k():
   c.rl.top_k = 3
   setup = simulator.build(c)
   assert setup.sampling.top_k == 3 and setup.batch_cfg.dynamic_sampling
-  m = simulator.simulate(setup, AsyncSchedule(), SEEDS[:1]).metrics
+  m = simulator.simulate(setup, AsyncSchedule(), SEEDS).metrics
   assert np.all(np.isfinite(m["kl_ref"])) and m["kl_ref"][0, 0] == pytest.approx(0.0, abs=1e-6)
   assert m["kl_ref"][0, -1] > 0  # the policy moved away from its start
   assert np.all((m["groups_kept"] >= 0) & (m["groups_kept"] <= 1))
