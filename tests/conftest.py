@@ -18,26 +18,28 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # One persistent compilation cache for the whole test run: test modules that build the same tiny
 # model, sampler or update compile it once. It lives in the (git-ignored) pytest cache folder, so a
-# second local run reuses it too; LOWRL_TEST_JAX_CACHE overrides the folder ("" disables it). It is
-# set through JAX's environment variables, so the processes a test launches (the training binary,
-# two-process runs, a killed and resumed run) share it: a program compiled once is not compiled
-# again by every child.
+# second local run reuses it too; LOWRL_TEST_JAX_CACHE overrides the folder ("" disables it).
+# The processes a test launches (the training binary, two-process runs, a killed and resumed run)
+# get a cache of their own through JAX's environment variables, shared among them: a program one
+# child compiled is not compiled again by the next. It is kept apart from the test workers' because
+# children run other XLA clients (1 device, or 2 processes of 4) and JAX's cache key leaves the
+# fake device count out: no executable crosses between differently configured clients.
 _cache_dir = os.environ.get(
     "LOWRL_TEST_JAX_CACHE",
     str(pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax"))
 if _cache_dir:
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
-  # Only programs that take a second or more to compile: those are what a second process would
-  # otherwise compile again. Op-by-op (eager) programs compile in milliseconds; caching them made
-  # every process read and write thousands of tiny entries concurrently, for nothing.
-  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1"
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_cache_dir, "launched")
+  # Only programs that take 0.2 s or more to compile: op-by-op (eager) programs compile in
+  # milliseconds, and caching them made every process read and write thousands of tiny entries
+  # concurrently, for nothing.
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
   os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
 
-if _cache_dir:  # also here, in case a plugin imported jax before the variables were set
-  jax.config.update("jax_compilation_cache_dir", _cache_dir)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1)
+if _cache_dir:  # the workers' own cache (the variables above are what launched processes read)
+  jax.config.update("jax_compilation_cache_dir", os.path.join(_cache_dir, "workers"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 from hypothesis import settings  # noqa: E402
