@@ -524,19 +524,20 @@ def _quantize_blocked(x, cfg, layout, key, tensor_amax):
   """(FP32 grid values in the blocked view, stored scale, stored outer, decode parameters)."""
   fmt = formats.element_format(cfg.fmt)
   x_b = x.reshape(layout.blocked_shape)  # scales read the input dtype, elements work in FP32
-  if cfg.scheme == "nvfp4":
+  if cfg.scheme == "nvfp4":  # with 4/6 (round to nearest) the chosen candidate's values come too
     scale, outer, grid_b = _nvfp4_scales_and_grid(x_b, cfg, layout, tensor_amax)
-    enc, dec = _PARAMS[cfg.scheme](scale, outer, layout)
-    if grid_b is None:  # else 4/6 (round to nearest) already has the chosen candidate's values
-      s_block, outer_b = dec
-      grid_b = _nvfp4_elements(x_b.astype(jnp.float32), s_block, _outer_parts(outer_b), cfg, key)
-    return grid_b, scale, outer, dec
-  scale, outer = _SCALES[cfg.scheme](x_b, cfg, fmt, layout, tensor_amax)
-  enc, dec = _PARAMS[cfg.scheme](scale, outer, layout)
-  if cfg.kind == "mx":
-    grid_b = _round(_mx_encode(x_b.astype(jnp.float32), dec), fmt, cfg, key)
   else:
-    grid_b = _round(x_b.astype(jnp.float32) * enc, fmt, cfg, key)
+    (scale, outer), grid_b = _SCALES[cfg.scheme](x_b, cfg, fmt, layout, tensor_amax), None
+  enc, dec = _PARAMS[cfg.scheme](scale, outer, layout)
+  if grid_b is None:
+    x_f32 = x_b.astype(jnp.float32)
+    if cfg.scheme == "nvfp4":
+      s_block, outer_b = dec
+      grid_b = _nvfp4_elements(x_f32, s_block, _outer_parts(outer_b), cfg, key)
+    elif cfg.kind == "mx":
+      grid_b = _round(_mx_encode(x_f32, dec), fmt, cfg, key)
+    else:
+      grid_b = _round(x_f32 * enc, fmt, cfg, key)
   return grid_b, scale, outer, dec
 
 
