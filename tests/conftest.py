@@ -11,9 +11,11 @@ default (TF32 / BF16-pass) dots those tolerances would not hold.
 import os
 import pathlib
 
-_flag = "--xla_force_host_platform_device_count=8"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+import multiprocess  # noqa: E402  (tests/ is on the path: pyproject's pythonpath)
+
+for _flag in multiprocess.xla_flags(8).split():
+  if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # One persistent compilation cache for the whole test run: test modules that build the same tiny

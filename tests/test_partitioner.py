@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+import multiprocess
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARNING = "Involuntary full rematerialization"
 BATCH = 24  # rollout rows: a size no model width has, so a collective of [24, ...] is a batch
@@ -84,7 +86,7 @@ def _worker(shape: tuple[int, int], contiguous: bool) -> None:
 
 def _run(shape: tuple[int, int], contiguous: bool = False) -> str:
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="0",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             XLA_FLAGS=multiprocess.xla_flags(8),
              LOWRL_TEST_JAX_CACHE="")  # no persistent cache: every program is partitioned here
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
   cmd = [sys.executable, os.path.abspath(__file__), f"{shape[0]},{shape[1]}",

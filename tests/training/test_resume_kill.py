@@ -9,6 +9,7 @@ import time
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import multiprocess
 import tiny
 
 REPO = str(tiny.REPO)
@@ -25,7 +26,7 @@ FLAGS = [
 
 def _train(workdir: str) -> subprocess.Popen:
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-             XLA_FLAGS="--xla_force_host_platform_device_count=1")
+             XLA_FLAGS=multiprocess.xla_flags(1))
   return subprocess.Popen([sys.executable, "-m", "experiments.train", f"--workdir={workdir}",
                            *FLAGS], cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
