@@ -31,15 +31,29 @@ def _policy(name: str, cfg: ModelConfig = DEEP, **overrides) -> precision.Precis
   return precision.policy_for(name, layout.matmuls(cfg), **overrides)
 
 
-@functools.lru_cache(maxsize=None)
 def _params(cfg: ModelConfig = DEEP):
+  """init_params(cfg, key 0), once per architecture: the execution knobs (scan, remat, chunked
+  attention or log-probs) leave the tree and its values as they are (init runs the unrolled
+  layers), so every knob variant reads its plain model's params (no init program per variant)."""
+  return _init(dataclasses.replace(cfg, **_PLAIN_KNOBS))
+
+
+_PLAIN_KNOBS = {f.name: f.default for f in dataclasses.fields(ModelConfig)
+                if f.name in ("scan_layers", "remat", "attention", "attention_chunk",
+                              "logprob_chunk")}
+
+
+@functools.lru_cache(maxsize=None)
+def _init(cfg: ModelConfig):
   return transformer.init_params(cfg, jax.random.key(0))
 
 
 def _batch(cfg: ModelConfig = DEEP, shape=(3, 12)):
-  tokens = jax.random.randint(jax.random.key(1), shape, 0, cfg.vocab_size)
-  mask = jnp.ones(shape, bool).at[0, :4].set(False)  # a left-padded row
-  return tokens, mask
+  # NumPy's generator: jax.random would compile a program of its own (~1 s of CPU per shape).
+  tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, shape, dtype=np.int32)
+  mask = np.ones(shape, bool)
+  mask[0, :4] = False  # a left-padded row
+  return jnp.asarray(tokens), jnp.asarray(mask)
 
 
 def _same(a, b) -> bool:
