@@ -17,8 +17,9 @@ from model_scale_helpers import (DEEP, SHALLOW, U, _batch, _loss_and_grads, _par
                                  _same, gamma)
 
 
-# The chunked attention-model and log-probability tests: one layer (the chunks split the attention
-# or the head; a deeper body would only make other hidden states).
+# One layer: remat recomputes each layer's own operations (a second layer would only repeat
+# them); the chunked attention-model and log-probability tests split the attention or the head (a
+# deeper body would only make other hidden states).
 ONE = dataclasses.replace(SHALLOW, n_layers=1)
 
 
@@ -29,17 +30,17 @@ ONE = dataclasses.replace(SHALLOW, n_layers=1)
 @pytest.mark.parametrize("remat,scan", [("full", False), ("full", True), ("dots", True)])
 def test_remat_gradients_equal_plain(remat, scan):
   """Remat recomputes the same operations on the same inputs: the same bits."""
-  # A quantized layer, then the BF16 one. In the quantized layer two of the seven matmuls are
-  # NVFP4 (the recipe's per-token activation scales, 4/6 blocks, dequantized backward), one in
-  # attention and one in the MLP, both fed by activations that remat recomputes; the other five
-  # would only repeat the same quantizers (all seven: ~35% more CPU time for these four programs).
-  policy = _policy("nvfp4_recipe", SHALLOW,
+  # One quantized layer (no BF16 tail: its BF16 matmuls are the layer's other five; a tail layer
+  # would add ~20% CPU time to these four programs). Two of its seven matmuls are NVFP4 (the
+  # recipe's per-token activation scales, 4/6 blocks, dequantized backward), one in attention and
+  # one in the MLP, both fed by activations that remat recomputes; the other five would only
+  # repeat the same quantizers (all seven: ~35% more CPU time for these four programs).
+  policy = _policy("nvfp4_recipe", ONE, bf16_last_fraction=0.0,
                    high_precision_paths=r"layers_0/(attn/(q|k|v)_proj|mlp/(gate|up)_proj)")
-  assert [r.fmt for r in precision.assignment_table(policy, layout.matmuls(SHALLOW))
-          if r.fmt == "nvfp4"] == ["nvfp4"] * 2
-  plain = _loss_and_grads(SHALLOW, policy)
-  remat_out = _loss_and_grads(dataclasses.replace(SHALLOW, remat=remat, scan_layers=scan),
-                              policy)
+  assert [r.fmt for r in precision.assignment_table(policy, layout.matmuls(ONE))] == [
+      "bfloat16"] * 3 + ["nvfp4"] + ["bfloat16"] * 2 + ["nvfp4", "float32"]
+  plain = _loss_and_grads(ONE, policy)
+  remat_out = _loss_and_grads(dataclasses.replace(ONE, remat=remat, scan_layers=scan), policy)
   assert _same(plain, remat_out)
 
 
@@ -48,14 +49,16 @@ def test_remat_gradients_equal_plain(remat, scan):
 
 
 def _attention_inputs(steps=11, keys=14, offset=3, dtype=jnp.float32):
+  # NumPy's generator: jax.random.normal compiles a program of its own (~5 s of CPU here).
   b, k, g, hd = 2, 2, 3, 8
-  r = jax.random.split(jax.random.key(5), 3)
-  q = jax.random.normal(r[0], (b, steps, k, g, hd), dtype)
-  kk = jax.random.normal(r[1], (b, keys, k, hd), dtype) * 2.0
-  v = jax.random.normal(r[2], (b, keys, k, hd), dtype)
-  q_col = offset + jnp.arange(steps)  # a cache call: queries start at column `offset`
-  key_mask = jnp.ones((b, keys), bool).at[0, :2].set(False).at[1, 12:].set(False)
-  return q, kk, v, q_col, key_mask
+  rng = np.random.default_rng(5)
+  q = jnp.asarray(rng.standard_normal((b, steps, k, g, hd)), dtype)
+  kk = jnp.asarray(rng.standard_normal((b, keys, k, hd)) * 2.0, dtype)
+  v = jnp.asarray(rng.standard_normal((b, keys, k, hd)), dtype)
+  q_col = jnp.asarray(offset + np.arange(steps))  # a cache call: queries start at column `offset`
+  key_mask = np.ones((b, keys), bool)
+  key_mask[0, :2] = key_mask[1, 12:] = False
+  return q, kk, v, q_col, jnp.asarray(key_mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,13 +66,13 @@ def _attention_reference():
   """The inputs, the materialized attention and the bound's max |q . k| / sqrt(hd) and max |v|,
   in one program (computed once, not op by op in every parametrization)."""
 
-  def run():
-    q, k, v, q_col, key_mask = _attention_inputs()
+  def run(q, k, v, q_col, key_mask):
     full = transformer.attend(q, k, v, q_col, key_mask, jnp.float32)
     qk_abs = jnp.einsum("btkgh,bskh->bkgts", jnp.abs(q), jnp.abs(k)) * q.shape[-1] ** -0.5
-    return (q, k, v, q_col, key_mask), full, jnp.max(qk_abs), jnp.max(jnp.abs(v))
+    return full, jnp.max(qk_abs), jnp.max(jnp.abs(v))
 
-  return jax.jit(run)()
+  inputs = _attention_inputs()
+  return (inputs, *jax.jit(run)(*inputs))
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 11, 64])
@@ -94,7 +97,10 @@ def test_chunked_attention_within_reassociation_bound(chunk):
 
 
 def test_chunked_attention_model_one_chunk_is_exact_and_gradients_flow():
-  policy = _policy("bf16", ONE)
+  # FP32: the plain program is the FP32 head tests' (computed once; BF16 programs also compile
+  # slower on the CPU). Chunked attention in BF16 compute (one chunk, over the stacked KV cache)
+  # is the bf16 case of test_model_scan.py::test_scan_kv_cache_decode_equals_unrolled.
+  policy = _policy("fp32", ONE)
   tokens, mask = _batch(ONE)
   cfg = dataclasses.replace(ONE, attention="chunked", attention_chunk=tokens.shape[1])
   assert _same(_loss_and_grads(ONE, policy), _loss_and_grads(cfg, policy))
@@ -219,9 +225,9 @@ def test_bad_knobs_are_refused(kw, match):
 
 
 def test_chunked_logprobs_refuse_a_stochastically_rounded_head():
-  cfg = dataclasses.replace(SHALLOW, logprob_chunk=16)
+  cfg = dataclasses.replace(ONE, logprob_chunk=16)
   policy = _policy("nvfp4_recipe", cfg, quantize_lm_head=True, stochastic_rounding="all")
   tokens, mask = _batch(cfg)
   with pytest.raises(ValueError, match="logprob_chunk"):
-    transformer.token_logprobs(_params(SHALLOW), tokens, cfg, policy, mask_BT=mask,
+    transformer.token_logprobs(_params(cfg), tokens, cfg, policy, mask_BT=mask,
                                quant_key=jax.random.key(0))

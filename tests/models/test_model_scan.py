@@ -38,12 +38,19 @@ def test_layer_groups_split_at_the_bf16_suffix():
 # rounding everywhere, so every layer's quant key must be fold_in(key, layer), also inside a
 # scanned group that starts past layer 0.
 SCAN_MODEL = dataclasses.replace(DEEP, n_layers=4)
+# In each quantized layer two of the seven matmuls are NVFP4, one in attention and one in the MLP
+# (the other five would only repeat the same keyed quantizers: all seven cost ~65% more CPU time
+# per program).
+TWO_NVFP4 = r"layers_\d+/(attn/(q|k|v)_proj|mlp/(gate|up)_proj)"
 
 
 def test_scan_equals_unrolled_forward_and_gradients():
   policy = _policy("nvfp4_recipe", SCAN_MODEL, stochastic_rounding="all",
-                   high_precision_paths=r"layers_0/.*")
+                   high_precision_paths=r"layers_0/.*|" + TWO_NVFP4)
   assert policy.needs_key
+  assert [(r.layer, r.path) for r in precision.assignment_table(
+      policy, layout.matmuls(SCAN_MODEL)) if r.fmt == "nvfp4"] == [
+          (i, p) for i in (1, 2) for p in ("attn/o_proj", "mlp/down_proj")]
   assert precision.bf16_tail_layers(SCAN_MODEL.n_layers, 0.15) == (3,)  # the recipe's 15%
   # Layer 0 and the tail are unquantized; the 2 quantized layers are one real scan.
   assert transformer.layer_groups(SCAN_MODEL, policy) == ((0, 1), (1, 3), (3, 4))
@@ -58,11 +65,13 @@ def test_scan_equals_unrolled_forward_and_gradients():
 
 
 def test_scan_with_static_act_amax_and_calibration():
-  # 2 layers, both quantized (no BF16 tail): one real scan, the fewest layers it takes.
-  policy = _policy("nvfp4_naive", SHALLOW)  # per-tensor activation scales
+  # 2 layers, both quantized (no BF16 tail): one real scan, the fewest layers it takes; two NVFP4
+  # matmuls per layer (attention and MLP), each with its own static amax per layer.
+  policy = _policy("nvfp4_naive", SHALLOW, high_precision_paths=TWO_NVFP4)  # per-tensor scales
   assert transformer.layer_groups(SHALLOW, policy) == ((0, 2),)
   paths = policy.act_paths(layout.matmuls(SHALLOW), "tensor")
-  assert paths
+  assert set(paths) == {f"layers_{i}/{p}" for i in (0, 1)
+                        for p in ("attn/o_proj", "mlp/down_proj")}
   tokens, mask = _batch(SHALLOW)
   params = _params(SHALLOW)
   scanned = dataclasses.replace(SHALLOW, scan_layers=True)
@@ -81,21 +90,21 @@ def test_scan_with_static_act_amax_and_calibration():
   assert not np.array_equal(a, c)
 
 
-@pytest.mark.parametrize("name,extra,groups", [
-    # nvfp4_recipe: 2 scanned quantized layers, then the BF16 tail's group; each group reads and
-    # writes its layers' slices of the one stacked cache.
-    ("nvfp4_recipe", {}, ((0, 2), (2, 3))),
+@pytest.mark.parametrize("name,overrides,extra,groups", [
+    # nvfp4_recipe: 2 scanned quantized layers (two NVFP4 matmuls each, TWO_NVFP4), then the BF16
+    # tail's group; each group reads and writes its layers' slices of the one stacked cache.
+    ("nvfp4_recipe", {"high_precision_paths": TWO_NVFP4}, {}, ((0, 2), (2, 3))),
     # Chunked attention over the stacked cache. Attention runs in the compute dtype (BF16 under
     # both recipes), so the BF16 recipe (one group of 3 layers) is all it needs.
-    ("bf16", {"attention": "chunked", "attention_chunk": 16}, ((0, 3),)),
+    ("bf16", {}, {"attention": "chunked", "attention_chunk": 16}, ((0, 3),)),
 ])
-def test_scan_kv_cache_decode_equals_unrolled(name, extra, groups):
+def test_scan_kv_cache_decode_equals_unrolled(name, overrides, extra, groups):
   """Greedy decoding through the sampler's while_loop: the stacked cache of the scanned model
   gives the unrolled model's tokens and log-probabilities bit for bit (chunk 16 >= every call's
   T, so the chunked attention runs the same rows in one chunk)."""
-  policy = _policy(name)
+  policy = _policy(name, **overrides)
   assert transformer.layer_groups(DEEP, policy) == groups
-  prompts = jax.random.randint(jax.random.key(3), (3, 6), 0, DEEP.vocab_size)
+  prompts = jnp.asarray(np.random.default_rng(3).integers(0, DEEP.vocab_size, (3, 6), np.int32))
   pmask = jnp.ones((3, 6), bool).at[1, :2].set(False)
   config = SamplingConfig(max_new_tokens=5, temperature=0.0)
   run = lambda cfg: sampling.generate(_params(), prompts, pmask, jax.random.key(0),  # noqa: E731
@@ -115,8 +124,7 @@ def _count_dots(n_layers: int, scan: bool) -> int:
   tokens, mask = _batch(cfg)
   grad = jax.grad(lambda p: jnp.sum(transformer.token_logprobs(
       p, tokens, cfg, _policy("bf16", cfg), mask_BT=mask)))
-  return jax.jit(grad).lower(transformer.init_params(cfg, jax.random.key(0))).as_text().count(
-      "dot_general")
+  return jax.jit(grad).lower(transformer.param_shapes(cfg)).as_text().count("dot_general")
 
 
 def test_scanned_program_does_not_grow_with_depth():
