@@ -366,22 +366,43 @@ def test_pipeline_tokens_come_from_their_versions():
 
 
 def _fixed_rollout(setup, key):
-  """A sampled batch of `setup`'s shape with rewards and trainer scores (stale != now).
+  """A batch of `setup`'s rollout shape (prompts, uniformly random full-length completions) with
+  rewards and trainer scores (stale != now; the sampler's record = the trainer's score).
 
-  Each piece jitted: run op by op, the scoring forward took several times its compile time."""
+  The step's input need not be sampled: built here, no sampler program is compiled. Each piece
+  jitted: run op by op, the scoring forward took several times its compile time."""
   params = jax.jit(functools.partial(simulator.initial_params, setup))(key)
-  out, reward_B, _ = jax.jit(functools.partial(simulator.rollout, setup))(params, key)
+  task, b = setup.task, setup.batch_size
+  # 64 prompts, as test_task_targets_and_rewards draws them (one program), of which the first few.
+  prompt_PP = np.asarray(_prompts(task, key, 64))[:setup.num_prompts]
+  prompt_BP = np.repeat(prompt_PP, setup.group_size, axis=0)  # group-contiguous
+  completion_BN = np.random.default_rng(0).integers(0, task.num_symbols, (b, task.length))
+  tokens_BT = jnp.asarray(np.concatenate([prompt_BP, completion_BN], axis=1), jnp.int32)
+  p_width = prompt_BP.shape[1]
+  completion_BT = np.broadcast_to(np.arange(p_width + task.length) >= p_width, tokens_BT.shape)
+  reward_B, _ = jax.jit(task.rewards)(prompt_BP, completion_BN)
   _, logprob_fn = simulator.make_rl_step(setup)
-  tokens = rl_update.TokenBatch(out.tokens, out.attention_mask)
+  tokens = rl_update.TokenBatch(tokens_BT, jnp.ones(tokens_BT.shape, jnp.float32))
   logp_now_BT = jax.jit(logprob_fn)(params, tokens, None)[0]
-  return params, step_lib.Rollout(out, reward_B, logp_now_BT, logp_now_BT + 0.01)
+  # The sampler's record (0 off the completion) and the stale score, logp_now + 0.01, in numpy
+  # (no eager programs).
+  record_BT = np.where(completion_BT, np.asarray(logp_now_BT), 0.0).astype(np.float32)
+  out = SampleOutput(
+      tokens=tokens_BT, prompt_mask=jnp.asarray(~completion_BT, jnp.float32),
+      completion_mask=jnp.asarray(completion_BT, jnp.float32), logprobs=jnp.asarray(record_BT),
+      model_logprobs=jnp.asarray(record_BT),
+      prompt_lengths=jnp.asarray(np.full((b,), p_width, np.int32)),
+      completion_lengths=jnp.asarray(np.full((b,), task.length, np.int32)), prompt_width=p_width)
+  logp_stale_BT = jnp.asarray(np.asarray(logp_now_BT) + np.float32(0.01))
+  return params, step_lib.Rollout(out, reward_B, logp_now_BT, logp_stale_BT)
 
 
 def test_simulator_runs_the_loops_step():
-  """One fixed rollout through the loop's step and the simulator's: bit-identical results.
+  """One fixed rollout through the loop's step and the simulator's: one program, so bit-identical
+  results.
 
   The loop's Trainer builds its step from the same config pieces; here both step functions,
-  built by each side's own code from one config, run under the same jit (identical programs).
+  built by each side's own code from one config, lower under the same jit to one program.
   """
   c = tiny_config()
   c.rl.update(steps=2, num_prompts=2, group_size=4)
@@ -392,12 +413,13 @@ def test_simulator_runs_the_loops_step():
       rl_update.make_logprob_fn(setup.model_cfg, setup.trainer_policy, setup.sampling),
       setup.make_optimizer(), setup.update_cfg,
       step_lib.BatchConfig(group_size=4, advantage="grpo", max_new_tokens=setup.task.length))
-  opt_state = optimizer.init_opt_state(setup.make_optimizer(), params)
-  results = [jax.jit(f)(params, opt_state, None, rollout, jax.random.key(4))
-             for f in (sim_step, loop_step)]
-  for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  m = results[0][2]
+  opt_state = jax.jit(functools.partial(optimizer.init_opt_state, setup.make_optimizer()))(params)
+  args = (params, opt_state, None, rollout, jax.random.key(4))
+  lowered = [jax.jit(f).lower(*args) for f in (sim_step, loop_step)]
+  # Identical programs (stronger than bit-identical results, which they imply): one StableHLO
+  # text, so one of them is compiled and run (the second compile only reloaded the first).
+  assert lowered[0].as_text(debug_info=False) == lowered[1].as_text(debug_info=False)
+  m = lowered[0].compile()(*args)[2]
   assert float(m["grad_norm"]) > 0  # a real update, not a no-op
   # make_batch's metrics from the rollout, recomputed here from their definitions.
   r = np.asarray(rollout.rewards_B)
