@@ -23,7 +23,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.groups = ("recipe", "sampler_only", "sr", "kl_reset")  # parts of the grid to run
   c.only = ()  # setting names to run (within `groups`); () = all
   c.twin = "bf16"  # the setting whose policy (same seed) every run is compared with
-  c.lrs = (3e-4, 3e-5, 3e-6)  # stochastic-rounding group: BF16 RTN erases updates at the low end
+  # Stochastic-rounding group: BF16 RTN erases updates at the low end; the first is run.optimizer.lr
+  # (its fp32_master setting is the bf16 setting: one run).
+  c.lrs = (2e-4, 2e-5, 2e-6)
   c.fp16_loss_scale = 1024.0  # static loss scale of every FP16-compute setting
   c.kl_coef = 0.05  # KL reference reset group: beta of the KL penalty
   c.ref_reset_every = 10  # KL reference reset group: steps between pi_ref resets
@@ -32,9 +34,11 @@ def get_config() -> ml_collections.ConfigDict:
   # 8 layers: the BF16 tail (15%) is one layer; scanned so compile time does not grow with depth.
   run.model.update(d_model=64, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=192,
                    scan_layers=True)
-  run.sft.update(steps=300, batch_size=64, seed=0)  # one base for every seed
+  # One base for every seed. 100 steps leave it at held-out pass@1 ~0.37 (300 steps: 0.81, where
+  # RL had too little left to gain to show above the seed spread).
+  run.sft.update(steps=100, batch_size=64, seed=0)
   run.rl.update(steps=30, num_prompts=16, group_size=8)
-  run.optimizer.lr = 3e-4
+  run.optimizer.lr = 2e-4  # bf16, seeds 0-2: pass@1 0.368 -> 0.400 (gain 0.032 +- 0.007)
   run.eval_num_prompts = 128
   run.eval_samples = 4
   run.diagnostics.every = 5

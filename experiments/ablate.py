@@ -148,19 +148,19 @@ def settings(cfg: ml_collections.ConfigDict) -> list[Setting]:
 
 
 def quick(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """The small grid of `--config.quick=True`: one or two settings of every group, 2 seeds, an
-  8-layer d=32 decoder, a short base and 8 RL steps."""
+  """The small grid of `--config.quick=True`: one or two settings of every group, 2 seeds, the
+  grid's model and base, 8 RL steps of 8 prompts x 4. Its eval has as many rows as a rollout
+  (16 prompts x 2 samples = 8 x 4), so evaluation and the twin KL run the rollout's sampling and
+  scoring programs instead of compiling their own."""
   c = ml_collections.ConfigDict(cfg.to_dict())
   c.seeds = (0, 1)
-  c.lrs = (3e-6,)
-  c.only = ("nvfp4_naive", "nvfp4_recipe", "s=nvfp4_recipe/t=bf16", "bf16_rtn@3e-6",
-            "bf16_sr@3e-6", "kl+reset")
+  c.lrs = (2e-6,)
+  c.only = ("nvfp4_naive", "nvfp4_recipe", "s=nvfp4_recipe/t=bf16", "bf16_rtn@2e-6",
+            "bf16_sr@2e-6", "kl+reset")
   c.ref_reset_every = 4
   r = c.run
-  r.model.update(d_model=32, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64)
-  r.sft.update(steps=100, batch_size=64)
   r.rl.update(steps=8, num_prompts=8, group_size=4)
-  r.eval_num_prompts = 32
+  r.eval_num_prompts = 16
   r.eval_samples = 2
   r.diagnostics.every = 4
   r.checkpoint_every = 8

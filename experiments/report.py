@@ -239,9 +239,9 @@ def write_report(workdir: str, out_md: str) -> str:
         "the base under both precisions).",
         ""]
   if meta.get("quick"):
-    md += ["**This is the quick grid** (`--config.quick=True`: a d=32 model, a 100-step base, 8 RL "
-           "steps): it checks that every part of the experiment runs; its numbers are too small "
-           "and short to test the claims.", ""]
+    md += ["**This is the quick grid** (`--config.quick=True`: 8 RL steps of 8 prompts x 4, "
+           "16 held-out prompts): it checks that every part of the experiment runs; its numbers "
+           "are too small and short to test the claims.", ""]
   missing = [s for s in meta.get("settings", []) if s not in agg]
   if missing:
     md += [f"Not finished (no results yet): {', '.join(missing)}.", ""]

@@ -412,7 +412,6 @@ class Trainer:
     from `eval_samples` samples per prompt, as RL papers report it); greedy: temperature-0
     accuracy; reward: mean reward of the samples.
     """
-    cfg = self.setup.cfg
     examples, tokens, mask = self._eval_prompts()
     k_greedy, k_sample = jax.random.split(key)
     qk = _quant_key(self.setup.trainer_policy, key)
@@ -420,14 +419,32 @@ class Trainer:
     out = self.eval_sampler(params, jnp.asarray(tokens), jnp.asarray(mask), k_greedy,
                             quant_key=qk, act_amax=act_amax)
     greedy, _ = self.rewards(out, examples)
-    n = cfg.eval_samples
-    out = self.eval_sampler_t(params, jnp.asarray(np.repeat(tokens, n, 0)),
-                              jnp.asarray(np.repeat(mask, n, 0)), k_sample, quant_key=qk,
-                              act_amax=act_amax)
-    sampled, _ = self.rewards(out, [e for e in examples for _ in range(n)])
+    sampled = np.concatenate([self.rewards(out, chunk)[0] for out, chunk in self._eval_samples(
+        params, k_sample, quant_key=qk, act_amax=act_amax)])
     m = eval_metrics(greedy, sampled)
     # "pass_at_1", not "pass@1": TensorBoard tag names cannot hold "@".
     return {k: float(m[k]) for k in ("pass_at_1", "greedy", "reward")}
+
+  def _eval_samples(self, params, key: jax.Array, *, quant_key: jax.Array | None,
+                    act_amax: transformer.ActAmax | None) -> list[tuple[SampleOutput, list]]:
+    """`eval_samples` completions of every held-out prompt at the rollout temperature, from the
+    trainer's policy, as (SampleOutput, examples) chunks of a rollout's rows (the last one may be
+    smaller), chunk i sampled with fold_in(key, i).
+
+    A chunk the size of a rollout makes evaluation (and `policy_kl`'s scoring) run the rollout's
+    own sampling and scoring programs when the sampler and the trainer share a recipe, instead
+    of compiling programs for the eval batch, and it needs no more device memory than a rollout.
+    """
+    cfg = self.setup.cfg
+    examples, tokens, mask = self._eval_prompts()
+    n = cfg.eval_samples
+    examples = [e for e in examples for _ in range(n)]
+    tokens, mask = np.repeat(tokens, n, 0), np.repeat(mask, n, 0)
+    rows = cfg.rl.num_prompts * cfg.rl.group_size
+    return [(self.eval_sampler_t(params, jnp.asarray(tokens[i:i + rows]),
+                                 jnp.asarray(mask[i:i + rows]), jax.random.fold_in(key, i // rows),
+                                 quant_key=quant_key, act_amax=act_amax), examples[i:i + rows])
+            for i in range(0, len(examples), rows)]
 
   def _eval_prompts(self) -> tuple[list, np.ndarray, np.ndarray]:
     """The fixed held-out prompts (eval split, `eval_num_prompts`), left-padded, and their mask."""
@@ -449,16 +466,15 @@ class Trainer:
     returns {"kl": k1 mean, "kl_k3": k3 mean, "abs_dlogp_mean": ...} (`mismatch_metrics` of
     logp_pi - logp_other: unbiased estimates of KL(pi || pi_other) on pi's samples).
     """
-    _, tokens, mask = self._eval_prompts()
-    n = self.setup.cfg.eval_samples
     tp = self.setup.trainer_policy
-    qk = _quant_key(tp, key)
-    out = self.eval_sampler_t(params, jnp.asarray(np.repeat(tokens, n, 0)),
-                              jnp.asarray(np.repeat(mask, n, 0)), key, quant_key=qk,
-                              act_amax=self.act_amax(params, tp))
-    logp_BT = self.score(params, tp, out, key)
-    logp_other_BT = self.score(other_params, other_policy, out, key)
-    m = mismatch_metrics(logp_BT, logp_other_BT, out.completion_mask)
+    logp, logp_other, mask = [], [], []
+    for out, _ in self._eval_samples(params, key, quant_key=_quant_key(tp, key),
+                                     act_amax=self.act_amax(params, tp)):
+      logp.append(self.score(params, tp, out, key))
+      logp_other.append(self.score(other_params, other_policy, out, key))
+      mask.append(out.completion_mask)
+    m = mismatch_metrics(jnp.concatenate(logp), jnp.concatenate(logp_other),
+                         jnp.concatenate(mask))
     return {"kl": float(m["mismatch_kl"]), "kl_k3": float(m["mismatch_kl_k3"]),
             "abs_dlogp_mean": float(m["abs_dlogp_mean"])}
 
