@@ -43,6 +43,23 @@ def _params(cfg=MODEL):
   return transformer.init_params(cfg, jax.random.key(0))
 
 
+def _on_host(tree):
+  """`tree` as host (numpy) arrays, PRNG keys left as they are. Placing a host value on a mesh
+  slices it on the host; placing a one-device jax.Array compiles a slicing program (jit
+  `_multi_slice`) for every shape and sharding, dozens of compiles in this file for nothing."""
+  is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
+  return jax.tree.map(lambda x: x if is_key(x) else np.asarray(x), tree)
+
+
+@functools.lru_cache(maxsize=None)
+def _host_params(cfg=MODEL):
+  return _on_host(_params(cfg))
+
+
+def _put_params(plan, cfg=MODEL):
+  return plan.put(_host_params(cfg), plan.param_shardings(_host_params(cfg)))
+
+
 def _bytes_per_device(tree) -> dict[int, int]:
   out: dict[int, int] = {}
   for x in jax.tree.leaves(tree):
@@ -86,7 +103,7 @@ def test_rules_naming_unknown_axes_or_an_axis_twice_are_rejected():
 def test_params_are_sharded_as_the_rules_say(shape):
   plan = _plan(shape)
   data, model = shape
-  params = plan.put(_params(), plan.param_shardings(_params()))
+  params = _put_params(plan)
   expected = {  # path -> (spec, shard shape) with D=64, H*hd=64, K*hd=32, F=128, V=64
       "embed/embedding": (P("model", "data"), (64 // model, 64 // data)),
       "lm_head/kernel": (P("data", "model"), (64 // data, 64 // model)),
@@ -121,7 +138,7 @@ def test_parameter_memory_per_device_falls_as_the_mesh_grows():
   for shape in [(1, 1), (2, 1), (2, 2), (4, 2), (2, 4), (8, 1)]:
     n = shape[0] * shape[1]
     plan = _plan(shape, devices=jax.devices()[:n])
-    used = _bytes_per_device(plan.put(_params(), plan.param_shardings(_params())))
+    used = _bytes_per_device(_put_params(plan))
     assert len(used) == n
     worst = max(used.values())
     # Every sharded parameter is split n ways; only norm scales are replicated.
@@ -303,7 +320,7 @@ def test_sampler_on_one_device_mesh_and_pure_data_parallel_is_bitwise():
   # Same reduction order: a one-device plan, and data parallelism with replicated weights (each
   # device runs whole rows, and rows never interact).
   for plan in (sharding.single_device_plan(), _plan((8, 1), rules=((".*", ()),))):
-    params = plan.put(_params(SAMPLER_MODEL), plan.param_shardings(_params(SAMPLER_MODEL)))
+    params = _put_params(plan, SAMPLER_MODEL)
     out, _ = sampling.generate(params, PROMPTS, PMASK, jax.random.key(2),
                                model_cfg=SAMPLER_MODEL, policy=FP32, config=SAMPLING, plan=plan)
     for k, v in _host(out).items():
@@ -314,7 +331,7 @@ def test_sampler_on_one_device_mesh_and_pure_data_parallel_is_bitwise():
 def test_sharded_sampler_matches_one_device(shape):
   ref = _reference_rollout()
   plan = _plan(shape)
-  params = plan.put(_params(SAMPLER_MODEL), plan.param_shardings(_params(SAMPLER_MODEL)))
+  params = _put_params(plan, SAMPLER_MODEL)
   # Exact mode (the trainer's forward re-scores) on one mesh: it adds a compile per mesh.
   sampler = sampling.Sampler(SAMPLER_MODEL, FP32, SAMPLING, exact=shape == (2, 4), plan=plan)
   outs = [sampler(params, PROMPTS, PMASK, jax.random.key(2)) for _ in range(2)]  # cache reused
@@ -329,9 +346,12 @@ def test_sharded_sampler_matches_one_device(shape):
   cache = sampler._cache
   assert cache["layers"][0]["k"].sharding.spec == P("data", None, "model")
   assert cache["mask"].sharding.spec == P("data")
-  # The compiled sampler takes the params exactly as the trainer holds them: no resharding.
+  # The compiled sampler takes the params exactly as the trainer holds them: no resharding. The
+  # other inputs are placed as the sampler places them: this is the program it ran (a cache hit).
+  args = plan.put((PROMPTS.astype(jnp.int32), PMASK, jax.random.key(2)),
+                  (plan.batch, plan.batch, plan.replicated))
   compiled = decode_program(SAMPLER_MODEL, FP32, SAMPLING, plan).lower(
-      params, PROMPTS.astype(jnp.int32), PMASK, jax.random.key(2), cache, None, None).compile()
+      params, *args, cache, None, None).compile()
   for x, got in zip(jax.tree.leaves(params), jax.tree.leaves(compiled.input_shardings[0][0])):
     assert got.is_equivalent_to(x.sharding, x.ndim)
 
@@ -369,7 +389,7 @@ def test_split_logit_sums_keep_tokens_exact_and_logprobs_within_the_fp32_bound()
   assert not cfg.tie_embeddings
   rules = (("lm_head/kernel", ("model", None)), (".*", ()))
   plan = _plan((1, 4), rules=rules, devices=jax.devices()[:4])
-  params = plan.put(_params(SAMPLER_MODEL), plan.param_shardings(_params(SAMPLER_MODEL)))
+  params = _put_params(plan, SAMPLER_MODEL)
   assert params["lm_head"]["kernel"].sharding.spec == P("model")
   out, _ = sampling.generate(params, PROMPTS, PMASK, jax.random.key(2), model_cfg=cfg,
                              policy=FP32, config=SAMPLING, plan=plan)
@@ -414,8 +434,10 @@ def _run_update(cfg, plan, updates):
   trainer = loop.Trainer(setup, log=lambda _: None)
   init = transformer.init_params(setup.model_cfg, jax.random.key(0))
   host = lambda t: jax.tree.map(np.asarray, t)  # noqa: E731
-  init_host = host(init)  # before the update donates (on one device, `place` may not copy)
-  state = trainer.place({"params": init, "opt_state": optimizer.init_opt_state(trainer.tx, init)})
+  init_host = host(init)
+  # Placed from the host (see _on_host): no slicing programs to compile.
+  state = trainer.place(_on_host(
+      {"params": init, "opt_state": optimizer.init_opt_state(trainer.tx, init)}))
   p, o = state["params"], state["opt_state"]
   # The loop's update alone (its step also builds the batch), jitted with the loop's shardings.
   p_sh, o_sh = trainer.state_shardings(p), trainer.state_shardings(o)
@@ -425,7 +447,7 @@ def _run_update(cfg, plan, updates):
                    out_shardings=(p_sh, o_sh, plan.replicated))
   metrics = []
   for step in range(updates):
-    batch = plan.put(_batch(setup, jax.random.key(10 + step)), plan.batch)
+    batch = plan.put(_on_host(_batch(setup, jax.random.key(10 + step))), plan.batch)
     p, o, m = update(p, o, None, batch, jax.random.key(step))
     metrics.append({k: float(v) for k, v in m.items()})
   specs = jax.tree.leaves(plan.param_specs(p), is_leaf=lambda x: isinstance(x, P))
@@ -513,7 +535,7 @@ def test_block_scales_are_computed_within_shards():
   for a, spec, q in cases:
     sh = plan.named(*spec)
     fq = jax.jit(functools.partial(fake_quant, cfg=q), in_shardings=sh, out_shardings=sh)
-    np.testing.assert_array_equal(fq(jax.device_put(a, sh)), fake_quant(a, q))
+    np.testing.assert_array_equal(fq(jax.device_put(np.asarray(a), sh)), fake_quant(a, q))
     ops = _collectives(fq, a)
     if q.kind == "mx":
       assert ops == [], ops  # every block scale from one shard's data
@@ -524,7 +546,8 @@ def test_block_scales_are_computed_within_shards():
   sh = plan.named("data", None, "model")
   q = QuantConfig("mxfp8_e4m3", axis=-1)
   fq = jax.jit(functools.partial(fake_quant, cfg=q), in_shardings=sh, out_shardings=sh)
-  np.testing.assert_array_equal(fq(jax.device_put(narrow, sh)), fake_quant(narrow, q))
+  np.testing.assert_array_equal(fq(jax.device_put(np.asarray(narrow), sh)),
+                                fake_quant(narrow, q))
   assert any(op == "all-reduce" and not shape.endswith("[]") for shape, op in
              _collectives(fq, narrow))
   # A row-parallel quantized matmul: the same quantized operands, only the sum is split.
@@ -532,5 +555,5 @@ def test_block_scales_are_computed_within_shards():
   dims = (((2,), (0,)), ((), ()))
   f = jax.jit(lambda a, b: quantized_dot_general(a, b, dims, qdot),
               in_shardings=(plan.named("data", None, "model"), plan.named("model", "data")))
-  np.testing.assert_allclose(f(x, w.T), quantized_dot_general(x, w.T, dims, qdot), rtol=1e-5,
-                             atol=1e-4)
+  np.testing.assert_allclose(f(np.asarray(x), np.asarray(w.T)),
+                             quantized_dot_general(x, w.T, dims, qdot), rtol=1e-5, atol=1e-4)

@@ -124,8 +124,11 @@ def test_calibration_is_the_masked_max_of_each_matmul_input():
 
 def _logp(tokens, act_amax, policy=NAIVE, mask=None):
   """The trainer's scores (an all-ones mask when none is given: the mask a finished rollout of
-  full prompts without stop tokens has, so scoring programs are shared)."""
+  full prompts without stop tokens has, so scoring programs are shared). Tokens and mask go in
+  uncommitted, made-up ones as sampled ones (which the sampler leaves placed on its one-device
+  mesh): a placed input would make another program of the same computation."""
   mask = jnp.ones(tokens.shape, jnp.float32) if mask is None else mask
+  tokens, mask = (jnp.asarray(np.asarray(x)) for x in (tokens, mask))
   return np.asarray(logprobs_jit(_params(), tokens, model_cfg=TINY, policy=policy, mask_BT=mask,
                                  act_amax=act_amax))
 
