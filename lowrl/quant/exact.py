@@ -1,4 +1,4 @@
-"""Exact (spec) rounding of FP32 quotients onto element grids, in FP32 arithmetic only.
+"""Exact (spec) rounding of FP32 quotients onto element grids, in FP32 and int32 arithmetic.
 
 "Spec-exact" NVFP4 (REFERENCE.md §2) rounds the exact quotients amax/D, amax_block/(6 s_global)
 and x/(s_block s_global) once, to nearest even. An FP32 division (or the reciprocal multiply XLA
@@ -13,7 +13,8 @@ the decision between lo and hi compares the numerator with midpoint * denominato
   a*G_lo, so `num - a*G_hi` vs `a*G_lo` is the exact comparison num vs a*G.
 
 Products being exact, XLA's reassociation of multiplications or LLVM's FMA contraction cannot
-change any result, so jitted and eager programs agree bit for bit.
+change any result, so jitted and eager programs agree bit for bit. The outer scale's division by a
+constant (`div_rn`) is integer arithmetic on the bit pattern instead (exact in any order too).
 """
 from __future__ import annotations
 
@@ -48,20 +49,32 @@ def round_quotient(num: jax.Array, den_a: jax.Array | float, g_hi: jax.Array, g_
   or 4 or 6) and g = g_hi + g_lo in [1, 2) as from `split12`; approx: the quotient to within a
   relative 2**-20 (only used to find the grid interval). NaN num gives a meaningless value: callers
   mask NaN. Returns FP32 grid values (>= 0).
+
+  The grid interval around `approx` comes from bit operations, as in `round_e2m1_quotient`: in the
+  normal range its lower end is approx truncated to mantissa_bits and its midpoint m sets the next
+  bit; below 2**emin (fixed step 2**(emin - mantissa_bits), that of [2**emin, 2**(emin+1)))
+  approx + 2**emin picks the interval there and m is shifted back (exact, Sterbenz). The addition
+  may round, or `approx` be slightly off, into the neighbouring interval: its comparison then
+  still gives the grid point the two share, the right result. Only the comparison with m is
+  exact: m * den_a has <= mantissa_bits + 2 + 4 bits, so num - m*den_a*g_hi vs m*den_a*g_lo is the
+  exact comparison of num with m * den_a * g (module docstring). Ties go to the even neighbour:
+  up iff the lower one's last mantissa bit (its grid index parity) is 1.
   """
-  lo_top = fmt.max_normal - 2.0 ** (fmt.emax - fmt.mantissa_bits)  # grid point below max_normal
-  y = jnp.minimum(approx, lo_top)  # the top interval [lo_top, max] also holds everything above
-  k = fmt.mantissa_bits - jnp.maximum(f32_exponent(y), fmt.emin)
-  f_i = (y * pow2(k)).astype(jnp.int32)  # floor: y >= 0 and y * 2**k is exact
-  u = pow2(-k)
-  f = f_i.astype(jnp.float32)
-  lo = f * u
-  a = (f + 0.5) * u * den_a  # midpoint * den_a: exact (<= mantissa_bits + 2 + 4 bits)
+  mb = fmt.mantissa_bits
+  # Everything above the top interval's midpoint (NaN and inf included) is in the top interval.
+  cap = fmt.max_normal - 2.0 ** (fmt.emax - mb - 1)
+  q = jnp.where(approx < cap, approx, cap)
+  shift = jnp.where(q < 2.0 ** fmt.emin, 2.0 ** fmt.emin, 0.0)
+  bits = lax.bitcast_convert_type(q + shift, jnp.int32)
+  low = (1 << (23 - mb)) - 1  # the FP32 mantissa bits below the format's
+  m_top = lax.bitcast_convert_type((bits & ~low) | (1 << (22 - mb)), jnp.float32)
+  h = lax.bitcast_convert_type(bits & 0x7F800000, jnp.float32) * 2.0 ** (-mb - 1)  # half a step
+  m = m_top - shift
+  a = m * den_a
   d = num - a * g_hi
   p = a * g_lo
-  # Above the midpoint -> hi; on it -> the even neighbour (hi's grid index f + 1 is even iff f odd).
-  up = (d > p) | ((d == p) & ((f_i & 1) == 1))
-  return jnp.where(up, lo + u, lo)
+  up = jnp.where((bits & (1 << (23 - mb))) != 0, d >= p, d > p)
+  return m + jnp.where(up, h, -h)
 
 
 def ceil_quotient(num: jax.Array, den_a: float, g_hi: jax.Array, g_lo: jax.Array,
@@ -84,34 +97,40 @@ def ceil_quotient(num: jax.Array, den_a: float, g_hi: jax.Array, g_lo: jax.Array
 
 def div_rn(num: jax.Array, den: float, round_up: bool = False) -> jax.Array:
   """FP32 num / den correctly rounded (RNE; the exact ceiling with round_up), num >= 0 finite
-  normal (or 0), den a constant with <= 12 significant bits (e.g. 2688 = 6*448, 1536 = 6*256).
+  (0 and FP32 subnormals give 0, as XLA reads subnormal operands as 0), den >= 1 a constant
+  c * 2**p with c an odd integer < 64 (2688 = 21 * 2**7, 1536 = 3 * 2**9, 6 = 3 * 2).
 
-  q0 = num * fl(1/den) is within 1 ulp of the quotient; the remainder num - q0*den is exact
-  (q0 = q_hi + q_lo split in 12-bit halves, each product exact, the first difference Sterbenz-
-  exact and the second a small multiple of a common unit), and comparing it with +-half an ulp
-  times den picks q0 or a neighbour, ties to even.
+  Integer arithmetic on the bit pattern, exact at every step: num = M * 2**(E - 150) with the
+  24-bit integer significand M and the biased exponent E, so num / den = (2t / c) * 2**(E - 152
+  - p - L) with t = M * 2**(L + 1), L = c.bit_length() (t < 2**31). Q = t // c >= 2**24 and
+  r = t - Q c; 2t / c lies in [2Q, 2Q + 2), so Z = 2Q + (r != 0) (Z >= 2**25) rounds like it to
+  24 significant bits (grid steps >= 4 there: Z keeps the round bit and a sticky bit). The int32
+  -> FP32 conversion rounds to nearest even, so it is RNE(2t / c); for the ceiling, a converted
+  value below Z moves one FP32 step up. The power of two goes into the exponent field; results
+  below 2**-126 become 0, as XLA flushes them (as the earlier FP32-arithmetic version did; checked
+  bit for bit against it on every significand of several binades).
   """
-  # Work on num * 2**-en in [1, 4) so that every ulp below is a normal FP32 number; scaling the
-  # correctly rounded quotient back by 2**en is exact (results below 2**-126 flush to 0 on XLA).
-  en = jnp.clip(f32_exponent(num), -126, 126)  # 126: 2**-127 is not a normal FP32 number
-  n1 = num * pow2(-en)  # in [1, 4)
-  d = jnp.float32(den)
-  q0 = n1 * jnp.float32(1.0 / den)
-  q_hi, q_lo = split12(q0)
-  r = (n1 - q_hi * d) - q_lo * d
-  e = f32_exponent(q0)
-  ulp_up = pow2(e - 23)
-  is_p2 = (lax.bitcast_convert_type(q0, jnp.int32) & 0x7FFFFF) == 0
-  ulp_dn = jnp.where(is_p2, pow2(e - 24), ulp_up)
-  odd = (lax.bitcast_convert_type(q0, jnp.int32) & 1) == 1
-  h_up, h_dn = 0.5 * ulp_up * d, 0.5 * ulp_dn * d
-  if round_up:  # q0 < exact -> next up; q0 - ulp still >= exact -> that (q0 is within 1 ulp)
-    up, dn = r > 0, r <= -ulp_dn * d
-  else:
-    up = (r > h_up) | ((r == h_up) & odd)
-    dn = (r < -h_dn) | ((r == -h_dn) & odd)
-  q1 = jnp.where(up, q0 + ulp_up, jnp.where(dn, q0 - ulp_dn, q0))
-  return jnp.where(num > 0, q1 * pow2(en), 0.0)
+  c, p = int(den), 0
+  if c != den or c < 1:
+    raise ValueError(f"div_rn: den={den} must be an integer >= 1.")
+  while c % 2 == 0:
+    c, p = c // 2, p + 1
+  if c >= 64:
+    raise ValueError(f"div_rn: den={den} has an odd factor {c} >= 64 (t would overflow int32).")
+  big_l = c.bit_length()
+  bits = lax.bitcast_convert_type(num, jnp.int32)
+  e = bits >> 23  # the biased exponent (num >= 0: no sign bit)
+  t = ((bits & 0x7FFFFF) | 0x800000) << (big_l + 1)
+  q = lax.div(t, jnp.int32(c))  # t > 0: truncation is the floor (no sign fix-up as for `//`)
+  z = 2 * q + (t != q * c).astype(jnp.int32)
+  f = z.astype(jnp.float32)  # RNE to 24 significant bits, in [2**25, 2**27]
+  f_bits = lax.bitcast_convert_type(f, jnp.int32)
+  if round_up:  # RNE went below Z (f < Z, compared exactly as integers): the next value up
+    f_bits = f_bits + (f.astype(jnp.int32) < z).astype(jnp.int32)
+  shift = e - (152 + p + big_l)  # the result is f * 2**shift: add shift to f's exponent field
+  out_exp = (f_bits >> 23) + shift
+  out = lax.bitcast_convert_type(f_bits + (shift << 23), jnp.float32)
+  return jnp.where((e > 0) & (out_exp > 0), out, 0.0)
 
 
 def round_e2m1_quotient(num: jax.Array, s_hi: jax.Array, s_lo: jax.Array,

@@ -333,7 +333,7 @@ def _nvfp4_outer(amax_b: jax.Array, cfg: QuantConfig, layout: _Layout,
 class _OuterParts(NamedTuple):
   """The outer scale s = G * 2**e (G in [1, 2), split G = G_hi + G_lo) for exact comparisons."""
 
-  e: jax.Array
+  down: jax.Array  # 2**-e (2**127 for s = 0)
   g: jax.Array
   g_hi: jax.Array
   g_lo: jax.Array
@@ -341,14 +341,18 @@ class _OuterParts(NamedTuple):
 
 
 def _outer_parts(outer: jax.Array) -> _OuterParts:
-  e, g = exact.normalize(outer)  # outer: materialized by _nvfp4_outer (or a stored input)
+  """The parts of `outer` (materialized by _nvfp4_outer, or a stored input), computed once into
+  one buffer (a scalar per tensor or one per row), not inside every per-block and per-element
+  consumer: XLA would otherwise repeat the exponent arithmetic in each of their fusions."""
+  e, g = exact.normalize(outer)
   g_hi, g_lo = exact.split12(g)
-  return _OuterParts(e, g, g_hi, g_lo, outer > 0)
+  down, g, g_hi, g_lo = _materialize(jnp.stack([pow2(jnp.clip(-e, -126, 127)), g, g_hi, g_lo]))
+  return _OuterParts(down, g, g_hi, g_lo, outer > 0)
 
 
 def _scaled_by_outer(v: jax.Array, parts: _OuterParts) -> jax.Array:
   """v * 2**-e (exact; inf where it overflows, which rounds like any value above the grid)."""
-  return v * pow2(jnp.clip(-parts.e, -126, 127))
+  return v * parts.down
 
 
 def _nvfp4_block_scale(amax_b, outer, parts: _OuterParts, target,
@@ -407,13 +411,17 @@ def _opaque(v: jax.Array) -> jax.Array:
 _NO_SR = QuantConfig("nvfp4")
 
 
-def _nvfp4_scales_and_grid(x_b, cfg, layout, tensor_amax):
-  """(stored E4M3 block scales, stored outer scale, the E2M1 grid values or None).
+def _nvfp4_quantize(x_b, cfg, layout, key, tensor_amax):
+  """(E2M1 grid values, stored E4M3 block scales, stored outer scale, decode parameters).
 
   With four_over_six and round to nearest, the grid values of both candidates are computed (once,
   stacked) to choose between them, so the chosen block's are returned: they are what
   `_nvfp4_elements` gives for the stored scale (the same function of x, the same scale value and
-  the same outer scale). Otherwise None: the caller rounds the elements with the stored scale.
+  the same outer scale). Otherwise the elements are rounded with the chosen scale.
+
+  The decode parameters hold the FP32 block scale before its E4M3 storage cast: the same values
+  as `_nvfp4_params` reads back from the stored scale (they are E4M3 grid values, 0 or NaN), so
+  fake_quant needs no E4M3 cast at all (quantize's stored scale is then dead code under jit).
   """
   amax_b = _abs_max(x_b, layout.reduce_axes)
   outer = _nvfp4_outer(amax_b, cfg, layout, tensor_amax)
@@ -440,9 +448,12 @@ def _nvfp4_scales_and_grid(x_b, cfg, layout, tensor_amax):
     s_block = jnp.where(use4, s_both[1], s_both[0])
     if not sr:
       grid_b = jnp.where(use4, codes[1], codes[0])
-  scale = _squeeze(_materialize(s_block), layout).astype(E4M3.dtype)
+  s_block = _materialize(s_block)
+  if grid_b is None:
+    grid_b = _nvfp4_elements(x_b.astype(jnp.float32), s_block, parts, cfg, key)
+  scale = _squeeze(s_block, layout).astype(E4M3.dtype)
   outer_stored = _squeeze(outer, layout) if cfg.per_token else outer
-  return scale, outer_stored, grid_b
+  return grid_b, scale, outer_stored, (s_block, outer)
 
 
 def _materialize(v: jax.Array) -> jax.Array:
@@ -510,7 +521,7 @@ def _te_apply(grid_b, final_scale):
   return grid_b * final_scale
 
 
-# NVFP4 (exact): _nvfp4_scales_and_grid, which may return the grid values too.
+# NVFP4 (exact): _nvfp4_quantize, which returns the grid values and decode parameters too.
 _SCALES = {"tensor": _tensor_scales, "mx": _mx_scales, "nvfp4_te": _te_scales}
 # Per-block (encode, decode) parameters from the stored scales, and the elementwise decode.
 # quantize, dequantize and fake_quant all go through these.
@@ -524,20 +535,15 @@ def _quantize_blocked(x, cfg, layout, key, tensor_amax):
   """(FP32 grid values in the blocked view, stored scale, stored outer, decode parameters)."""
   fmt = formats.element_format(cfg.fmt)
   x_b = x.reshape(layout.blocked_shape)  # scales read the input dtype, elements work in FP32
-  if cfg.scheme == "nvfp4":  # with 4/6 (round to nearest) the chosen candidate's values come too
-    scale, outer, grid_b = _nvfp4_scales_and_grid(x_b, cfg, layout, tensor_amax)
-  else:
-    (scale, outer), grid_b = _SCALES[cfg.scheme](x_b, cfg, fmt, layout, tensor_amax), None
+  if cfg.scheme == "nvfp4":
+    return _nvfp4_quantize(x_b, cfg, layout, key, tensor_amax)
+  scale, outer = _SCALES[cfg.scheme](x_b, cfg, fmt, layout, tensor_amax)
   enc, dec = _PARAMS[cfg.scheme](scale, outer, layout)
-  if grid_b is None:
-    x_f32 = x_b.astype(jnp.float32)
-    if cfg.scheme == "nvfp4":
-      s_block, outer_b = dec
-      grid_b = _nvfp4_elements(x_f32, s_block, _outer_parts(outer_b), cfg, key)
-    elif cfg.kind == "mx":
-      grid_b = _round(_mx_encode(x_f32, dec), fmt, cfg, key)
-    else:
-      grid_b = _round(x_f32 * enc, fmt, cfg, key)
+  x_f32 = x_b.astype(jnp.float32)
+  if cfg.kind == "mx":
+    grid_b = _round(_mx_encode(x_f32, dec), fmt, cfg, key)
+  else:
+    grid_b = _round(x_f32 * enc, fmt, cfg, key)
   return grid_b, scale, outer, dec
 
 

@@ -125,6 +125,50 @@ def test_div_rn_is_correctly_rounded():
     _same(got, want)
 
 
+def test_div_rn_edges():
+  """div_rn is integer arithmetic on the bit pattern: significands at the ends of [1, 2) (the
+  int32 quotient's range), results at the FP32 normal limit (below it they flush to 0, like the
+  reference), subnormal and zero numerators (0), and the divisor 6 (the TE convention's)."""
+  ends = np.array([1.0, np.nextafter(f32(1), f32(2)), np.nextafter(f32(2), f32(1)), 1.5, 1.3125],
+                  f32)
+  num = np.concatenate([ends * f32(2.0**e) for e in (-126, -125, -116, -115, -114, -113, -112, -1,
+                                                       0, 11, 12, 126, 127)]
+                       + [[0.0, 1e-40, 1.4e-45, np.finfo(f32).max, 2688 * 2.0**-126,
+                           2688 * 2.0**-127 * 3]]).astype(f32)
+  for den in (2688.0, 1536.0, 6.0):
+    got = np.asarray(jax.jit(lambda n: exact.div_rn(n, den))(num))
+    want = np.array([rne_f32(Fraction(float(n)) / Fraction(den)) for n in num], f32)
+    _same(got, want)
+    got = np.asarray(jax.jit(lambda n: exact.div_rn(n, den, round_up=True))(num))
+    want = [float(ceil_f32(Fraction(float(n)) / Fraction(den))) if n else 0.0 for n in num]
+    _same(got, np.array([w if w >= 2.0**-126 else 0.0 for w in want], f32))  # flushed
+
+
+def test_round_quotient_at_the_subnormal_boundary():
+  """E4M3's grid step changes at 2**-6 (2**emin): quotients just below it, whose `approx + 2**emin`
+  rounds up to 2**-5, and around its grid points and midpoints, with a low-by-2**-21 approximation
+  too (the neighbouring interval), and far below the smallest subnormal (0)."""
+  g = f32(1.0 + 2.0**-2 + 2.0**-13 + 2.0**-23)
+  g_hi, g_lo = exact.split12(jnp.float32(g))
+  den = f32(6.0)
+  grid = E4M3.grid()
+  pts = np.concatenate([grid[:12], (grid[:11] + grid[1:12]) / 2, [2.0**-6 * (1 - 2.0**-24),
+                                                                  2.0**-6 * (1 - 2.0**-23)]])
+  num = np.array([float(Fraction(float(p)) * 6 * Fraction(float(g))) for p in pts], f32)
+  num = np.concatenate([num, np.nextafter(num, 0), np.nextafter(num, np.inf), [1e-30, 2.0**-40]])
+  num = num.astype(f32)
+  grid_f = [Fraction(float(v)) for v in grid]
+  for scale in (1.0, 1 - 2.0**-21, 1 + 2.0**-21):
+    approx = jnp.asarray(num) / (den * g) * f32(scale)
+    got = np.asarray(exact.round_quotient(jnp.asarray(num), den, g_hi, g_lo, approx, E4M3))
+    for n, o in zip(num, got):
+      t = Fraction(float(n)) / (Fraction(float(den)) * Fraction(float(g)))
+      i = max(k for k in range(len(grid_f)) if grid_f[k] <= t)
+      mid = (grid_f[i] + grid_f[i + 1]) / 2
+      want = grid_f[i] if t < mid or (t == mid and i % 2 == 0) else grid_f[i + 1]
+      assert Fraction(float(o)) == want, (n, scale, o, float(want))
+
+
 def test_ceil_quotient_is_the_exact_ceiling():
   """E4M3 ceilings of num / (6 g): grid points times 6g exactly (-> that point), their FP32
   neighbours (-> it or the next), and random values, g with many significant bits."""
