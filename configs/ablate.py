@@ -6,7 +6,7 @@ setting and seed (`run.sft.seed`), the probes on (`run.diagnostics.every`). `gro
 parts of the grid run (experiments/ablate.py `settings` lists them); `seeds` run for every
 setting; `twin` is the setting every run's policy is compared with (KL to the BF16 twin); `lrs`
 the learning rates of the stochastic-rounding group. `quick=True` is a small grid at small sizes
-(13 minutes on 2 idle CPU cores, measured; the target is 10) that exercises every part; the other
+(9 minutes on 2 idle CPU cores, measured) that exercises every part; the other
 values are then ignored.
 """
 from __future__ import annotations

@@ -90,3 +90,16 @@ def test_bad_grid_is_rejected_before_any_run(tmp_path):
   with pytest.raises(run_config.ConfigError, match="--config.run.rl.num_minibatches"):
     ablate.run_grid(cfg, str(tmp_path / "w"))
   assert not os.path.exists(tmp_path / "w" / ablate.RESULTS)
+
+
+def test_quick_grid_runs_every_group_and_evaluates_in_rollout_sized_rows():
+  """`--config.quick=True` keeps a setting of every group (the twin first), every name of it is a
+  setting of the full grid, and its held-out rows are a rollout's (the programs are shared)."""
+  full = ablate_config.get_config()
+  quick = ablate.quick(full)
+  chosen = ablate.settings(quick)
+  assert chosen[0].name == full.twin
+  assert {s.group for s in chosen} == {s.group for s in ablate.settings(full)}
+  assert set(quick.only) <= {s.name for s in chosen}
+  r = quick.run
+  assert r.eval_num_prompts * r.eval_samples == r.rl.num_prompts * r.rl.group_size
