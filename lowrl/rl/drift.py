@@ -26,6 +26,9 @@ Reported per part (`drift/<part>/<metric>`, part in DRIFT_PARTS):
                     is 1 for the pairs whose x is d. The estimand is the per-token (conditional)
                     KL averaged over the sampler's prefixes.
 The total (d, a) is the plain mismatch of the sampler against the current trainer.
+Under top-k / top-p one score can give a sampled token probability 0 (its KL is infinite): such
+tokens are left out of every part, so the parts still add up, and `drift/outside_support_frac` is
+their share of the sampled tokens.
 
 `is_weight_mean` of the total part, the mean of pi_now / pi_sampler over the sampled tokens, is 1 in
 expectation when logp_sampler is the log-probability of the distribution the tokens were drawn
@@ -40,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from lowrl.rl.masked import masked_max, masked_mean
-from lowrl.rl.mismatch import mismatch_metrics
+from lowrl.rl.mismatch import in_support, mismatch_metrics
 
 DRIFT_PARTS = ("quantization", "staleness", "total")
 _AVERAGED = ("mismatch_kl_k3", "ess", "is_weight_mean", "is_weight_std")
@@ -78,7 +81,13 @@ def drift_metrics(logp_sampler_BT: jax.Array, logp_stale_BT: jax.Array, logp_now
   else:
     parts = {"quantization": [(d, c), (b, a)], "staleness": [(d, b), (c, a)]}
   parts["total"] = [(d, a)]
-  out = {}
+  # One token set for every part, so that they still add up: the tokens all four scores support.
+  support_BT = in_support(d) & in_support(c) & in_support(a)
+  if b is not None:
+    support_BT &= in_support(b)
+  out = {"drift/outside_support_frac":
+         masked_mean(1.0 - support_BT.astype(jnp.float32), jnp.asarray(mask_BT, jnp.float32))}
+  mask_BT = jnp.where(support_BT, jnp.asarray(mask_BT, jnp.float32), 0.0)
   for part, pairs in parts.items():
     out.update({f"drift/{part}/{k}": v
                 for k, v in _part_metrics(pairs, d, mask_BT).items()})

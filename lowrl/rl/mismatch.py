@@ -6,6 +6,9 @@ Tokens are sampled from the sampler, so with d = logp_sampler - logp_trainer on 
   abs_dlogp_mean, abs_dlogp_max = mean and max of |d|
   is_weight_mean, is_weight_std = mean and population std of w (w = pi_trainer / pi_sampler)
   ess             = (sum w)^2 / (N sum w^2)  in (0, 1]; 1 when all weights are equal
+  outside_support_frac = share of masked tokens one side gives probability 0 (top-k / top-p)
+Such a token makes the KL infinite and carries no importance weight, so every other metric is over
+the tokens both distributions support; outside_support_frac says how many were left out.
 An all-zero mask means "no evidence of mismatch": KLs, |d| stats and the weight std are 0, the weight
 mean and ESS are 1. No NaN either way.
 
@@ -23,6 +26,16 @@ import jax.numpy as jnp
 from lowrl.rl.kl import k3_from_log_ratio
 from lowrl.rl.masked import masked_count, masked_max, masked_mean, masked_sum, safe_divide
 
+# A log-probability at or below half of this is a token outside its distribution's support
+# (top-k / top-p give it probability 0): -inf in the sampler's scores, this value in the trainer's
+# (lowrl.training.rl_update clamps there so that products with 0 stay 0, not NaN).
+OUTSIDE_SUPPORT_LOGP = -1e30
+
+
+def in_support(logp_BT: jax.Array) -> jax.Array:
+  """True where a log-probability is a token inside its distribution's support."""
+  return logp_BT > OUTSIDE_SUPPORT_LOGP / 2
+
 
 def mismatch_metrics(logp_sampler_BT: jax.Array, logp_trainer_BT: jax.Array,
                      mask_BT: jax.Array, log_weight_BT: jax.Array | None = None
@@ -38,6 +51,9 @@ def mismatch_metrics(logp_sampler_BT: jax.Array, logp_trainer_BT: jax.Array,
   logp_sampler_BT = jax.lax.stop_gradient(jnp.asarray(logp_sampler_BT, jnp.float32))
   logp_trainer_BT = jax.lax.stop_gradient(jnp.asarray(logp_trainer_BT, jnp.float32))
   mask_BT = jnp.asarray(mask_BT, jnp.float32)
+  support_BT = in_support(logp_sampler_BT) & in_support(logp_trainer_BT)
+  outside_support_frac = masked_mean(1.0 - support_BT.astype(jnp.float32), mask_BT)
+  mask_BT = jnp.where(support_BT, mask_BT, 0.0)
   # Zero on padding so exp() below can't overflow on garbage logprobs.
   d_BT = jnp.where(mask_BT != 0, logp_sampler_BT - logp_trainer_BT, 0.0)
   w_BT = jnp.exp(-d_BT)
@@ -66,4 +82,5 @@ def mismatch_metrics(logp_sampler_BT: jax.Array, logp_trainer_BT: jax.Array,
       "is_weight_mean": w_mean,
       "is_weight_std": jnp.sqrt(w_var),
       "ess": safe_divide(jnp.square(sum_u), masked_count(mean_mask_BT) * sum_u2, empty=1.0),
+      "outside_support_frac": outside_support_frac,
   }

@@ -44,7 +44,7 @@ from lowrl.precision import PrecisionPolicy
 from lowrl.rl.corrections import CorrectionConfig, correction_weights
 from lowrl.rl.losses import LossConfig, aggregation_denominator, policy_loss
 from lowrl.rl.masked import masked_count, masked_mean, safe_divide
-from lowrl.rl.mismatch import mismatch_metrics
+from lowrl.rl.mismatch import OUTSIDE_SUPPORT_LOGP, in_support, mismatch_metrics
 from lowrl.sampling import SamplingConfig, sampling_logits
 from lowrl.sharding import ShardingPlan
 from lowrl.training.optimizer import apply_update, tree_all_finite
@@ -108,11 +108,6 @@ def update_config_from(rl: ml_collections.ConfigDict, master_rounding: str,
                       master_rounding=master_rounding, micro_batches=rl.micro_batches)
 
 
-# Stands in for the -inf of a token outside the top-k / top-p support inside the update: exp()
-# of it is exactly 0 like -inf, but products with 0 (entropy, CISPO's coef * logp) stay 0, not NaN.
-_OUTSIDE_SUPPORT_LOGIT = -1e30
-
-
 def make_logprob_fn(model_cfg: ModelConfig, policy: PrecisionPolicy,
                     sampling: SamplingConfig | None = None
                     ) -> Callable[[Any, TokenBatch | RLBatch, jax.Array | None], tuple[jax.Array, jax.Array]]:
@@ -139,7 +134,9 @@ def make_logprob_fn(model_cfg: ModelConfig, policy: PrecisionPolicy,
     logits_BTV = transformer.forward(params, tokens_BT, model_cfg, policy, mask_BT=mask_BT,
                                      quant_key=quant_key)
     q_logits_BTV = sampling_logits(logits_BTV, sampling)
-    q_logits_BTV = jnp.maximum(q_logits_BTV, _OUTSIDE_SUPPORT_LOGIT)
+    # OUTSIDE_SUPPORT_LOGP stands in for -inf: exp() of it is exactly 0 like -inf, but products
+    # with 0 (entropy, CISPO's coef * logp) stay 0, not NaN.
+    q_logits_BTV = jnp.maximum(q_logits_BTV, OUTSIDE_SUPPORT_LOGP)
     return transformer.logprobs_from_logits(q_logits_BTV, tokens_BT, mask_BT)
   return logprob_fn
 
@@ -204,7 +201,7 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
     # A token outside pi_old's top-k / top-p support (possible when the sampler's weights or
     # precision differ) has pi_old = 0: its PPO ratio is undefined and its corrected weight
     # pi_old / pi_sampler is 0, so it leaves the loss.
-    in_support_BT = (logp_old_BT > _OUTSIDE_SUPPORT_LOGIT / 2).astype(jnp.float32)
+    in_support_BT = in_support(logp_old_BT).astype(jnp.float32)
     outside_support_frac = masked_mean(1.0 - in_support_BT, mask_BT)
     loss_mask_BT = mask_BT * in_support_BT
     use_is = cfg.correction.mode != "none"

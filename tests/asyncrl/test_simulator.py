@@ -468,9 +468,19 @@ def test_simulator_supports_kl_dynamic_sampling_and_top_k():
   c.rl.top_k = 3
   setup = simulator.build(c)
   assert setup.sampling.top_k == 3 and setup.batch_cfg.dynamic_sampling
-  m = simulator.simulate(setup, AsyncSchedule(), SEEDS).metrics
+  # At lag 2 a stale sampler draws tokens outside the current trainer's top-3: pi_old = 0 there,
+  # so they leave the loss and the drift parts (counted in outside_support_frac), and no metric
+  # reads the -1e30 stand-in for log 0.
+  m = simulator.simulate(setup, AsyncSchedule(lag=2), SEEDS, num_slots=SLOTS).metrics
   assert np.all(np.isfinite(m["kl_ref"])) and m["kl_ref"][0, 0] == pytest.approx(0.0, abs=1e-6)
   assert m["kl_ref"][0, -1] > 0  # the policy moved away from its start
+  assert np.mean(m["drift/outside_support_frac"]) > 0
+  np.testing.assert_array_equal(m["drift/outside_support_frac"],
+                                m["correction/outside_support_frac"])  # pi_old = the current
+  assert np.all(m["skipped_updates"] == 0)
+  for k, v in m.items():
+    if k.startswith(("drift/", "mismatch/")):
+      assert np.all(np.isfinite(v) & (np.abs(v) < 1e6)), k
   assert np.all((m["groups_kept"] >= 0) & (m["groups_kept"] <= 1))
   c.rl.overlong_buffer = c.task.length + 1
   with pytest.raises(ValueError, match="rl.overlong_buffer"):

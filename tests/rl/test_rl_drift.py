@@ -67,6 +67,33 @@ def test_symmetric_parts_add_up_and_do_not_depend_on_the_order(seed):
   assert np.isfinite([float(v) for v in m.values()]).all()
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_tokens_outside_a_support_leave_every_part(symmetric):
+  # Top-k / top-p: a token the sampler drew can be outside another score's support (-inf or the
+  # trainer's -1e30 clamp). Every part drops it, so they still add up and stay finite.
+  sampler, stale, now, mask = _logps(1)
+  now_sampler = now + 0.1 if symmetric else None
+  outside = np.zeros(mask.shape, bool)
+  outside[1, :2] = outside[3, 4] = outside[4, 7] = True
+  row = np.arange(mask.shape[0])[:, None]
+  stale_o = jnp.where(outside & (row == 1), -jnp.inf, stale)  # the stale trainer's top-k
+  now_o = jnp.where(outside & (row == 3), -1e30, now)  # the current trainer's (clamped)
+  sampler_o = jnp.where(outside & (row == 4), -jnp.inf, sampler)
+  m = drift_metrics(sampler_o, stale_o, now_o, mask, now_sampler)
+  kept = drift_metrics(sampler, stale, now, jnp.where(jnp.asarray(outside), 0.0, mask),
+                       now_sampler)
+  assert np.isfinite([float(v) for v in m.values()]).all()
+  n_out = (outside & (np.asarray(mask) > 0)).sum()
+  assert n_out >= 2
+  assert float(m["drift/outside_support_frac"]) == pytest.approx(n_out / np.asarray(mask).sum())
+  assert float(kept["drift/outside_support_frac"]) == 0.0
+  for k in kept:
+    if k != "drift/outside_support_frac":
+      assert float(m[k]) == float(kept[k]), k
+  q, s, t = (float(m[f"drift/{p}/mismatch_kl"]) for p in DRIFT_PARTS)
+  assert q + s == pytest.approx(t, abs=1e-6)
+
+
 def test_part_k3_and_ess_are_under_the_distribution_they_refer_to():
   """Four categorical distributions over 4 tokens; 400k tokens drawn from the sampler d. Each part's
   k3 must estimate the exact KLs of its pairs under their first distribution, ESS the exact

@@ -7,14 +7,17 @@ import pytest
 from lowrl.rl.mismatch import mismatch_metrics
 
 KEYS = {"mismatch_kl", "mismatch_kl_k3", "abs_dlogp_mean", "abs_dlogp_max", "is_weight_mean",
-        "is_weight_std", "ess"}
+        "is_weight_std", "ess", "outside_support_frac"}
 
 
 def _np_metrics(logp_s, logp_t, mask):
-  m = mask > 0
+  # A probability-0 token (top-k / top-p: -inf, or the trainer's -1e30 clamp) is counted apart.
+  outside = (logp_s < -1e29) | (logp_t < -1e29)
+  m = (mask > 0) & ~outside
   d = (logp_s - logp_t).astype(np.float64)[m]
   w = np.exp(-d)
   return {
+      "outside_support_frac": (outside & (mask > 0)).sum() / (mask > 0).sum(),
       "mismatch_kl": d.mean(),
       "mismatch_kl_k3": (w - np.log(w) - 1).mean(),
       "abs_dlogp_mean": np.abs(d).mean(),
@@ -58,8 +61,30 @@ def test_all_zero_mask(data):
   logp_s, logp_t, _ = data
   out = mismatch_metrics(jnp.asarray(logp_s), jnp.asarray(logp_t), jnp.zeros(logp_s.shape))
   expected = dict(mismatch_kl=0.0, mismatch_kl_k3=0.0, abs_dlogp_mean=0.0, abs_dlogp_max=0.0,
-                  is_weight_mean=1.0, is_weight_std=0.0, ess=1.0)
+                  is_weight_mean=1.0, is_weight_std=0.0, ess=1.0, outside_support_frac=0.0)
   assert {k: float(v) for k, v in out.items()} == expected
+
+
+def test_tokens_outside_either_support_are_counted_apart(data):
+  # Top-k sampling: the trainer can rank a sampled token outside its top-k (-inf from the
+  # sampler's scoring, -1e30 from the trainer's clamp). Its KL is infinite; the metrics are over
+  # the other tokens and the share left out is reported.
+  logp_s, logp_t, mask = (x.copy() for x in data)
+  logp_t[0, :3] = -np.inf
+  logp_t[1, 2:4] = -1e30
+  logp_s[2, 5] = -np.inf
+  outside = np.zeros(mask.shape, bool)
+  outside[0, :3] = outside[1, 2:4] = outside[2, 5] = True
+  assert (outside & (mask > 0)).sum() >= 3
+  out = mismatch_metrics(*map(jnp.asarray, (logp_s, logp_t, mask)))
+  ref = _np_metrics(logp_s, logp_t, mask)
+  assert 0 < ref["outside_support_frac"] < 1
+  for k in KEYS:
+    np.testing.assert_allclose(out[k], ref[k], rtol=1e-5, err_msg=k)
+  # The same numbers as the mask without those tokens.
+  kept = mismatch_metrics(*map(jnp.asarray, (data[0], data[1], np.where(outside, 0.0, mask))))
+  for k in KEYS - {"outside_support_frac"}:
+    assert float(out[k]) == float(kept[k]), k
 
 
 def test_ess_stable_for_extreme_weights():
