@@ -43,11 +43,15 @@ def test_host_offloaded_reference_and_versions_give_the_same_run(tmp_path):
   for where in ("param", "host", "bfloat16"):
     c = tiny.loop_config("fp32", base_dir, steps=3, num_prompts=2)
     c.rl.kl_coef, c.async_rl.lag = 0.1, 1  # a penalised reference and one stale version
+    # Decay moves the weights every step, whatever the sampled rewards (a tiny base can score all
+    # of a batch's groups alike, and then no gradient moves them): the reference and the stale
+    # version really differ from the current weights.
+    c.optimizer.weight_decay = 1.0
     c.rl.ref_storage = c.async_rl.version_storage = where
     loop.run(c, str(tmp_path / where), log=lambda _: None)
     runs[where] = _metrics(str(tmp_path / where))
   assert runs["host"] == runs["param"]  # the same numbers, bit for bit (checkpointed each step)
-  assert any(m["loss"] != 0 for m in runs["param"])
+  assert all(m["drift/staleness/abs_dlogp_max"] > 0 for m in runs["param"][1:])
   # BF16 copies: the same run up to the rounded weights (a different, valid trajectory).
   assert [m["step"] for m in runs["bfloat16"]] == [1, 2, 3]
   assert runs["bfloat16"] != runs["param"]
