@@ -231,7 +231,7 @@ def write_report(workdir: str, out_md: str) -> str:
   wall = sum(r["wall_s"] for r in results)
   md = ["# Recipe ablation in the real training loop", "",
         f"Reproduce: `{meta.get('command', 'python -m experiments.ablate --workdir=W')}` then "
-        f"`python -m experiments.report --workdir=W`.", "",
+        f"`python -m experiments.report --workdir={workdir}`.", "",
         f"{len(results)} runs ({len(agg)} settings x seeds {meta.get('seeds', '?')}); wall time "
         f"of the runs {wall / 60:.1f} min in all ({meta.get('machine', 'this machine')}). Numbers "
         "are mean ± population std over seeds. Twin KL: KL(run || BF16 twin of the same seed) "
