@@ -43,7 +43,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from lowrl import precision
+from lowrl import precision, user_cache
 from lowrl.training import loop, optimizer, run_config, run_logs
 
 Log = Callable[[str], None]
@@ -239,10 +239,9 @@ def run_grid(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print,
                "quick": bool(cfg.quick),
                "seeds": [int(s) for s in cfg.seeds], "settings": [s.name for s, _ in grid],
                "machine": f"{os.cpu_count()} CPU cores, {jax.default_backend()}"}, f)
-  # One compilation cache for the grid: seeds (and settings sharing programs) reuse compiles.
-  if not jax.config.jax_compilation_cache_dir:  # keep a cache the caller set up (tests)
-    jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  # The binaries' compilation cache (--compile_cache; a cache the caller set up is kept): seeds,
+  # settings sharing programs and later grids reuse compiles.
+  user_cache.enable_compile_cache()
   done = {(r["setting"], r["seed"]): r for r in read_results(workdir)}
   twin_setting = grid[0][0]
   base_dir = os.path.join(workdir, "base")

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowrl import precision
+from lowrl import precision, user_cache
 from lowrl.models import config as model_config
 from lowrl.models import layout, transformer
 from lowrl.quant import QuantConfig, quantize
@@ -196,6 +196,7 @@ def write_json(results: list[Comparison], path: str) -> None:
 
 def main(argv):
   del argv
+  user_cache.enable_compile_cache()
   text, results = run(small=_SMALL.value, sizes=_SIZES.value, repeats=_REPEATS.value,
                       iters=_ITERS.value, model=_MODEL.value, batch=_BATCH.value,
                       seq_len=_SEQ_LEN.value, recipe=_RECIPE.value,
@@ -221,5 +222,6 @@ if __name__ == "__main__":
                                    ["fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2"],
                                    "precision.format of the train step (an FP8 format).")
   _STEP = flags.DEFINE_bool("train_step", True, "Also time the train step.")
+  user_cache.define_compile_cache_flag()
   _OUT = flags.DEFINE_string("out", "", "Optional JSON file for the results.")
   app.run(main)

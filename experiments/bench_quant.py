@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowrl import user_cache
 from lowrl.quant import QuantConfig, bytes_per_param, fake_quant
 
 try:  # qwix is an optional peer for the comparison only.
@@ -55,6 +56,7 @@ _SIZE = flags.DEFINE_integer("size", 4096, "The tensor is [size, size] BF16.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed rounds (median reported).")
 _FORMATS = flags.DEFINE_list("formats", list(FORMATS), f"Formats to time, from {list(FORMATS)}.")
 _QWIX = flags.DEFINE_bool("qwix", True, "Also time qwix where it supports the format.")
+_COMPILE_CACHE = user_cache.define_compile_cache_flag()
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed of the input tensor.")
 
 
@@ -87,6 +89,7 @@ def _time_interleaved(fns: dict, args: tuple, repeats: int) -> dict[str, np.ndar
 
 def main(argv):
   del argv
+  user_cache.enable_compile_cache()
   unknown = sorted(set(_FORMATS.value) - set(FORMATS))
   if unknown:
     raise app.UsageError(f"Unknown formats {unknown}; choose from {list(FORMATS)}.")

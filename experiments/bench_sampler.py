@@ -45,7 +45,7 @@ import numpy as np
 from lowrl import precision
 from lowrl.models import config as model_config
 from lowrl.models import layout, transformer
-from lowrl import sampling
+from lowrl import sampling, user_cache
 from lowrl.quant import PackedWeight
 
 _MODEL = flags.DEFINE_string("model", "small", f"Model preset: {model_config.preset_names()}.")
@@ -54,6 +54,7 @@ _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "Prompt tokens per sequence
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Generated tokens per sequence.")
 _RECIPES = flags.DEFINE_list("recipes", list(precision.RECIPES), "Precision recipes to time.")
 _REPEATS = flags.DEFINE_integer("repeats", 9, "Interleaved timed rounds (median and spread).")
+_COMPILE_CACHE = user_cache.define_compile_cache_flag()
 _TUNIX = flags.DEFINE_bool("tunix", True, "Also time tunix's vanilla sampler if importable.")
 
 # One round of a row: {phase: seconds}, phases "prefill", "decode" (per step), "call".
@@ -238,6 +239,7 @@ def packed_sizes(model_cfg, params, recipes) -> dict[str, dict[str, float]]:
 
 def main(argv):
   del argv
+  user_cache.enable_compile_cache()
   model_cfg = model_config.preset(_MODEL.value)
   batch, p, n = _BATCH.value, _PROMPT_LEN.value, _NEW_TOKENS.value
   print(f"model {_MODEL.value}: {model_cfg.num_params() / 1e6:.2f}M params, batch {batch}, "

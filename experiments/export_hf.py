@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from lowrl import user_cache  # noqa: E402
 from lowrl.checkpoints import hf, hf_quantized  # noqa: E402
 from lowrl.models import layout, transformer  # noqa: E402
 from lowrl.training import loop, run_config  # noqa: E402
@@ -191,6 +192,7 @@ _ROLLOUT = flags.DEFINE_enum("rollout_format", "", ["", *hf_quantized.ROLLOUT_FO
                              "layout (empty: unquantized).")
 _DTYPE = flags.DEFINE_enum("dtype", "", list(_DTYPES), "dtype of the written (unquantized) "
                            "tensors; empty keeps the run's parameter dtype.")
+_COMPILE_CACHE = user_cache.define_compile_cache_flag()
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Write into a non-empty --out directory.")
 
 
@@ -204,6 +206,7 @@ def main(argv):
     _fail(f"unexpected arguments {argv[1:]}; flags look like --workdir=DIR.")
   if not _WORKDIR.value or not _OUT.value:
     _fail("--workdir and --out are required.")
+  user_cache.enable_compile_cache()
   try:
     export(_WORKDIR.value, _OUT.value, step=_STEP.value, rollout_format=_ROLLOUT.value,
            dtype=_DTYPES[_DTYPE.value], overwrite=_OVERWRITE.value,

@@ -13,6 +13,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from absl import flags
 
+from lowrl import user_cache
 from lowrl.training import run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -111,12 +112,13 @@ def config_value(holder: Any, argv: Sequence[str], default_spec: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class RunFlags:
-  """The flags every binary defines: its config file (`default_spec`), --config, --workdir and
-  --print_config (absl flag holders)."""
+  """The flags every binary defines: its config file (`default_spec`), --config, --workdir,
+  --print_config and --compile_cache (absl flag holders)."""
   default_spec: str
   config: Any
   workdir: Any
   print_config: Any
+  compile_cache: Any
 
   def config_value(self) -> Any:
     """The config with its --config.* overrides, or a one-line error (exit 2)."""
@@ -132,13 +134,15 @@ class RunFlags:
 
   def start(self, argv: Sequence[str], schema_docs: dict[str, str] | None = None) -> Any | None:
     """The config a binary's `main(argv)` runs; None when --print_config printed it instead.
-    Stray positional arguments are a one-line error."""
+    Stray positional arguments are a one-line error. Turns on the compilation cache
+    (`--compile_cache`, lowrl.user_cache) before anything compiles."""
     if len(argv) > 1:
       fail(f"unexpected arguments {list(argv[1:])}; flags look like --workdir=DIR.")
     cfg = self.config_value()
     if self.print_config.value:
       self.show_config(cfg, schema_docs)
       return None
+    user_cache.enable_compile_cache(self.compile_cache.value)
     return cfg
 
   def parser(self) -> Callable[[list[str]], list[str]]:
@@ -148,7 +152,8 @@ class RunFlags:
 
 def define_run_flags(config_file: str, workdir: str, workdir_help: str) -> RunFlags:
   """Defines --config (`configs/<config_file>` by default; `path[:arg]` and --config.KEY=VALUE
-  overrides), --workdir and --print_config. Call at import time of a binary, before app.run."""
+  overrides), --workdir, --print_config and --compile_cache. Call at import time of a binary,
+  before app.run."""
   from ml_collections import config_flags  # noqa: PLC0415 - only the binaries need it
 
   default_spec = os.path.join(REPO, "configs", config_file)
@@ -163,4 +168,5 @@ def define_run_flags(config_file: str, workdir: str, workdir_help: str) -> RunFl
   return RunFlags(
       default_spec, config, flags.DEFINE_string("workdir", workdir, workdir_help),
       flags.DEFINE_bool("print_config", False,
-                        "Print every --config.* knob with its value and meaning, and exit."))
+                        "Print every --config.* knob with its value and meaning, and exit."),
+      user_cache.define_compile_cache_flag())

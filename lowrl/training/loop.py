@@ -6,7 +6,9 @@ Everything static is built and validated by `build` before anything is compiled.
      precision the asynchronous schedule says (version = current params when synchronous);
   2. the host decodes completions and scores them with the task's verifier;
   3. the trainer scores the sampled tokens (pi_old; and with the sampler's weights when they are
-     stale) with the sampler's jitted exact-mode scoring program (`lowrl.sampling.rescore`);
+     stale) with the sampler's jitted exact-mode scoring program (`lowrl.sampling.rescore`),
+     unless the exact-mode sampler already ran that program on the same inputs
+     (`Trainer.sampler_scored_pi_old`);
   4. the jitted RL step (`lowrl.training.step`, shared with the simulator) builds the batch
      (overlong penalty, group advantages, dynamic sampling), the drift decomposition, and runs
      the pure update: mismatch correction and mu optimizer passes against that pi_old;
@@ -40,8 +42,8 @@ from lowrl.sampling import SampleOutput, Sampler, SamplingConfig, rescore
 from lowrl.tasks.base import Task
 from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
 from lowrl.tasks.registry import make_task
-from lowrl.training import (diagnostics, optimizer, probes, run_config, run_logs, schema, sft,
-                            storage)
+from lowrl.training import (base_store, diagnostics, optimizer, probes, run_config, run_logs,
+                            schema, sft, storage)
 from lowrl.training.checkpointing import Checkpointer, verify_manifest
 from lowrl.training.evaluation import eval_metrics
 from lowrl.training.loss_scaling import loss_scaled
@@ -309,6 +311,10 @@ class Trainer:
     # Rollouts in the sampler's precision (exact mode: re-scored by the sampler's own policy).
     self.sampler = Sampler(setup.model_cfg, setup.sampler_policy, setup.sampling,
                            exact=cfg.sampler_exact, plan=plan)
+    # Whether the exact-mode sampler's record can be the trainer's pi_old (sampler_scored_pi_old).
+    self._exact_twin = (bool(cfg.sampler_exact) and setup.sampler_policy == setup.trainer_policy
+                        and not setup.trainer_policy.act_paths(layout.matmuls(setup.model_cfg),
+                                                               "tensor"))
     # Evaluation samples the trainer's policy: greedy, and at the rollout temperature.
     self.eval_sampler = Sampler(setup.model_cfg, setup.trainer_policy, setup.eval_sampling,
                                 plan=plan)
@@ -496,13 +502,31 @@ class Trainer:
     out = self.sampler(sampler_params, tokens_BP, mask_BP, k_sample, quant_key=sampler_qk,
                        trainer_quant_key=sampler_qk,
                        act_amax=self.act_amax(sampler_params, self.setup.sampler_policy))
-    logp_now_BT = self.score(params, self.setup.trainer_policy, out, k_quant)
+    logp_now_BT = (out.logprobs if self.sampler_scored_pi_old(sampler_params, params, stale)
+                   else self.score(params, self.setup.trainer_policy, out, k_quant))
     logp_stale_BT = (self.score(sampler_params, self.setup.trainer_policy, out, k_quant) if stale
                      else logp_now_BT)
     rewards, completions = self.rewards(out, examples)
     rollout = self.plan.put(Rollout(out, jnp.asarray(rewards), logp_now_BT, logp_stale_BT),
                             self.plan.batch)
     return rollout, {"rewards": rewards, "completions": completions, "examples": examples}
+
+  def sampler_scored_pi_old(self, sampler_params, params, stale: bool) -> bool:
+    """Whether the sampler's recorded logprobs are provably the trainer's pi_old, so `rollout`
+    skips the second scoring pass.
+
+    Exact mode records `rescore(out, sampler_params, policy=sampler policy, quant_key=k,
+    act_amax=static scales)`; pi_old is `rescore(out, params, policy=trainer policy,
+    quant_key=k', act_amax=None)`. With the same policy (then k' = k, and the same cached jitted
+    program), no tensor-scaled activations (so both act_amax are None) and `sampler_params`
+    the very buffers of `params` (not stale, no copy: lag 0, sync every step), both calls run one
+    program on identical inputs, which is bit-identical; the mismatch metrics are then exactly 0
+    either way.
+    """
+    if not self._exact_twin or stale:
+      return False
+    ours, theirs = jax.tree.leaves(sampler_params), jax.tree.leaves(params)
+    return len(ours) == len(theirs) and all(a is b for a, b in zip(ours, theirs))
 
   def probe(self, params, opt_state, ref_params, rollout: Rollout, key: jax.Array
             ) -> dict[str, jax.Array]:
@@ -575,7 +599,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print, *,
 
   t0 = time.time()
   tb_dir = os.path.join(workdir, run_logs.TB_DIR)
-  base_dir = cfg.sft.base_dir or os.path.join(workdir, "base")
+  base_dir = base_store.store_dir(cfg.sft.base_dir, workdir)
   # The SFT loss (when this run trains the base) goes to a TensorBoard run of its own, `tb/sft`:
   # its steps are SFT steps, and a resume's purge of RL steps must not touch them.
   with create_writer(os.path.join(tb_dir, "sft"), enabled=primary and not resuming) as sft_tb:
@@ -801,13 +825,9 @@ def _log_step(trainer: Trainer, writer, metrics_path: str, done: int, params,
 
 def _load_base(base_dir: str, setup: Setup, log: Log,
                on_sft_loss: Callable[[int, float], None] | None = None) -> Any:
-  """The mid-trained base (see `sft.load_or_train_base`), replicated over the mesh; or, with
-  `model.hf_checkpoint`, the checkpoint's params placed with the mesh's parameter shardings.
-
-  A saved base is restored onto this run's mesh, whichever topology saved it. With several
-  processes orbax must see global arrays, so process 0 trains the base (SFT is not sharded) and
-  broadcasts it before it is saved.
-  """
+  """The mid-trained base from the store `base_dir` (`base_store.load_mid_trained`: trained and
+  published there if missing or damaged), replicated over the mesh; or, with
+  `model.hf_checkpoint`, the checkpoint's params placed with the mesh's parameter shardings."""
   cfg = setup.cfg
   shapes = transformer.param_shapes(setup.model_cfg)
   if cfg.model.hf_checkpoint:
@@ -816,28 +836,8 @@ def _load_base(base_dir: str, setup: Setup, log: Log,
     return hf.load_hf_params(cfg.model.hf_checkpoint, setup.model_cfg,
                              dtype=jnp.dtype(cfg.model.param_dtype),
                              shardings=setup.plan.param_shardings(shapes))
-  seed = base_seed(cfg)
-  fp = sft.fingerprint(cfg.task, setup.model_cfg, cfg.sft, seed)
-  ckpt = Checkpointer(os.path.join(base_dir, fp), every=1, max_to_keep=1)
-  repl = jax.tree.map(lambda _: setup.plan.replicated, shapes)
-  if ckpt.latest_step() is not None:
-    out, meta, _ = ckpt.restore({"params": sharding.abstract(shapes, repl)})
-    log(f"[sft] reusing base {fp} from {base_dir} (trained {meta.get('sft_steps')} steps)")
-    return out["params"]
-  if jax.process_count() == 1:
-    return sft.load_or_train_base(base_dir, setup.task, cfg.task, setup.model_cfg, cfg.sft,
-                                  seed, log, on_sft_loss)
-  if distributed.is_primary():
-    params = jax.tree.map(np.asarray, sft.train_base(setup.task, setup.model_cfg, cfg.sft,
-                                                     seed, log, on_sft_loss))
-  else:
-    params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
-  params = setup.plan.put(distributed.broadcast_from_primary(params), repl)
-  ckpt.save(0, {"params": params}, {"sft_steps": int(cfg.sft.steps), "fingerprint": fp},
-            force=True)
-  ckpt.wait()
-  log(f"[sft] saved base {fp} to {base_dir}")
-  return params
+  return base_store.load_mid_trained(base_dir, setup.task, cfg, setup.model_cfg, setup.plan,
+                                     base_seed(cfg), log, on_sft_loss)
 
 
 def base_seed(cfg: ml_collections.ConfigDict) -> int:
@@ -848,7 +848,7 @@ def base_seed(cfg: ml_collections.ConfigDict) -> int:
 def load_base(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> Any:
   """The base params a run of `cfg` in `workdir` starts from (trained and saved if missing)."""
   setup = build(cfg)
-  return _load_base(cfg.sft.base_dir or os.path.join(workdir, "base"), setup, log)
+  return _load_base(base_store.store_dir(cfg.sft.base_dir, workdir), setup, log)
 
 
 def final_params(cfg: ml_collections.ConfigDict, workdir: str, trainer: Trainer | None = None

@@ -400,7 +400,9 @@ SFT = Section("sft", (
     Knob("batch_size", 128, "SFT sequences per step", POSITIVE),
     Knob("lr", 3e-3, "SFT Adam learning rate", AtLeast(0, strict=True)),
     Knob("warmup_steps", 20, "SFT linear warmup steps", NON_NEGATIVE),
-    Knob("base_dir", "", "'' = <workdir>/base; point several runs at one dir to share the base"),
+    Knob("base_dir", "", "store of mid-trained bases, keyed by fingerprint: '' = the shared "
+         "<user cache>/bases (~/.cache/lowrl/bases; $LOWRL_CACHE_DIR, $XDG_CACHE_HOME), "
+         "'none' = <workdir>/base (not shared), or a directory"),
 ))
 # The loop's sft section: one base can serve runs of several seeds.
 TRAIN_SFT = SFT.extended(

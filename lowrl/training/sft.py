@@ -2,14 +2,13 @@
 
 RL only works from a base whose pass@k is not zero (REFERENCE.md §5), so every RL run starts from
 a base trained with next-token cross-entropy on the task's reference targets. The base is
-precision-agnostic (FP32 policy), checkpointed with a fingerprint of everything that determines
-it, and reused by every run (and every recipe) that asks for the same base.
+precision-agnostic (FP32 policy), identified by a fingerprint of everything that determines it,
+and reused by every run (and every recipe) that asks for the same base (`base_store`).
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from typing import Any, Callable
 
 import jax
@@ -25,7 +24,6 @@ from lowrl.rl.masked import masked_mean
 from lowrl.tasks.base import Task
 from lowrl.tasks.batching import encode_sft
 from lowrl.training import run_logs
-from lowrl.training.checkpointing import Checkpointer, abstract_like
 
 
 def sft_loss(params, tokens_BT, loss_mask_BT, model_cfg: ModelConfig,
@@ -100,25 +98,4 @@ def train_base(task: Task, model_cfg: ModelConfig, sft_cfg: ml_collections.Confi
       log(f"[sft] step {i + 1}/{sft_cfg.steps} loss {float(loss):.4f} {eta.update(i + 1)}")
       if on_loss is not None:
         on_loss(i + 1, float(loss))
-  return params
-
-
-def load_or_train_base(base_dir: str, task: Task, task_cfg, model_cfg: ModelConfig,
-                       sft_cfg: ml_collections.ConfigDict, seed: int,
-                       log: Callable[[str], None] = print,
-                       on_loss: Callable[[int, float], None] | None = None) -> Any:
-  """The base params from `base_dir/<fingerprint>` if saved there, else trains and saves them."""
-  fp = fingerprint(task_cfg, model_cfg, sft_cfg, seed)
-  ckpt = Checkpointer(os.path.join(base_dir, fp), every=1, max_to_keep=1)
-  if ckpt.latest_step() is not None:
-    abstract = abstract_like(jax.eval_shape(
-        lambda: transformer.init_params(model_cfg, jax.random.key(0))))
-    params, meta, _ = ckpt.restore({"params": abstract})
-    log(f"[sft] reusing base {fp} from {base_dir} (trained {meta.get('sft_steps')} steps)")
-    return params["params"]
-  params = train_base(task, model_cfg, sft_cfg, seed, log, on_loss)
-  ckpt.save(0, {"params": params}, {"sft_steps": int(sft_cfg.steps), "fingerprint": fp},
-            force=True)
-  ckpt.wait()
-  log(f"[sft] saved base {fp} to {base_dir}")
   return params

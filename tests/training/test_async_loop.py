@@ -15,7 +15,7 @@ import pytest
 import tiny
 
 from lowrl.rl.drift import DRIFT_PARTS
-from lowrl.training import loop, optimizer, sft
+from lowrl.training import loop, optimizer
 from lowrl.training.checkpointing import Checkpointer, abstract_like
 
 STEPS = 4
@@ -112,8 +112,7 @@ def _synchronous_reference(cfg, steps: int):
   own (`Trainer.rl_step`: rollout, then the jitted RL step).
   """
   setup = loop.build(cfg)
-  base = sft.load_or_train_base(cfg.sft.base_dir, setup.task, cfg.task, setup.model_cfg, cfg.sft,
-                                cfg.seed, _quiet)
+  base = loop.load_base(cfg, cfg.sft.base_dir, _quiet)
   trainer = loop.Trainer(setup, _quiet)
   params = trainer.place(optimizer.to_master(base, cfg.optimizer.master_dtype))
   opt_state = trainer.init_opt_state(params)

@@ -1,0 +1,153 @@
+"""The store of mid-trained bases, shared by runs: one base per fingerprint, published atomically.
+
+A base is determined by its fingerprint (`sft.fingerprint`: task, model, SFT settings and seed;
+not where it is stored), so every run that asks for the same base can reuse one copy.
+`sft.base_dir` says where the store is:
+  ''      the shared store, `<user cache>/bases` (lowrl.user_cache.root(): $LOWRL_CACHE_DIR,
+          $XDG_CACHE_HOME/lowrl or ~/.cache/lowrl), the default;
+  'none'  the run's own `<workdir>/base` (nothing shared);
+  a path  that directory (e.g. one per experiment).
+
+Safe across concurrent runs: a run that has to train the base saves it into a temporary
+directory of its own in the store, verifies it (the checkpoint's SHA-256 manifest), then renames
+it to `<store>/<fingerprint>` in one step; a reader never sees a half-written base, and when two
+runs train the same base the second rename fails and that run keeps what it trained (the same
+numbers: training is deterministic in the fingerprint's seed). A stored base whose checksums do
+not match, that cannot be restored, or holds non-finite values is moved aside to
+`<store>/<fingerprint>.damaged-<id>` (never deleted) and trained again, not used.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from typing import Any, Callable
+
+import numpy as np
+
+import jax
+import ml_collections
+
+from lowrl import distributed, sharding, user_cache
+from lowrl.models import transformer
+from lowrl.models.config import ModelConfig
+from lowrl.tasks.base import Task
+from lowrl.training import sft
+from lowrl.training.checkpointing import (Checkpointer, CheckpointError, _barrier, all_finite,
+                                          verify_manifest)
+
+SHARED, PRIVATE = "", "none"
+_TMP = ".tmp-"
+_DAMAGED = ".damaged-"
+
+
+def store_dir(base_dir: str, workdir: str) -> str:
+  """The store of a run's `sft.base_dir` (see the module docstring)."""
+  if base_dir == SHARED:
+    return os.path.join(user_cache.root(), "bases")
+  if base_dir == PRIVATE:
+    return os.path.join(workdir, "base")
+  return base_dir
+
+
+def _run_id() -> str:
+  """A name part unique to this run, the same on every process (they save together)."""
+  token = np.frombuffer(uuid.uuid4().bytes[:8], np.int32).copy()
+  return "".join(f"{int(v) & 0xFFFFFFFF:08x}" for v in distributed.broadcast_from_primary(token))
+
+
+def _find(path: str, abstract: Any) -> tuple[Any, dict[str, Any]] | str:
+  """(params, meta) of the base published at `path`, or why it cannot be used (one line)."""
+  ckpt = Checkpointer(path, every=1, max_to_keep=1)
+  step = ckpt.latest_step()
+  if step is None:
+    return "no complete checkpoint in it"
+  problem = verify_manifest(ckpt.step_dir(step))
+  if problem is not None:
+    return problem
+  try:
+    out, meta, _ = ckpt.restore({"params": abstract}, step=step)
+  except CheckpointError as e:
+    return str(e.__cause__ or e)[:200]
+  if not all_finite(out["params"]):
+    return "it holds non-finite values"
+  return out["params"], meta
+
+
+def _move_aside(path: str, run_id: str) -> str:
+  dest = path + _DAMAGED + run_id
+  if distributed.is_primary():
+    try:
+      os.rename(path, dest)
+    except FileNotFoundError:  # another run moved it first
+      pass
+  _barrier(f"lowrl_base_aside_{run_id}")
+  return dest
+
+
+def load_or_train(store: str, fingerprint: str, abstract: Any, train: Callable[[], Any],
+                  meta: dict[str, Any], log: Callable[[str], None]) -> Any:
+  """The base `fingerprint` from `store` (restored onto `abstract`'s shardings), or `train()`'s,
+  published there. `train` is called on every process (it returns the global params);
+  `meta` is saved with it."""
+  path = os.path.join(store, fingerprint)
+  run_id = _run_id()
+  if os.path.isdir(path):
+    found = _find(path, abstract)
+    if not isinstance(found, str):
+      params, saved = found
+      log(f"[sft] reusing base {fingerprint} from {store} (trained {saved.get('sft_steps')} "
+          "steps)")
+      return params
+    dest = _move_aside(path, run_id)
+    log(f"[warn] base {fingerprint} in {store} is damaged ({found}); moved to {dest} (not "
+        "deleted); training it again")
+  params = train()
+  os.makedirs(store, exist_ok=True)
+  tmp = os.path.join(store, _TMP + fingerprint + "-" + run_id)
+  ckpt = Checkpointer(tmp, every=1, max_to_keep=1)
+  ckpt.save(0, {"params": params}, {**meta, "fingerprint": fingerprint}, force=True)
+  ckpt.close()  # the save is complete and its manifest written
+  published = True
+  if distributed.is_primary():
+    try:
+      os.rename(tmp, path)  # atomic; fails if another run published this base meanwhile
+    except OSError:
+      published = False
+      shutil.rmtree(tmp, ignore_errors=True)
+  _barrier(f"lowrl_base_publish_{run_id}")
+  if published:
+    log(f"[sft] saved base {fingerprint} to {store}")
+  else:
+    log(f"[sft] base {fingerprint} was published to {store} by another run meanwhile; this run "
+        "keeps the one it trained (the same numbers)")
+  return params
+
+
+def load_mid_trained(store: str, task: Task, cfg: ml_collections.ConfigDict,
+                     model_cfg: ModelConfig, plan: sharding.ShardingPlan, seed: int,
+                     log: Callable[[str], None],
+                     on_sft_loss: Callable[[int, float], None] | None = None) -> Any:
+  """The training loop's base (`sft.train_base` of the run's `cfg.task`/`cfg.sft`, `seed`) from
+  `store`, replicated over `plan`'s mesh; trained and published if missing or damaged.
+
+  A stored base is restored onto this run's mesh, whichever topology saved it. With several
+  processes orbax must see global arrays, so process 0 trains the base (SFT is not sharded) and
+  broadcasts it before it is saved.
+  """
+  shapes = transformer.param_shapes(model_cfg)
+  repl = jax.tree.map(lambda _: plan.replicated, shapes)
+
+  def train():
+    if jax.process_count() == 1:
+      return sft.train_base(task, model_cfg, cfg.sft, seed, log, on_sft_loss)
+    if distributed.is_primary():
+      params = jax.tree.map(np.asarray, sft.train_base(task, model_cfg, cfg.sft, seed, log,
+                                                       on_sft_loss))
+    else:
+      params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+    return plan.put(distributed.broadcast_from_primary(params), repl)
+
+  return load_or_train(store, sft.fingerprint(cfg.task, model_cfg, cfg.sft, seed),
+                       sharding.abstract(shapes, repl), train, {"sft_steps": int(cfg.sft.steps)},
+                       log)
