@@ -56,8 +56,9 @@ def enable_compile_cache(where: str | None = None) -> str | None:
   """Turns the persistent compilation cache on (or off); returns its directory (None: off).
 
   `where`: a directory, 'none' (off), or '' / None = `--compile_cache` when that flag is defined
-  and parsed, else a directory JAX was already given ($JAX_COMPILATION_CACHE_DIR, e.g. by the
-  tests), else `default_compile_cache()`. Call before the first compile.
+  and parsed, else what JAX was already told ($JAX_COMPILATION_CACHE_DIR, e.g. by the tests, or
+  $JAX_ENABLE_COMPILATION_CACHE=false), else `default_compile_cache()`. Call before the first
+  compile.
   """
   if not where and _FLAG in flags.FLAGS and flags.FLAGS.is_parsed():
     where = flags.FLAGS[_FLAG].value
@@ -65,6 +66,8 @@ def enable_compile_cache(where: str | None = None) -> str | None:
     jax.config.update("jax_compilation_cache_dir", None)
     jax.config.update("jax_enable_compilation_cache", False)
     return None
+  if not where and not jax.config.jax_enable_compilation_cache:
+    return None  # turned off by the caller ($JAX_ENABLE_COMPILATION_CACHE=false)
   if not where and jax.config.jax_compilation_cache_dir:
     return jax.config.jax_compilation_cache_dir  # set up by the caller: keep its settings
   path = os.path.abspath(os.path.expanduser(where or default_compile_cache()))

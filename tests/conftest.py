@@ -29,6 +29,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _cache_dir = os.environ.get(
     "LOWRL_TEST_JAX_CACHE",
     str(pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax"))
+# The binaries' user cache (lowrl.user_cache: their shared mid-trained bases; the compilation cache
+# is the one above) also stays in the pytest cache folder, out of the user's ~/.cache. A stored base
+# is keyed by lowrl's sources and the XLA flags too, so a later run never reuses a stale one.
+os.environ.setdefault("LOWRL_CACHE_DIR", str(
+    pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "lowrl"))
+if not _cache_dir:
+  os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # launched binaries: no cache either
 if _cache_dir:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_cache_dir, "launched")
   # Only programs that take 0.2 s or more to compile: op-by-op (eager) programs compile in

@@ -8,6 +8,11 @@ not where it is stored), so every run that asks for the same base can reuse one 
   'none'  the run's own `<workdir>/base` (nothing shared);
   a path  that directory (e.g. one per experiment).
 
+The store's key is the fingerprint plus `environment_key()`: a hash of lowrl's sources, the
+jax/jaxlib/numpy versions, the backend and device kind and XLA_FLAGS. A base from other code or
+another compiler setting (whose SFT could round differently) is then another entry, never reused
+by mistake: a run that reuses a base is bit for bit the run that trained it.
+
 Safe across concurrent runs: a run that has to train the base saves it into a temporary
 directory of its own in the store, verifies it (the checkpoint's SHA-256 manifest), then renames
 it to `<store>/<fingerprint>` in one step; a reader never sees a half-written base, and when two
@@ -18,15 +23,16 @@ not match, that cannot be restored, or holds non-finite values is moved aside to
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import shutil
 import uuid
 from typing import Any, Callable
 
-import numpy as np
-
 import jax
 import ml_collections
+import numpy as np
 
 from lowrl import distributed, sharding, user_cache
 from lowrl.models import transformer
@@ -48,6 +54,28 @@ def store_dir(base_dir: str, workdir: str) -> str:
   if base_dir == PRIVATE:
     return os.path.join(workdir, "base")
   return base_dir
+
+
+@functools.lru_cache(maxsize=1)
+def environment_key() -> str:
+  """8 hex digits of everything besides the fingerprint that could change a trained base."""
+  h = hashlib.sha256()
+  package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for root, dirs, files in os.walk(package):
+    dirs.sort()
+    for name in sorted(f for f in files if f.endswith(".py")):
+      path = os.path.join(root, name)
+      h.update(os.path.relpath(path, package).encode())
+      with open(path, "rb") as f:
+        h.update(hashlib.sha256(f.read()).digest())
+  import jaxlib  # noqa: PLC0415
+  device = jax.devices()[0]
+  # The fake CPU device count changes no program the base is trained with.
+  xla_flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+               if not f.startswith("--xla_force_host_platform_device_count")]
+  h.update(repr((jax.__version__, jaxlib.__version__, np.__version__, device.platform,
+                 device.device_kind, sorted(xla_flags))).encode())
+  return h.hexdigest()[:8]
 
 
 def _run_id() -> str:
@@ -87,8 +115,8 @@ def _move_aside(path: str, run_id: str) -> str:
 
 def load_or_train(store: str, fingerprint: str, abstract: Any, train: Callable[[], Any],
                   meta: dict[str, Any], log: Callable[[str], None]) -> Any:
-  """The base `fingerprint` from `store` (restored onto `abstract`'s shardings), or `train()`'s,
-  published there. `train` is called on every process (it returns the global params);
+  """The base `fingerprint` (its store key) from `store` (restored onto `abstract`'s shardings),
+  or `train()`'s, published there. `train` is called on every process (it returns the global params);
   `meta` is saved with it."""
   path = os.path.join(store, fingerprint)
   run_id = _run_id()
@@ -148,6 +176,7 @@ def load_mid_trained(store: str, task: Task, cfg: ml_collections.ConfigDict,
       params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
     return plan.put(distributed.broadcast_from_primary(params), repl)
 
-  return load_or_train(store, sft.fingerprint(cfg.task, model_cfg, cfg.sft, seed),
+  key = f"{sft.fingerprint(cfg.task, model_cfg, cfg.sft, seed)}-{environment_key()}"
+  return load_or_train(store, key,
                        sharding.abstract(shapes, repl), train, {"sft_steps": int(cfg.sft.steps)},
                        log)
