@@ -1,0 +1,149 @@
+r"""Repeat runs of the main job: a first run against a repeat run with the cache and base it left.
+
+  python -m experiments.bench_repeat_run                      # 1 pair of default runs
+  python -m experiments.bench_repeat_run --pairs=3 --out=/tmp/repeat.json
+  python -m experiments.bench_repeat_run --train_flags=--config.rl.steps=10
+
+Each pair, in fresh directories under --root:
+  first   `python -m experiments.train` in a fresh workdir with an empty compilation cache
+          (--compile_cache=<pair>/jax) and an empty base store (--config.sft.base_dir=<pair>/bases):
+          it compiles every program, mid-trains the base, and leaves both behind;
+  repeat  the same command in another fresh workdir: programs come from the cache, the base from
+          the store.
+Pairs run one after the other (first, repeat, first, repeat, ...), so load changes hit both
+sides alike. Each run is a subprocess of this one; within it, JAX's compile events (tracing,
+lowering, XLA compilation or a persistent-cache load) are summed, so "compile" is every second
+spent producing executables. Reported: both wall times (the subprocess from start to exit,
+imports included), repeat / first per pair with the median and range, compilation's share of each
+run, the 1-minute load average around each run, and whether the two runs' metrics.jsonl and final
+evaluation are identical (they must be: see lowrl.user_cache and lowrl.training.base_store).
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+_CHILD = "--_child_report"
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+
+
+def _child(report: str, argv: list[str]) -> None:
+  """Runs the training binary in this process, summing JAX's compile events into `report`."""
+  from jax import monitoring  # noqa: PLC0415
+
+  totals = {e: 0.0 for e in _COMPILE_EVENTS}
+  counts = {e: 0 for e in _COMPILE_EVENTS}
+
+  def listen(event: str, duration: float, **_):
+    if event in totals:
+      totals[event] += duration
+      counts[event] += 1
+
+  monitoring.register_event_duration_secs_listener(listen)
+
+  def write():
+    with open(report, "w") as f:
+      json.dump({"compile_s": sum(totals.values()), "seconds": totals, "counts": counts}, f)
+
+  atexit.register(write)
+  sys.argv = ["experiments.train", *argv]
+  from experiments import train  # noqa: PLC0415 - flags are defined at import
+
+  train.run_main()
+
+
+def _run(workdir: str, cache: str, store: str, train_flags: list[str]) -> dict:
+  """One training subprocess: wall seconds, compile seconds, load before and after."""
+  report = workdir + ".compile.json"
+  cmd = [sys.executable, "-m", "experiments.bench_repeat_run", _CHILD, report, *train_flags,
+         f"--workdir={workdir}", f"--compile_cache={cache}", f"--config.sft.base_dir={store}"]
+  load0 = os.getloadavg()[0]
+  t0 = time.perf_counter()
+  proc = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        capture_output=True, text=True)
+  wall = time.perf_counter() - t0
+  if proc.returncode != 0:
+    raise SystemExit(f"training run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+  with open(report) as f:
+    compiled = json.load(f)
+  with open(os.path.join(workdir, "metrics.jsonl"), "rb") as f:
+    metrics = f.read()
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  return {"wall_s": wall, "compile_s": compiled["compile_s"], "compile": compiled,
+          "load": (load0, os.getloadavg()[0]), "metrics": metrics,
+          "eval_end": summary["eval_end"], "reused_base": "[sft] reusing base" in proc.stdout}
+
+
+def _median(xs: list[float]) -> float:
+  s = sorted(xs)
+  n = len(s)
+  return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def main(argv):
+  del argv
+  root = _ROOT.value or tempfile.mkdtemp(prefix="lowrl_repeat_")
+  rows = []
+  for i in range(_PAIRS.value):
+    pair = os.path.join(root, f"pair{i}")
+    shutil.rmtree(pair, ignore_errors=True)
+    os.makedirs(pair)
+    cache, store = os.path.join(pair, "jax"), os.path.join(pair, "bases")
+    first = _run(os.path.join(pair, "first"), cache, store, _TRAIN_FLAGS.value)
+    repeat = _run(os.path.join(pair, "repeat"), cache, store, _TRAIN_FLAGS.value)
+    row = {"pair": i, "first_s": first["wall_s"], "repeat_s": repeat["wall_s"],
+           "ratio": repeat["wall_s"] / first["wall_s"],
+           "first_compile_share": first["compile_s"] / first["wall_s"],
+           "repeat_compile_share": repeat["compile_s"] / repeat["wall_s"],
+           "first_compile_s": first["compile_s"], "repeat_compile_s": repeat["compile_s"],
+           "repeat_compile_parts": repeat["compile"], "first_compile_parts": first["compile"],
+           "load_first": first["load"], "load_repeat": repeat["load"],
+           "repeat_reused_base": repeat["reused_base"],
+           "metrics_identical": first["metrics"] == repeat["metrics"],
+           "eval_end_identical": first["eval_end"] == repeat["eval_end"],
+           "eval_end": repeat["eval_end"]}
+    rows.append(row)
+    print(f"[pair {i}] first {row['first_s']:.1f}s (compile {row['first_compile_share']:.0%}, "
+          f"load {first['load'][0]:.1f}->{first['load'][1]:.1f}), repeat {row['repeat_s']:.1f}s "
+          f"(compile {row['repeat_compile_share']:.0%}, load {repeat['load'][0]:.1f}->"
+          f"{repeat['load'][1]:.1f}): repeat/first {row['ratio']:.2f}; base reused "
+          f"{row['repeat_reused_base']}, metrics.jsonl identical {row['metrics_identical']}, "
+          f"final eval identical {row['eval_end_identical']}", flush=True)
+  ratios = [r["ratio"] for r in rows]
+  shares = [r["repeat_compile_share"] for r in rows]
+  print(f"repeat/first: median {_median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f}, "
+        f"{len(rows)} pairs); compilation's share of the repeat run: median "
+        f"{_median(shares):.0%} (range {min(shares):.0%}-{max(shares):.0%}); "
+        f"{os.cpu_count()} CPU cores; dirs under {root}")
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump({"pairs": rows, "train_flags": _TRAIN_FLAGS.value,
+                 "cpu_count": os.cpu_count()}, f, indent=1)
+  if not all(r["metrics_identical"] and r["eval_end_identical"] for r in rows):
+    raise SystemExit("a repeat run's metrics differ from its first run's")
+  if not _KEEP.value:
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+  if len(sys.argv) > 2 and sys.argv[1] == _CHILD:
+    _child(sys.argv[2], sys.argv[3:])
+  else:
+    from absl import app, flags
+
+    _PAIRS = flags.DEFINE_integer("pairs", 1, "Pairs of (first, repeat) runs, one after the other.")
+    _ROOT = flags.DEFINE_string("root", "", "Directory for the runs (default: a new temp dir).")
+    _KEEP = flags.DEFINE_bool("keep", False, "Keep the runs' directories.")
+    _OUT = flags.DEFINE_string("out", "", "Optional JSON file for the per-pair results.")
+    _TRAIN_FLAGS = flags.DEFINE_list("train_flags", [], "Extra flags of both training runs "
+                                     "(comma-separated), e.g. --config.rl.steps=10.")
+    app.run(main)
