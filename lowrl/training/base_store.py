@@ -97,7 +97,7 @@ def _find(path: str, abstract: Any) -> tuple[Any, dict[str, Any]] | str:
     out, meta, _ = ckpt.restore({"params": abstract}, step=step)
   except CheckpointError as e:
     return str(e.__cause__ or e)[:200]
-  if not all_finite(out["params"]):
+  if not all_finite(out):  # the tree `Checkpointer.save` checked: the same (cached) program
     return "it holds non-finite values"
   return out["params"], meta
 
