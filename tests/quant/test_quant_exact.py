@@ -28,9 +28,10 @@ def _same(a, b):
 
 
 def _check(x, cfg, **kw):
-  want = exact_fake_quant(np.asarray(x, f32), cfg, **kw)
+  # One rounding of the exact value to x's dtype (BF16 too: no FP32 rounding first).
+  want = exact_fake_quant(np.asarray(x, f32), cfg, dtype=x.dtype, **kw)
   got = fake_quant(x, cfg, **kw)
-  _same(np.asarray(got, f32), np.asarray(want).astype(x.dtype).astype(f32))
+  _same(np.asarray(got, f32), want)
   # jit (inlined inside an outer program) and the quantize/dequantize pair give the same bits.
   _same(jax.jit(lambda v: fake_quant(v, cfg, **kw))(x), got)
   _same(dequantize(quantize(x, cfg, **kw), x.dtype), got)
