@@ -15,11 +15,15 @@ with broadcast operands) leave them unchanged, so jitted and eager results are b
   NVFP4           spec-exact (REFERENCE.md §2; every rounding one RNE of the exact value, see
                   exact.py): s_outer = RNE_f32(amax / (6*448)) (6*256 with four_over_six);
                   s_block = RNE_e4m3(amax_block / (6 * s_outer)); code = RNE_e2m1(x / (s_block *
-                  s_outer)); dq = fl(code * s_block) * s_outer (the first product exact).
+                  s_outer)); dq = RNE_dtype(code * s_block * s_outer), one rounding of the exact
+                  product to the output dtype (FP32: fl(code * s_block) * s_outer, the first
+                  product exact; BF16/FP16: from that by round to odd, exact.narrow_product).
                   Stochastic rounding rounds both scales up instead (exact ceilings, so no
                   element saturates) and draws from the quotient x * fl(1/fl(s_block*s_outer)).
-                  4/6 keeps 4 iff its exact squared (mse) or absolute (mae) error sum of the
-                  dequantized values is strictly smaller (four_over_six.py; a tie keeps 6).
+                  4/6 keeps 4 iff the exact squared (mse) or absolute (mae) error sum of its
+                  exact dequantized values code * s_block * s_outer is strictly smaller
+                  (four_over_six.py; a tie keeps 6), whatever the output dtype.
+  NVFP4 "te"      TransformerEngine's FP32 arithmetic (te.py).
 
 `quantize` stores the grid values in their ml_dtypes type and the scales in theirs (E8M0, E4M3,
 FP32); `fake_quant` skips the storage casts and applies the same scales to the FP32 grid values, so
