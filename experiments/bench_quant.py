@@ -65,6 +65,9 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed rounds (median reported).")
 _FORMATS = flags.DEFINE_list("formats", list(FORMATS), f"Formats to time, from {list(FORMATS)}.")
 _QWIX = flags.DEFINE_bool("qwix", True, "Also time qwix where it supports the format.")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed of the input tensor.")
+_CLOCK = flags.DEFINE_enum("clock", "wall", ["wall", "cpu"],
+                           "wall: time.perf_counter; cpu: time.process_time (CPU seconds of all "
+                           "threads of this process, less sensitive to other processes' load).")
 _HLO = flags.DEFINE_bool("hlo", True, "Print StableHLO line counts (fake_quant, qdot fwd+grad).")
 
 
@@ -106,7 +109,8 @@ def _candidates(formats: list[str], use_qwix: bool) -> dict[str, callable]:
   return fns
 
 
-def _time_interleaved(fns: dict, args: tuple, repeats: int) -> dict[str, np.ndarray]:
+def _time_interleaved(fns: dict, args: tuple, repeats: int,
+                      clock=time.perf_counter) -> dict[str, np.ndarray]:
   """Seconds per call of each function per round, measured round-robin after a warm-up call.
   bf16_donated consumes its input: each call gets the previous call's output (same values)."""
   x, one = args
@@ -123,9 +127,9 @@ def _time_interleaved(fns: dict, args: tuple, repeats: int) -> dict[str, np.ndar
   times = {name: [] for name in fns}
   for _ in range(repeats):
     for name, fn in fns.items():
-      start = time.perf_counter()
+      start = clock()
       jax.block_until_ready(call(name, fn))
-      times[name].append(time.perf_counter() - start)
+      times[name].append(clock() - start)
   return {name: np.asarray(t) for name, t in times.items()}
 
 
@@ -139,13 +143,14 @@ def main(argv):
   x = (jax.random.normal(jax.random.key(_SEED.value), (n, n), jnp.float32) * 2).astype(jnp.bfloat16)
   args = (x, jnp.float32(1.0))
   fns = _candidates(_FORMATS.value, use_qwix)
-  times = _time_interleaved(fns, args, _REPEATS.value)
+  clock = time.process_time if _CLOCK.value == "cpu" else time.perf_counter
+  times = _time_interleaved(fns, args, _REPEATS.value, clock)
   med = {name: float(np.median(t)) for name, t in times.items()}
   # Per-round ratios to each round trip timed in the same round: median and [min, max].
   ratios = {b: {name: t / times[b] for name, t in times.items()} for b in BASELINES}
 
   print(f"\nfake_quant of a BF16 [{n}, {n}] tensor on {jax.devices()[0].platform}, "
-        f"median of {_REPEATS.value} interleaved runs"
+        f"median of {_REPEATS.value} interleaved runs, {_CLOCK.value} clock"
         + ("" if use_qwix else " (qwix not importable: no qwix column)"))
   for b in BASELINES:
     print(f"{b}: {med[b] * 1e3:.2f} ms (rounds: {np.min(times[b]) * 1e3:.1f}"

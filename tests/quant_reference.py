@@ -33,8 +33,9 @@ def _unblocks(xb, axis):
   return np.moveaxis(x, -1, axis)
 
 
-def ref_fake_quant(x, cfg):
-  """FP32 dequantized values of x under cfg (round to nearest even)."""
+def ref_fake_quant(x, cfg, dtype=np.float32):
+  """Dequantized values of x under cfg (round to nearest even), as FP32 numbers: FP32 results
+  (per-tensor FP8, MX), or for NVFP4 rounded once to `dtype` (exact_fake_quant)."""
   x = np.asarray(x, f32)
   fmt = element_format(cfg.fmt)
   with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
@@ -55,7 +56,7 @@ def ref_fake_quant(x, cfg):
       return _unblocks(out, cfg.axis)
     # NVFP4 (1-D blocks along cfg.axis; 2-D tiles handled by the caller's transposes in tests):
     # the exact-rounding definition below.
-    return exact_fake_quant(x, cfg)
+    return exact_fake_quant(x, cfg, dtype=dtype)
 
 
 def grid_neighbours(y, fmt):

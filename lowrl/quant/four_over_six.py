@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from lowrl.quant import exact
 from lowrl.quant.rounding import f32_exponent, pow2
 
 _M15 = 0x7FFF
@@ -67,12 +68,13 @@ def _normalize(limbs: list[jax.Array], n: int) -> list[jax.Array]:
 def _lt_shifted(p: list[jax.Array], b: list[jax.Array], t: jax.Array) -> jax.Array:
   """p * 2**t < b exactly, p and b given as 15-bit-limb integers (any limb sizes < 2**30), per
   block; t in [-14, 14]. Both are normalized to 15-bit limbs, the smaller side shifted left."""
-  n = 5
+  # |p|, |b| < 2**46: three 15-bit limbs and a small signed top limb.
+  n = 4
   p, b = _normalize(p, n), _normalize(b, n)
   sp, sb = jnp.maximum(t, 0), jnp.maximum(-t, 0)
   # Shifting normalized limbs by < 15 bits keeps them below 2**30; renormalize the difference.
   diff = [lax.shift_left(pi, sp) - lax.shift_left(bi, sb) for pi, bi in zip(p, b)]
-  return _normalize(diff, n + 1)[-1] < 0
+  return _normalize(diff, n)[-1] < 0
 
 
 def _above(a: jax.Array, g_hi: jax.Array, g_lo: jax.Array, x_abs: jax.Array) -> jax.Array:
@@ -93,10 +95,13 @@ def four_wins(x_abs: jax.Array, code4: jax.Array, code6: jax.Array, s4: jax.Arra
   a4 = jnp.abs(code4) * s4  # exact: <= 6 significant bits
   a6 = jnp.abs(code6) * s6
   kb = jnp.minimum(_scale_k(s4), _scale_k(s6))
-  unit_a = pow2(jnp.clip(1 - kb, -126, 127))
-  al4, al6 = a4 * unit_a, a6 * unit_a  # integers <= 360
   e_block = f32_exponent(amax_b)
-  x_units = (x_abs * pow2(jnp.clip(29 - e_block, -126, 127))).astype(jnp.int32)
+  # The per-block factors once into one buffer (materialize: fused into the element loops, their
+  # exponent arithmetic would be redone for every element).
+  unit_a, unit_x = exact.materialize(jnp.stack([pow2(jnp.clip(1 - kb, -126, 127)),
+                                                pow2(jnp.clip(29 - e_block, -126, 127))]))
+  al4, al6 = a4 * unit_a, a6 * unit_a  # integers <= 360
+  x_units = (x_abs * unit_x).astype(jnp.int32)
   x_lo, x_hi = _limbs15(x_units)
   if metric == "mae":
     sig4, sig6 = _above(a4, g_hi, g_lo, x_abs), _above(a6, g_hi, g_lo, x_abs)

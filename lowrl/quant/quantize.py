@@ -313,16 +313,22 @@ def _mx_apply(grid_b, e_and_nan, dtype):
   return jnp.where(is_nan | jnp.isnan(grid_b), jnp.nan, out).astype(dtype)
 
 
+def _outer_amax(amax_b: jax.Array, cfg: QuantConfig, layout: _Layout,
+                tensor_amax: jax.Array | None) -> jax.Array:
+  """The amax an NVFP4 outer scale is taken from: the static one, the row's (per_token, keepdims)
+  or the tensor's."""
+  if tensor_amax is not None:
+    return _static_amax(tensor_amax)
+  if cfg.per_token:
+    return jnp.max(amax_b, axis=layout.index_axis, keepdims=True)
+  return jnp.max(amax_b)
+
+
 def _nvfp4_outer(amax_b: jax.Array, cfg: QuantConfig, layout: _Layout,
                  tensor_amax: jax.Array | None) -> jax.Array:
   """FP32 outer scale (blocked view's rank): RNE_fp32(amax / (6*448)) of the exact quotient
   (6*256 with four_over_six); NaN when amax is not finite."""
-  if tensor_amax is not None:
-    amax = _static_amax(tensor_amax)
-  elif cfg.per_token:
-    amax = jnp.max(amax_b, axis=layout.index_axis, keepdims=True)
-  else:
-    amax = jnp.max(amax_b)
+  amax = _outer_amax(amax_b, cfg, layout, tensor_amax)
   denom = 6.0 * (formats.NVFP4_SCALE_MAX_FOUR_OVER_SIX if cfg.four_over_six
                  else formats.NVFP4_SCALE_MAX)
   finite = jnp.isfinite(amax)
@@ -447,6 +453,9 @@ def _nvfp4_quantize(x_b, cfg, layout, key, tensor_amax):
         _scaled_by_outer(jnp.abs(x_f32), parts), codes[1], codes[0], s_both[1], s_both[0],
         parts.g, parts.g_hi, parts.g_lo, _scaled_by_outer(amax_b, parts), layout.reduce_axes,
         cfg.four_over_six_metric)
+    # The per-block choice once into a buffer: fused into the element loop, its integer
+    # comparison would be recomputed for every element of the block.
+    use4 = _materialize(use4.astype(jnp.float32)) > 0
     s_block = jnp.where(use4, s_both[1], s_both[0])
     if not sr:
       grid_b = jnp.where(use4, codes[1], codes[0])
@@ -476,12 +485,7 @@ def _nvfp4_params(scale, outer, layout, cfg):
 def _te_quantize(x_b, cfg, layout, key, tensor_amax):
   del key  # round to nearest only (config.py)
   amax_b = _abs_max(x_b, layout.reduce_axes)
-  if tensor_amax is not None:
-    amax = _static_amax(tensor_amax)
-  elif cfg.per_token:
-    amax = jnp.max(amax_b, axis=layout.index_axis, keepdims=True)
-  else:
-    amax = jnp.max(amax_b)
+  amax = _outer_amax(amax_b, cfg, layout, tensor_amax)
   grid_b, s_b = te.quantize_blocked(x_b, amax_b, amax, cfg, layout.reduce_axes[0])
   outer_stored = _squeeze(amax, layout) if cfg.per_token else amax
   return grid_b, _squeeze(s_b, layout).astype(E4M3.dtype), outer_stored, te.decode_scale(
