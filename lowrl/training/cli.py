@@ -95,7 +95,8 @@ def make_flags_parser(default_spec: str, doc: str = "",
       if not isinstance(innermost(e), flags.Error) or _TRACEBACK in str(e):
         # A config file's error, wrapped by absl (and by ml_collections as traceback text).
         config_error(e, argv, default_spec)
-      fail(str(e))
+      hint = " (--help lists the flags)" if isinstance(e, flags.UnrecognizedFlagError) else ""
+      fail(f"{e}{hint}")
     except Exception as e:  # noqa: BLE001 - config files raise anything; all are usage errors
       config_error(e, argv, default_spec)
   return parse
