@@ -139,7 +139,7 @@ def run(*, sizes: list[str], parts: list[str], budgets: dict[str, float], total_
     report["sizes"][size] = {"shape": dataclasses.asdict(SHAPES[size]), "parts": {}}
     for part in parts:
       left = total_budget_s - (time.perf_counter() - start)
-      if left < 1:
+      if left <= 0:
         result = {"status": "skipped", "reason": "total budget spent"}
       else:
         result = run_part(part, size, min(budgets[part], left), repeats=repeats, iters=iters,
