@@ -155,6 +155,12 @@ def _fmt(x, spec: str = ".3g", scale: float = 1.0) -> str:
   return "null" if x is None else format(x * scale, spec)
 
 
+def _bytes(x: int | None) -> str:
+  if x is None:
+    return "null"
+  return f"{x / 1e9:.4g} GB" if x >= 1e8 else f"{x / 1e6:.4g} MB"
+
+
 def _part_rows(part: str, r: dict[str, Any]) -> list[str]:
   """Table rows of what a part measured (all of it, or what it finished before its budget)."""
   rows = []
@@ -178,11 +184,10 @@ def _part_rows(part: str, r: dict[str, Any]) -> list[str]:
                   f"(found: {c['fp8_gemm_found']}; cuBLASLt {c['cublaslt_calls']}, cuBLAS "
                   f"{c['cublas_gemm_calls']}, f8e4m3fn {c['f8e4m3fn_mentions']}) | | | | |")
   if part == "memory" and "estimate_bytes" in r:
-    gb = 1e-9
-    rows.append(f"| memory | bf16 step, donated | estimate {_fmt(r['estimate_bytes'], '.4g', gb)} "
-                f"GB, peak {_fmt(r['peak_bytes'], '.4g', gb)} GB (peak / estimate "
+    rows.append(f"| memory | bf16 step, donated | estimate {_bytes(r['estimate_bytes'])}, peak "
+                f"{_bytes(r['peak_bytes'])} (peak / estimate "
                 f"{_fmt(r['peak_over_estimate'], '.2f')}), XLA analysis "
-                f"{_fmt(r['xla_memory_analysis_bytes'], '.4g', gb)} GB | | | | |")
+                f"{_bytes(r['xla_memory_analysis_bytes'])} | | | | |")
   return rows
 
 
