@@ -42,7 +42,7 @@ from absl import app, flags
 
 from experiments.gpu_check_parts import PARTS, SHAPES, device_info
 
-DEFAULT_BUDGETS = "init:45,train:210,rollout:120,memory:75"
+DEFAULT_BUDGETS = "init:40,train:200,rollout:150,memory:70"
 MAX_TOTAL_S = 480  # the "whole check in at most 8 minutes"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
