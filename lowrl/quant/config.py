@@ -49,7 +49,7 @@ class QuantConfig:
       outer and block scales up (exactly) instead of to nearest, and MX needs rceil, so that no
       element saturates: SR is unbiased on every element.
     scale_convention: NVFP4 only. "exact": every quotient rounded once, to nearest even
-      (REFERENCE.md §2). "te": TransformerEngine's current FP32 arithmetic (v2.14 and later),
+      (docs/reference.md §2). "te": TransformerEngine's current FP32 arithmetic (v2.14 and later),
       bit for bit (te.py): per-tensor or per_token, 4/6 as TE's 4over6 chooses, round to
       nearest, 1-D blocks. "te_v2_13": TE v2.10-v2.13's block-scale order, per-tensor only.
   """
