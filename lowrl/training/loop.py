@@ -33,10 +33,11 @@ import numpy as np
 from lowrl import distributed, hardware, memory, precision, sharding
 from lowrl.checkpoints import hf
 from lowrl.metrics.writer import create_writer
-from lowrl.models import layout, transformer
+from lowrl.models import kv_cache, layout, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.rl.mismatch import mismatch_metrics
 from lowrl.sampling import SampleOutput, Sampler, SamplingConfig, rescore
+from lowrl.sampling.act_scales import calibration_paths
 from lowrl.tasks.base import Task
 from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
 from lowrl.tasks.registry import make_task
@@ -90,7 +91,9 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   sampler_cfg = cfg.precision
   if cfg.sampler_precision.recipe:
     sampler_cfg = precision.recipe(cfg.sampler_precision.recipe)
-  sampler_policy = precision.make_policy(sampler_cfg, matmuls)
+  kv_cache.check_mode(cfg.sampler_precision.kv_cache, model_cfg.head_dim)
+  sampler_policy = dataclasses.replace(precision.make_policy(sampler_cfg, matmuls),
+                                       kv_cache=cfg.sampler_precision.kv_cache)
   stop = task.tokenizer.eos_ids  # every eos of a checkpoint ends a completion
   sampling = SamplingConfig(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
                             top_k=rl.top_k, top_p=rl.top_p, stop_tokens=stop,
@@ -364,7 +367,7 @@ class Trainer:
     do: calibrated (max |input| per matmul, trainer's precision) on a fixed batch of train prompts
     + reference answers from the weights being sampled, i.e. recalibrated at every weight sync.
     """
-    paths = policy.act_paths(layout.matmuls(self.setup.model_cfg), "tensor")
+    paths = calibration_paths(policy, self.setup.model_cfg)  # + a quantized KV cache's K/V
     if not paths:
       return None
     tp = self.setup.trainer_policy
@@ -493,16 +496,30 @@ class Trainer:
     k_sample, k_quant = jax.random.split(key)
     # Exact mode re-scores in the sampler's precision with the same key it sampled with.
     sampler_qk = _quant_key(self.setup.sampler_policy, k_quant)
+    act_amax = self.act_amax(sampler_params, self.setup.sampler_policy)
     out = self.sampler(sampler_params, tokens_BP, mask_BP, k_sample, quant_key=sampler_qk,
-                       trainer_quant_key=sampler_qk,
-                       act_amax=self.act_amax(sampler_params, self.setup.sampler_policy))
+                       trainer_quant_key=sampler_qk, act_amax=act_amax)
     logp_now_BT = self.score(params, self.setup.trainer_policy, out, k_quant)
     logp_stale_BT = (self.score(sampler_params, self.setup.trainer_policy, out, k_quant) if stale
                      else logp_now_BT)
     rewards, completions = self.rewards(out, examples)
     rollout = self.plan.put(Rollout(out, jnp.asarray(rewards), logp_now_BT, logp_stale_BT),
                             self.plan.batch)
-    return rollout, {"rewards": rewards, "completions": completions, "examples": examples}
+    return rollout, {"rewards": rewards, "completions": completions, "examples": examples,
+                     "kv": self.kv_share(sampler_params, out, sampler_qk, act_amax)}
+
+  def kv_share(self, sampler_params, out: SampleOutput, quant_key, act_amax) -> dict[str, Any]:
+    """The quantized KV cache's part of the sampler/trainer mismatch: `mismatch_metrics` of the
+    sampled tokens scored with the sampler's weights and precision, quantized KV vs unquantized
+    KV (`kv/*`, under the sampling distribution); {} when the cache is unquantized."""
+    sp = self.setup.sampler_policy
+    if not kv_cache.quantized(sp.kv_cache):
+      return {}
+    scores = [rescore(out, sampler_params, model_cfg=self.setup.model_cfg, policy=p,
+                      config=self.setup.sampling, quant_key=quant_key, plan=self.plan,
+                      act_amax=act_amax).logprobs
+              for p in (sp, dataclasses.replace(sp, kv_cache="none"))]
+    return {f"kv/{k}": v for k, v in mismatch_metrics(*scores, out.completion_mask).items()}
 
   def probe(self, params, opt_state, ref_params, rollout: Rollout, key: jax.Array
             ) -> dict[str, jax.Array]:
@@ -532,7 +549,7 @@ class Trainer:
       probe_metrics = self.probe(params, opt_state, ref_params, rollout,
                                  jax.random.fold_in(key, _PROBE_STREAM))
     params, opt_state, metrics = self.step(params, opt_state, ref_params, rollout, k_upd)
-    return params, opt_state, {**metrics, **probe_metrics}, info
+    return params, opt_state, {**metrics, **probe_metrics, **info["kv"]}, info
 
 
 class NonFiniteError(RuntimeError):
