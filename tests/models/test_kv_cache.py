@@ -98,18 +98,18 @@ TOKENS = jax.random.randint(jax.random.key(1), (4, 9), 0, 64)
 MASK = jnp.arange(9)[None, :] < jnp.array([9, 6, 3, 1])[:, None]  # right-padded rows
 
 
-def _prefill(policy, act_amax=None):
-  cache = transformer.init_cache(KV16, 4, 9, jnp.bfloat16)
-  _, cache = jax.jit(transformer.forward_with_cache,
-                     static_argnames=("model_cfg", "policy"))(
-      _params(), TOKENS, cache, KV16, policy, mask_BT=MASK, act_amax=act_amax)
-  return cache
+def _prefill(policy, act_amax=None, model_cfg=KV16, logits=False):
+  cache = transformer.init_cache(model_cfg, 4, 9, jnp.bfloat16)
+  out, cache = jax.jit(transformer.forward_with_cache,
+                       static_argnames=("model_cfg", "policy"))(
+      _params(), TOKENS, cache, model_cfg, policy, mask_BT=MASK, act_amax=act_amax)
+  return (out, cache) if logits else cache
 
 
-def _calibrate(mode):
+def _calibrate(mode, model_cfg=KV16):
   paths = kv_cache.kv_paths(mode, KV16.n_layers)
   return jax.jit(transformer.calibrate_act_amax, static_argnames=("model_cfg", "policy", "paths"))(
-      _params(), TOKENS, KV16, BF16, paths, mask_BT=MASK)
+      _params(), TOKENS, model_cfg, BF16, paths, mask_BT=MASK)
 
 
 def test_calibration_is_the_masked_per_head_max_of_the_cached_keys_and_values():
@@ -146,3 +146,21 @@ def test_the_cache_stores_the_reference_quantization_of_the_layers_keys_and_valu
     np.testing.assert_array_equal(got[real], ref.astype(ml_dtypes.bfloat16)
                                   .astype(np.float32)[real])
     assert np.mean(got[real] != x[real]) > 0.3  # the quantization is not a no-op here
+
+
+def test_scanned_layers_calibrate_and_quantize_the_cache_as_the_unrolled_ones():
+  # One program per side; the scan reads each layer's [K] amaxes from the stacked [L, K] ones and
+  # writes the quantized K/V into its slice of the stacked cache.
+  scanned = dataclasses.replace(KV16, scan_layers=True)
+  amax = _calibrate("fp8_per_head")
+  amax_scan = _calibrate("fp8_per_head", scanned)
+  for k in amax:
+    np.testing.assert_array_equal(np.asarray(amax[k]), np.asarray(amax_scan[k]))
+  policy = dataclasses.replace(BF16, kv_cache="fp8_per_head")
+  logits_a, cache_a = _prefill(policy, amax, logits=True)
+  logits_b, cache_b = _prefill(policy, amax, scanned, logits=True)
+  np.testing.assert_array_equal(np.asarray(logits_a), np.asarray(logits_b))
+  for i in range(KV16.n_layers):
+    for n in ("k", "v"):
+      np.testing.assert_array_equal(np.asarray(cache_a["layers"][i][n], np.float32),
+                                    np.asarray(cache_b["layers"][n][i], np.float32))
