@@ -3,7 +3,7 @@
 They follow the scale formulas documented in lowrl/quant/quantize.py, but compute MX exponents
 from float64 log2 (not bit tricks) and round elements with `astype(ml_dtypes type)`, so agreement
 with the JAX fast path (FP32 grid arithmetic) is a real check. NVFP4 follows the spec-exact
-definition (REFERENCE.md §2) with exact rational arithmetic (`exact_fake_quant`).
+definition (docs/reference.md §2) with exact rational arithmetic (`exact_fake_quant`).
 """
 import numpy as np
 
@@ -76,7 +76,7 @@ __all__ = ["ref_fake_quant", "grid_neighbours", "ml_dtypes_cast"]
 
 
 # ---------------------------------------------------------------------------------------------
-# Exact-rounding NVFP4 reference (REFERENCE.md §2 "spec-exact"): every rounding is one
+# Exact-rounding NVFP4 reference (docs/reference.md §2 "spec-exact"): every rounding is one
 # round-to-nearest-even of the exact rational value, computed with fractions.Fraction.
 
 from fractions import Fraction  # noqa: E402

@@ -49,7 +49,7 @@ class QuantConfig:
       outer and block scales up (exactly) instead of to nearest, and MX needs rceil, so that no
       element saturates: SR is unbiased on every element.
     scale_convention: NVFP4 only. "exact": every quotient rounded once, to nearest even
-      (REFERENCE.md §2). "te": TransformerEngine's FP32 scale arithmetic, bit for bit (see
+      (docs/reference.md §2). "te": TransformerEngine's FP32 scale arithmetic, bit for bit (see
       quantize.py; per-tensor scale, round to nearest, no 4/6).
   """
 

@@ -1,7 +1,7 @@
 """Exact (spec) rounding of FP32 quotients onto element grids, in FP32 and int32 arithmetic.
 
-"Spec-exact" NVFP4 (REFERENCE.md §2) rounds the exact quotients amax/D, amax_block/(6 s_global)
-and x/(s_block s_global) once, to nearest even. An FP32 division (or the reciprocal multiply XLA
+"Spec-exact" NVFP4 (docs/reference.md §2) rounds the exact quotients amax/D,
+amax_block/(6 s_global) and x/(s_block s_global) once, to nearest even. An FP32 division (or the reciprocal multiply XLA
 turns it into) rounds first, and a second rounding onto a 1- or 3-bit-mantissa grid then flips ties
 and near-ties. Here an approximate quotient only picks the grid interval [lo, hi] around the value;
 the decision between lo and hi compares the numerator with midpoint * denominator *exactly*:

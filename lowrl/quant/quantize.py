@@ -12,7 +12,7 @@ with broadcast operands) leave them unchanged, so jitted and eager results are b
   per-tensor FP8  s = amax * fl(1/max_normal); y = x * fl(1/s); dq = code * s.
   MX              s = 2**e (E8M0), e by the floor or rceil rule; y = x * 2**-e; dq = code * 2**e
                   (both exact).
-  NVFP4           spec-exact (REFERENCE.md §2; every rounding one RNE of the exact value, see
+  NVFP4           spec-exact (docs/reference.md §2; every rounding one RNE of the exact value, see
                   exact.py): s_outer = RNE_f32(amax / (6*448)) (6*256 with four_over_six);
                   s_block = RNE_e4m3(amax_block / (6 * s_outer)); code = RNE_e2m1(x / (s_block *
                   s_outer)); dq = fl(code * s_block) * s_outer (the first product exact).
@@ -25,7 +25,7 @@ with broadcast operands) leave them unchanged, so jitted and eager results are b
 FP32); `fake_quant` skips the storage casts and applies the same scales to the FP32 grid values, so
 `fake_quant(x) == dequantize(quantize(x)).astype(x.dtype)` bit for bit.
 
-Special values (REFERENCE.md §2):
+Special values (docs/reference.md §2):
   * MX: NaN/Inf in a block -> E8M0 scale NaN -> the whole block dequantizes to NaN; an all-zero
     block gets the smallest scale 2**-127 and stays exactly 0.
   * Per-tensor FP8 and NVFP4: the scale is taken from the amax of the tensor (of the row for

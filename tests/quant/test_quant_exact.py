@@ -1,4 +1,4 @@
-"""Spec-exact NVFP4 (REFERENCE.md §2): fake_quant equals the exact-rounding Fraction reference
+"""Spec-exact NVFP4 (docs/reference.md §2): fake_quant equals the exact-rounding Fraction reference
 (tests/quant_reference.py) bit for bit on random FP32/BF16 inputs, ties, near-ties, zeros,
 NaN/Inf and saturation; the exact-division helpers against Fraction arithmetic."""
 from fractions import Fraction
