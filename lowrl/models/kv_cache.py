@@ -4,7 +4,7 @@ Modes (`KV_CACHE_MODES`):
   none            K and V in the policy's compute dtype (the default; no quantizer).
   fp8_per_tensor  FP8 E4M3, one static FP32 scale per layer and tensor (K, V): s = amax / 448.
   fp8_per_head    FP8 E4M3, one static scale per layer, tensor and kv head: s_h = amax_h / 448.
-  nvfp4           NVFP4 (REFERENCE.md section 2): 16-element blocks along head_dim, E4M3 block scales,
+  nvfp4           NVFP4 (docs/reference.md section 2): 16-element blocks along head_dim, E4M3 block scales,
                   one static FP32 global scale per layer and tensor from amax / (6 * 448).
 
 The quantizers are `lowrl.quant.fake_quant` with a static `tensor_amax` (elements beyond the
