@@ -34,8 +34,6 @@ import jax.numpy as jnp
 from lowrl.precision import KV_CACHE_MODES
 from lowrl.quant.config import QuantConfig
 from lowrl.quant.quantize import fake_quant
-
-__all__ = ["KV_CACHE_MODES", "check_mode", "kv_paths", "quantize", "quantize_kv"]
 # Block paths (inside a layer) of the static K / V amaxes, like the matmuls' "attn/q_proj".
 K_PATH, V_PATH = "attn/k_cache", "attn/v_cache"
 BLOCK_KV_PATHS = (K_PATH, V_PATH)
@@ -104,5 +102,5 @@ def quantize_kv(k_BTKH: jax.Array, v_BTKH: jax.Array, mode: str,
   if act_amax is None or K_PATH not in act_amax or V_PATH not in act_amax:
     raise ValueError(f"kv_cache={mode} needs static K/V amaxes in act_amax ({K_PATH!r}, "
                      f"{V_PATH!r} per layer): calibrate them with transformer.calibrate_act_amax("
-                     "..., paths=kv_cache.calibration_paths(policy, model_cfg)).")
+                     "..., paths=act_scales.calibration_paths(policy, model_cfg)).")
   return quantize(k_BTKH, act_amax[K_PATH], mode), quantize(v_BTKH, act_amax[V_PATH], mode)

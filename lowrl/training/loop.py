@@ -45,6 +45,7 @@ from lowrl.training import (diagnostics, optimizer, probes, run_config, run_logs
                             storage)
 from lowrl.training.checkpointing import Checkpointer, verify_manifest
 from lowrl.training.evaluation import eval_metrics
+from lowrl.training.kv_share import kv_share_metrics
 from lowrl.training.loss_scaling import loss_scaled
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, update_config_from
 from lowrl.training.schedule import AsyncSchedule, VersionBuffer
@@ -506,20 +507,10 @@ class Trainer:
     rollout = self.plan.put(Rollout(out, jnp.asarray(rewards), logp_now_BT, logp_stale_BT),
                             self.plan.batch)
     return rollout, {"rewards": rewards, "completions": completions, "examples": examples,
-                     "kv": self.kv_share(sampler_params, out, sampler_qk, act_amax)}
-
-  def kv_share(self, sampler_params, out: SampleOutput, quant_key, act_amax) -> dict[str, Any]:
-    """The quantized KV cache's part of the sampler/trainer mismatch: `mismatch_metrics` of the
-    sampled tokens scored with the sampler's weights and precision, quantized KV vs unquantized
-    KV (`kv/*`, under the sampling distribution); {} when the cache is unquantized."""
-    sp = self.setup.sampler_policy
-    if not kv_cache.quantized(sp.kv_cache):
-      return {}
-    scores = [rescore(out, sampler_params, model_cfg=self.setup.model_cfg, policy=p,
-                      config=self.setup.sampling, quant_key=quant_key, plan=self.plan,
-                      act_amax=act_amax).logprobs
-              for p in (sp, dataclasses.replace(sp, kv_cache="none"))]
-    return {f"kv/{k}": v for k, v in mismatch_metrics(*scores, out.completion_mask).items()}
+                     "kv": kv_share_metrics(  # {} without a quantized KV cache
+                         out, sampler_params, model_cfg=self.setup.model_cfg,
+                         policy=self.setup.sampler_policy, config=self.setup.sampling,
+                         quant_key=sampler_qk, plan=self.plan, act_amax=act_amax)}
 
   def probe(self, params, opt_state, ref_params, rollout: Rollout, key: jax.Array
             ) -> dict[str, jax.Array]:
