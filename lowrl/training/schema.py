@@ -508,7 +508,11 @@ TRAIN = Schema((
     PRECISION,
     Section("sampler_precision", (
         Knob("recipe", "", "sampler precision recipe; '' = the trainer's",
-             OneOf(("",) + precision.RECIPES)),)),
+             OneOf(("",) + precision.RECIPES)),
+        Knob("kv_cache", "none", "the sampler's KV cache: none (compute_dtype) | FP8 E4M3 with "
+             "static per-tensor / per-head scales | NVFP4 (head_dim % 16 == 0); scales "
+             "calibrated at every weight sync, the trainer scores with unquantized K/V "
+             "(docs/sampling.md)", OneOf(precision.KV_CACHE_MODES)),)),
     Section("", (Knob("sampler_exact", True, "sampler logprobs from the trainer's forward "
                       "(bit-identical when same recipe)"),)),
     TRAIN_SFT,
