@@ -29,6 +29,9 @@ FORMAT_NONE = "none"
 STOCHASTIC_ROUNDING_MODES = ("none", "grad", "all")
 # The named recipes; the values of each are data in configs/<name>.py (`recipe`).
 RECIPES = ("fp32", "bf16", "fp16", "mxfp8", "nvfp4_naive", "nvfp4_recipe")
+# What the attention's KV cache stores (lowrl.models.kv_cache): the compute dtype, FP8 E4M3 with
+# static per-tensor or per-head scales, or NVFP4 blocks along head_dim.
+KV_CACHE_MODES = ("none", "fp8_per_tensor", "fp8_per_head", "nvfp4")
 
 
 class MatmulSite(Protocol):
@@ -74,15 +77,21 @@ class PrecisionPolicy:
     compute_dtype: dtype of activations, attention math and the KV cache ("float32",
       "bfloat16" or "float16").
     name: the recipe name, for logs.
+    kv_cache: what the KV cache stores, one of KV_CACHE_MODES ("none": compute_dtype); a
+      quantized cache reads static K/V scales (lowrl.models.kv_cache).
   """
 
   rules: tuple[tuple[str, QDotConfig], ...]
   compute_dtype: str = "float32"
   name: str = ""
+  kv_cache: str = "none"
 
   def __post_init__(self):
     if self.compute_dtype not in COMPUTE_DTYPES:
       raise ValueError(f"compute_dtype={self.compute_dtype!r}; use one of {COMPUTE_DTYPES}.")
+    if self.kv_cache not in KV_CACHE_MODES:
+      raise ValueError(f"kv_cache={self.kv_cache!r}: use one of {', '.join(KV_CACHE_MODES)} "
+                       "(--config.sampler_precision.kv_cache).")
     for pattern, cfg in self.rules:
       try:
         re.compile(pattern)
@@ -135,7 +144,7 @@ ACT_SCALINGS = ("none", "row", "tensor", "tile")
 
 
 def activation_scaling(cfg: QDotConfig) -> str:
-  """What the activation (lhs) scale of a matmul depends on (REFERENCE.md §2, per-tensor scales).
+  """What the activation (lhs) scale of a matmul depends on (docs/reference.md §2, per-tensor).
 
   "none": activations unquantized. "row": every scale is computed within one token's row (MX
   blocks or NVFP4 blocks along the contracting axis with a per-token outer scale): causal and

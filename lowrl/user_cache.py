@@ -16,6 +16,7 @@ Binaries: `define_compile_cache_flag()` at import (beside the other flags), then
 from __future__ import annotations
 
 import os
+import sys
 
 import jax
 from absl import flags
@@ -41,15 +42,19 @@ def default_compile_cache() -> str:
   return os.path.join(root(), "jax")
 
 
-def define_compile_cache_flag() -> flags.FlagHolder:
-  """Defines `--compile_cache` (idempotent: binaries that share a module may both call it)."""
+def define_compile_cache_flag(module_name: str | None = None) -> flags.FlagHolder:
+  """Defines `--compile_cache` (idempotent: binaries that share a module may both call it);
+  `module_name`: the binary whose --help lists it (default: the calling module)."""
   if _FLAG in flags.FLAGS:
     return flags.FlagHolder(flags.FLAGS, flags.FLAGS[_FLAG])
+  if module_name is None:
+    caller = sys._getframe(1).f_globals  # noqa: SLF001 - the binary defining its flags
+    module_name = sys.argv[0] if caller["__name__"] == "__main__" else caller["__name__"]
   return flags.DEFINE_string(
       _FLAG, "", "Persistent JAX compilation cache directory ('none' disables it). Default: "
       "$JAX_COMPILATION_CACHE_DIR if set, else <user cache>/jax, the user cache being "
       "$LOWRL_CACHE_DIR, $XDG_CACHE_HOME/lowrl or ~/.cache/lowrl. Cached programs are the same "
-      "executables: results are bit-identical with or without it.")
+      "executables: results are bit-identical with or without it.", module_name=module_name)
 
 
 def enable_compile_cache(where: str | None = None) -> str | None:
