@@ -434,8 +434,8 @@ def check_quant_blocks(policy: precision.PrecisionPolicy, model_cfg: ModelConfig
     if not cfg.quantized:
       continue
     keys, c_axis, shape = m.param_keys, m.contract_axis, m.weight_shape
-    spec = tuple(plan.matmul_spec(m)) + (None,) * 2
-    o_axis = 1 - c_axis
+    spec = tuple(plan.matmul_spec(m)) + (None,) * len(shape)
+    o_axis = m.out_axis  # stacked experts [E, in, out]: blocks never run along E
     contracting = (shape[c_axis], spec[c_axis])
     output = (shape[o_axis], spec[o_axis])
     # Activations are split over the batch axes along B, so only the other (tensor) axes of the
