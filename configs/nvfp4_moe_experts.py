@@ -4,7 +4,7 @@ Miles, NeMo RL, verl and SkyRL run NVFP4 W4A4 on the routed-expert GEMMs with pe
 activation scales and keep attention, routers, shared experts, embeddings and the LM head in
 BF16. So here: the routers (lowrl.precision.ROUTER) run BF16 GEMMs, being outside the experts;
 for an FP32 router exclude them from high_precision_paths too,
-`(?!layers_\d+/mlp/(experts/|router$|shared_expert_gate$)).*`, and make_policy gives them FP32.
+`(?!layers_\d+/mlp/(experts/|router$|shared_expert_gate$)|lm_head$).*`; make_policy gives them FP32.
 They are never quantized unless a rule asks (lowrl.precision.prepend_rules). On a dense model
 nothing is quantized. Every knob spelled out, as in configs/nvfp4_recipe.py.
 """
