@@ -185,6 +185,13 @@ _PRESETS: dict[str, ModelConfig] = {
     "qwen3_8b": ModelConfig(vocab_size=151936, d_model=4096, n_layers=36, n_heads=32,
                             n_kv_heads=8, head_dim=128, d_ff=12288, rope_theta=1e6, rms_eps=1e-6,
                             qk_norm=True, tie_embeddings=False, max_seq_len=40960),
+    # Qwen/Qwen3-30B-A3B config.json: 48 layers, 32/4 heads of 128, 128 experts of width 768,
+    # top-8 renormalised, untied embeddings.
+    "qwen3_30b_a3b": ModelConfig(vocab_size=151936, d_model=2048, n_layers=48, n_heads=32,
+                                 n_kv_heads=4, head_dim=128, d_ff=6144, rope_theta=1e6,
+                                 rms_eps=1e-6, qk_norm=True, tie_embeddings=False,
+                                 max_seq_len=40960, n_experts=128, n_experts_per_tok=8,
+                                 moe_d_ff=768, norm_topk_prob=True),
     "qwen2_5_0_5b": ModelConfig(vocab_size=151936, d_model=896, n_layers=24, n_heads=14,
                                 n_kv_heads=2, head_dim=64, d_ff=4864, rope_theta=1e6,
                                 rms_eps=1e-6, qkv_bias=True, tie_embeddings=True,
