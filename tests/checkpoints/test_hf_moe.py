@@ -135,3 +135,20 @@ def test_save_refuses_a_family_that_does_not_match(tmp_path):
     hf_config_from_model(cfg, model_type="qwen3")
   with pytest.raises(ValueError, match="shared expert"):
     hf_config_from_model(dataclasses.replace(cfg, qk_norm=False, qkv_bias=True))
+
+
+def test_sharded_load_reads_each_devices_experts(tmp_path):
+  """On an expert-parallel mesh of the 8 fake devices each device's slice of a stacked kernel is
+  read from its experts' tensors: the global arrays equal the unsharded load."""
+  from lowrl import sharding
+  from lowrl.checkpoints import load_hf_params
+  path, _ = write_checkpoint(tmp_path, "qwen2_moe")
+  cfg, params = load_hf_checkpoint(path)
+  plan = sharding.ShardingPlan(
+      sharding.make_mesh((2, 4, 1), ("data", sharding.EXPERT, "model")),
+      rules=sharding.expert_parallel_rules(), batch_axes=("data", sharding.EXPERT))
+  placed = load_hf_params(path, cfg, shardings=plan.param_shardings(params))
+  kernel = placed["layers_0"]["mlp"]["experts"]["gate_proj"]["kernel"]
+  assert {s.data.shape[0] for s in kernel.addressable_shards} == {1}  # one expert per device
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(placed)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
