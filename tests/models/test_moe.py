@@ -108,3 +108,17 @@ def test_replay_refuses_scanned_layers_and_dense_models(params):
                               norm_topk_prob=False, shared_expert_d_ff=0)
   with pytest.raises(ValueError, match="mixture-of-experts"):
     routing.record_routing(params, TOKENS, dense, _policy())
+
+
+def test_sampler_prequantized_experts_compute_what_the_trainer_does(params):
+  """Rollout weights quantized ahead of time, one expert at a time (its own global scale):
+  bit for bit the trainer's forward, which quantizes each expert inside the grouped matmul."""
+  from lowrl.sampling import weights
+  policy = _policy("nvfp4_moe_experts")
+  fwd = jax.jit(transformer.forward, static_argnums=(2, 3))
+  q_params, q_policy = weights.quantize_weights(params, MOE, policy)
+  assert not q_policy.qdot_config("layers_0/mlp/experts/up_proj").rhs
+  np.testing.assert_array_equal(np.asarray(fwd(q_params, TOKENS, MOE, q_policy)),
+                                np.asarray(fwd(params, TOKENS, MOE, policy)))
+  with pytest.raises(ValueError, match="stacked experts"):
+    weights.pack_params(params, MOE, policy)
