@@ -142,7 +142,7 @@ ACT_SCALINGS = ("none", "row", "tensor", "tile")
 
 
 def activation_scaling(cfg: QDotConfig) -> str:
-  """What the activation (lhs) scale of a matmul depends on (REFERENCE.md §2, per-tensor scales).
+  """What the activation (lhs) scale of a matmul depends on (docs/reference.md §2, per-tensor).
 
   "none": activations unquantized. "row": every scale is computed within one token's row (MX
   blocks or NVFP4 blocks along the contracting axis with a per-token outer scale): causal and

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrl.models import layout, moe
+from lowrl.models import init, layout, moe
 from lowrl.models.config import ModelConfig
 from lowrl.models.layout import BLOCK_MATMULS, LM_HEAD
 from lowrl.models.row_sharding import constrain_rows, constrain_unsplit
@@ -462,13 +462,16 @@ class Transformer(nn.Module):
 # Pure functions.
 
 
-def init_params(model_cfg: ModelConfig, rng: jax.Array, param_dtype=jnp.float32) -> Params:
+def init_params(model_cfg: ModelConfig, rng: jax.Array, param_dtype=jnp.float32, *,
+                method: str = "auto") -> Params:
   """A fresh parameter tree (ARCHITECTURE.md layout), deterministic in `rng`.
 
   Kernels ~ N(0, 1/fan_in), embedding ~ N(0, 1/D) (so tied logits start with unit scale), norm
-  scales 1, biases 0.
+  scales 1, biases 0. `method`: how the draw is compiled (lowrl/models/init.py): "auto" (the
+  fused program up to init.FUSED_MAX_PARAMS parameters, the split one above), "fused", "split".
   """
-  return _init_fn(model_cfg, jnp.dtype(param_dtype))(rng)
+  return init.init_from_shapes(_module_shapes(model_cfg, jnp.dtype(param_dtype)), rng,
+                               param_dtype, method=method)
 
 
 @functools.lru_cache(maxsize=None)
@@ -479,37 +482,12 @@ def param_shapes(model_cfg: ModelConfig, param_dtype=jnp.float32) -> Params:
 
 
 @functools.lru_cache(maxsize=16)
-def _init_fn(model_cfg: ModelConfig, param_dtype):
+def _module_shapes(model_cfg: ModelConfig, param_dtype) -> Params:
   module = Transformer(model_cfg, PrecisionPolicy.unquantized(layout.matmuls(model_cfg)),
                        param_dtype)
   tokens = jnp.zeros((1, 1), jnp.int32)
-  shapes = jax.eval_shape(
+  return jax.eval_shape(
       lambda: module.init(jax.random.key(0), tokens, tokens, jnp.ones((1, 1), bool))["params"])
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-  names = [jax.tree_util.keystr(path, simple=True, separator="/") for path, _ in leaves]
-  random = [i for i, n in enumerate(names) if n.endswith(("kernel", "embedding"))]
-  sizes = [leaves[i][1].size for i in random]
-
-  @jax.jit
-  def init(rng):
-    # One normal draw sliced into every random leaf: a draw per leaf compiles ~10x slower.
-    flat = jax.random.normal(rng, (sum(sizes),), jnp.float32)
-    out = [None] * len(leaves)
-    offset = 0
-    for i, size in zip(random, sizes):
-      shape = leaves[i][1].shape
-      # kernels [in, out] or stacked experts [E, in, out]
-      fan_in = shape[1] if names[i].endswith("embedding") else shape[-2]
-      out[i] = flat[offset:offset + size].reshape(shape) * fan_in ** -0.5
-      offset += size
-    for i, name in enumerate(names):
-      if out[i] is None:
-        fill = 1.0 if name.endswith("scale") else 0.0
-        out[i] = jnp.full(leaves[i][1].shape, fill, jnp.float32)
-      out[i] = out[i].astype(param_dtype)
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-  return init
 
 
 def positions_from_mask(mask_BT: jax.Array) -> jax.Array:

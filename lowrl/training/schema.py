@@ -317,7 +317,7 @@ RL = Section("rl", (
          "PPO, the sampler corrected by rl.correction) or sampler (recorded; rl.correction must "
          "be none)", OneOf(OLD_LOGP_SOURCES)),
     Knob("kl_coef", 0.0, "beta of the KL-to-reference penalty (0 = no penalty)"),
-    Knob("kl_estimator", "k3", "KL estimator (REFERENCE.md section 3)", OneOf(KL_ESTIMATORS)),
+    Knob("kl_estimator", "k3", "KL estimator (docs/reference.md section 3)", OneOf(KL_ESTIMATORS)),
     Knob("correction", "none", "sampler/trainer mismatch correction", OneOf(CORRECTION_MODES)),
     Knob("correction_level", "token", "correction weight per", OneOf(CORRECTION_LEVELS)),
     Knob("tis_cap", 2.0, "TIS: weight truncated at this cap (> 0)"),
