@@ -34,7 +34,10 @@ Memory terms (bytes per device; c = bytes of the compute dtype):
   backward (Korthikanti et al. 2022, arXiv 2205.05198, counts the same way), per token per layer:
     c x (4 D + 3 q + 3 kv + 3 F)    block input, attn-norm output, q/k/v projections, roped q/k,
                                     attention output, mid residual, mlp-norm output, gate, up,
-                                    SwiGLU product (q = H hd, kv = K hd, F = d_ff)
+                                    SwiGLU product (q = H hd, kv = K hd, F = d_ff; a mixture
+                                    of experts: F = k moe_d_ff + shared_expert_d_ff, plus
+                                    c 2 k D for the gathered expert inputs and outputs and
+                                    4 E for the FP32 router logits)
   plus per sequence per layer the attention probabilities H x T x T, once in FP32 (the softmax's
   saved output) and once in the compute dtype (the AV matmul's input): (4 + c) H T^2.
   attention="chunked" saves no scores (each query chunk is rematerialised in the backward): one
@@ -59,7 +62,8 @@ FLOPs per RL step (global, model FLOPs as in PaLM's MFU, Chowdhery et al. 2022 a
 Chinchilla, Hoffmann et al. 2022 appendix F): a forward over a sequence of T tokens costs
     F(T) = 2 N_mm T + 4 L q T^2
 N_mm = the weights of every matmul (decoder blocks' linear layers + LM head, from
-`lowrl.models.layout.matmuls`; the embedding gather and norms are not matmuls), the attention
+`lowrl.models.layout.matmuls`; the embedding gather and norms are not matmuls; of a mixture of
+experts only the k routed experts each token reaches, plus router and shared expert), the attention
 term = QK^T and AV over all T x T pairs (4 q FLOPs per query-key pair per layer; causal masking
 is not subtracted, as in PaLM; softmax, norms and elementwise ops are ignored). Backward = 2 x
 forward. With P = seq_len - max_new_tokens prompt and N = max_new_tokens completion columns:
@@ -179,8 +183,11 @@ def _check_int(flag: str, value, minimum: int) -> None:
 
 
 def matmul_weights(model_cfg: ModelConfig) -> int:
-  """N_mm: the weights every matmul of one forward reads (decoder blocks + LM head)."""
-  return sum(m.in_features * m.out_features for m in layout.matmuls(model_cfg))
+  """N_mm: the weights one token's forward multiplies (decoder blocks + LM head); of a
+  mixture of experts the router, the k routed experts a token reaches and the shared expert."""
+  k = model_cfg.n_experts_per_tok
+  return sum(m.in_features * m.out_features * (k if m.n_experts else 1)
+             for m in layout.matmuls(model_cfg))
 
 
 def forward_flops(model_cfg: ModelConfig, tokens: int) -> int:
@@ -265,6 +272,9 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
   q = _split(cfg.q_dim, cfg.n_heads, model)
   kv = _split(cfg.kv_dim, cfg.n_kv_heads, model)
   f = _split(cfg.d_ff, cfg.d_ff, model)
+  if cfg.is_moe:  # per token: k routed experts' hidden widths + the shared expert's
+    f = (cfg.n_experts_per_tok * _split(cfg.moe_d_ff, cfg.moe_d_ff, model)
+         + _split(cfg.shared_expert_d_ff, cfg.shared_expert_d_ff, model))
   heads = _split(cfg.n_heads, cfg.n_heads, model)
   vocab = _split(cfg.vocab_size, cfg.vocab_size, model)
 
@@ -275,6 +285,8 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
   seqs = _cdiv(micro_batch, data)
   tokens = seqs * T
   layer_per_token = c * (4 * d + 3 * q + 3 * kv + 3 * f)
+  if cfg.is_moe:  # the k gathered expert inputs and outputs, the FP32 router logits
+    layer_per_token += c * 2 * cfg.n_experts_per_tok * d + 4 * cfg.n_experts
   chunked = attention == "chunked"
   # Query rows whose scores are live at once: T (materialized) or one chunk.
   score_rows = min(cfg.attention_chunk, T) if chunked else T
@@ -298,7 +310,12 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
   n_head = cfg.d_model * cfg.vocab_size
   n_blocks = n_mm - n_head
   key_sum = decode_steps * prompt + decode_steps * (decode_steps + 1) // 2  # sum_j (P + j)
-  decode_hbm = (decode_steps * _cdiv(n_mm * c, model)
+  n_read = n_mm
+  if cfg.is_moe:  # a decode step's rows together reach up to E experts, each read once
+    per_expert = sum(m.in_features * m.out_features for m in layout.matmuls(cfg) if m.n_experts)
+    n_read += (min(cfg.n_experts, rows * cfg.n_experts_per_tok)
+               - cfg.n_experts_per_tok) * per_expert
+  decode_hbm = (decode_steps * _cdiv(n_read * c, model)
                 + rows * 2 * L * kv_heads * cfg.head_dim * kv_bytes * key_sum)
 
   attn = 4 * L * cfg.q_dim

@@ -28,7 +28,14 @@ from lowrl.quant.config import (BACKWARD_MODES, COMPUTE_DTYPES, FORMATS, GEMMS, 
 FORMAT_NONE = "none"
 STOCHASTIC_ROUNDING_MODES = ("none", "grad", "all")
 # The named recipes; the values of each are data in configs/<name>.py (`recipe`).
-RECIPES = ("fp32", "bf16", "fp16", "mxfp8", "nvfp4_naive", "nvfp4_recipe")
+RECIPES = ("fp32", "bf16", "fp16", "mxfp8", "nvfp4_naive", "nvfp4_recipe", "nvfp4_moe_experts")
+# Mixture-of-experts matmuls by name (regexes over full paths, lowrl/models/layout.py): the routed
+# experts' stacked kernels, the shared expert's MLP, and the routers (the top-k router and the
+# shared expert's sigmoid gate). Routers are never quantized by `format`: make_policy gives them
+# an FP32 GEMM (BF16: name them in `high_precision_paths`; quantized: `prepend_rules`).
+ROUTED_EXPERTS = r"layers_\d+/mlp/experts/.*"
+SHARED_EXPERT = r"layers_\d+/mlp/shared_expert/.*"
+ROUTER = r"layers_\d+/mlp/(router|shared_expert_gate)"
 # What the attention's KV cache stores (lowrl.models.kv_cache): the compute dtype, FP8 E4M3 with
 # static per-tensor or per-head scales, or NVFP4 blocks along head_dim.
 KV_CACHE_MODES = ("none", "fp8_per_tensor", "fp8_per_head", "nvfp4")
@@ -314,8 +321,17 @@ def make_policy(config: ml_collections.ConfigDict,
     rules.append((c.high_precision_paths, plain))
   head = quant if c.quantize_lm_head else QDotConfig(compute_dtype=c.lm_head_dtype)
   rules.append((_alternation([_head(matmuls).full_path]), head))
+  if any(re.fullmatch(ROUTER, m.full_path) for m in matmuls):  # MoE models only
+    rules.append((ROUTER, QDotConfig(compute_dtype="float32")))
   rules.append((".*", quant))
   return PrecisionPolicy(rules=tuple(rules), compute_dtype=c.compute_dtype, name=c.name)
+
+
+def prepend_rules(policy: PrecisionPolicy, rules: Sequence[tuple[str, QDotConfig]],
+                  name: str | None = None) -> PrecisionPolicy:
+  """`policy` with `rules` matched first (e.g. a quantized router: ((ROUTER, qdot_config),))."""
+  return PrecisionPolicy(rules=tuple(rules) + policy.rules, compute_dtype=policy.compute_dtype,
+                         name=policy.name if name is None else name)
 
 
 def policy_for(name: str, matmuls: Sequence[MatmulSite], **overrides) -> PrecisionPolicy:

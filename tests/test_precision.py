@@ -27,6 +27,9 @@ EXPECTED = {
     "nvfp4_recipe": {(0, 1, 2, 3, 4, 5, 6): ("nvfp4", "dequantized", _RECIPE_OPTS),
                      (7,): ("bfloat16", "-", ""),
                      "lm_head": ("float32", "-", "")},
+    # A dense model has no routed experts: nothing quantized.
+    "nvfp4_moe_experts": {tuple(range(8)): ("bfloat16", "-", ""),
+                          "lm_head": ("float32", "-", "")},
 }
 
 
@@ -183,3 +186,39 @@ def test_block_sizes_checked_against_the_model():
                                head_dim=16, d_ff=64))
   # Unquantized recipes accept any width.
   check("bf16", odd)
+
+
+MOE = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                  d_ff=64, n_experts=4, n_experts_per_tok=2, moe_d_ff=32, shared_expert_d_ff=16)
+
+
+@pytest.mark.parametrize("name, expert_fmt, router, shared", [
+    ("nvfp4_moe_experts", "nvfp4", "bfloat16", "bfloat16"),
+    ("nvfp4_recipe", "nvfp4", "float32", "nvfp4"),  # layer 0; layer 1 is the BF16 tail
+    ("bf16", "bfloat16", "float32", "bfloat16"),
+])
+def test_moe_matmuls_by_name(name, expert_fmt, router, shared):
+  ms = layout.matmuls(MOE)
+  rows = {(r.layer, r.path): r for r in
+          precision.assignment_table(precision.policy_for(name, ms), ms)}
+  assert {p for _, p in rows} >= set(layout.MOE_MATMULS)
+  for path in layout.EXPERT_MATMULS:
+    assert rows[0, path].fmt == expert_fmt
+  assert rows[0, layout.ROUTER].fmt == rows[0, "mlp/shared_expert_gate"].fmt == router
+  assert rows[0, "mlp/shared_expert/up_proj"].fmt == shared
+  assert rows[None, "lm_head"].fmt == "float32"
+  if name == "nvfp4_moe_experts":
+    assert {r.fmt for r in rows.values() if r.path not in layout.EXPERT_MATMULS} <= {
+        "bfloat16", "float32"}
+
+
+def test_router_quantized_only_when_asked():
+  ms = layout.matmuls(MOE)
+  policy = precision.policy_for("nvfp4_naive", ms)
+  assert not policy.qdot_config("layers_1/mlp/router").quantized
+  asked = precision.prepend_rules(
+      policy, ((precision.ROUTER, policy.qdot_config("layers_1/mlp/experts/up_proj")),))
+  assert asked.qdot_config("layers_1/mlp/router").quantized
+  # Dense models get no router rule: their policies are what they were.
+  dense = precision.policy_for("nvfp4_recipe", layout.matmuls(CFG8))
+  assert all(pattern != precision.ROUTER for pattern, _ in dense.rules)

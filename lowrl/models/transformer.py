@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrl.models import init, kv_cache, layout
+from lowrl.models import init, kv_cache, layout, moe
 from lowrl.models.config import ModelConfig
 from lowrl.models.layout import BLOCK_MATMULS, LM_HEAD
 from lowrl.models.row_sharding import constrain_rows, constrain_unsplit
@@ -59,7 +59,7 @@ _CALIB = "act_amax"
 # finite softmax instead of NaN.
 _NEG_INF = -1e30
 # Quant-key streams: fold_in(key, layer) then fold_in(., path id); the LM head uses layer n_layers.
-_PATH_IDS = {p: i for i, p in enumerate(BLOCK_MATMULS + (LM_HEAD,))}
+_PATH_IDS = layout.PATH_IDS
 
 
 def _fold(key: jax.Array | None, data: int) -> jax.Array | None:
@@ -330,7 +330,8 @@ class Block(nn.Module):
         h, positions_BT, cache_layer, cache_index, key_mask_BS, layer_key, act_amax)
     x_BTD = x_BTD + attn_BTD
     h = RMSNorm(self.cfg.rms_eps, self.param_dtype, name="mlp_norm")(x_BTD)
-    x_BTD = x_BTD + Mlp(**kw, name="mlp")(h, layer_key, act_amax)
+    mlp = functools.partial(moe.MoeMlp, dense=QDense) if self.cfg.is_moe else Mlp
+    x_BTD = x_BTD + mlp(**kw, name="mlp")(h, layer_key, act_amax)
     return x_BTD, new_cache
 
 
@@ -340,8 +341,8 @@ def _remat_policy(model_cfg: ModelConfig):
           "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[model_cfg.remat]
 
 
-def _block_signature(policy: PrecisionPolicy, layer: int) -> tuple:
-  return tuple(policy.qdot_config(layout.matmul_path(layer, p)) for p in BLOCK_MATMULS)
+def _block_signature(policy: PrecisionPolicy, layer: int, paths: tuple[str, ...]) -> tuple:
+  return tuple(policy.qdot_config(layout.matmul_path(layer, p)) for p in paths)
 
 
 def layer_groups(model_cfg: ModelConfig, policy: PrecisionPolicy) -> tuple[tuple[int, int], ...]:
@@ -349,7 +350,9 @@ def layer_groups(model_cfg: ModelConfig, policy: PrecisionPolicy) -> tuple[tuple
   layers one scan can cover (e.g. the quantized prefix and the BF16 suffix of nvfp4_recipe)."""
   groups, start = [], 0
   for i in range(1, model_cfg.n_layers + 1):
-    if i == model_cfg.n_layers or _block_signature(policy, i) != _block_signature(policy, start):
+    paths = layout.block_paths(model_cfg)
+    if (i == model_cfg.n_layers
+        or _block_signature(policy, i, paths) != _block_signature(policy, start, paths)):
       groups.append((start, i))
       start = i
   return tuple(groups)

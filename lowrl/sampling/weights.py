@@ -22,6 +22,7 @@ from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
 from lowrl.quant.config import QuantConfig
 from lowrl.quant.packing import PackedWeight, pack_qtensor
+from lowrl.quant.grouped_qdot import fake_quant_experts
 from lowrl.quant.quantize import fake_quant, quantize
 
 Params = Any
@@ -81,7 +82,9 @@ def quantize_weights(params: Params, model_cfg: ModelConfig, policy: PrecisionPo
   for m in _kernels(model_cfg):
     q = _weight_quantizer(policy, m)
     if q is not None:
-      out = _set(out, m.param_keys, fake_quant(layout.get_param(params, m.param_keys), q))
+      # Stacked experts: each expert alone (its own global scale), as the grouped GEMM does.
+      fq = fake_quant_experts if m.n_experts else fake_quant
+      out = _set(out, m.param_keys, fq(layout.get_param(params, m.param_keys), q))
   return out, prequantized_policy(policy, model_cfg)
 
 
@@ -108,6 +111,10 @@ def pack_params(params: Params, model_cfg: ModelConfig, policy: PrecisionPolicy,
   """
   for m in _kernels(model_cfg):
     rhs = policy.qdot_config(m.full_path).rhs
+    if rhs is not None and m.n_experts:
+      raise ValueError(f"{m.full_path}: packed rollout weights of stacked experts (one global "
+                       "scale per expert) are not implemented; run the sampler on the master "
+                       "weights (unpacked).")
     if rhs is not None and rhs.stochastic_rounding:
       raise ValueError(f"{m.full_path}: stochastically rounded weights are re-drawn every "
                        "forward and cannot be packed; use precision.stochastic_rounding=grad or "

@@ -10,6 +10,7 @@ from lowrl import precision
 from lowrl.models import layout
 from lowrl.models.config import ModelConfig
 from lowrl.quant import fake_quant
+from lowrl.quant.grouped_qdot import fake_quant_experts
 
 
 def weight_quant_errors(params, model_cfg: ModelConfig,
@@ -27,7 +28,7 @@ def weight_quant_errors(params, model_cfg: ModelConfig,
       continue
     q = dataclasses.replace(q, axis=m.contract_axis, stochastic_rounding=False)
     w32 = w.astype(jnp.float32)
-    err = fake_quant(w32, q) - w32
+    err = (fake_quant_experts(w32, q) if m.n_experts else fake_quant(w32, q)) - w32
     out[m.full_path] = jnp.sqrt(jnp.sum(err**2) / jnp.maximum(
         jnp.sum(w32**2), 1e-30))
   return out
