@@ -107,7 +107,8 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   budget = memory.device_memory(cfg.hardware)
   if budget[0] is not None:
     try:
-      memory.check_fits(est, budget[0], hints=MEMORY_HINTS)
+      memory.check_fits(est, budget[0], hints=MEMORY_HINTS,
+                        what="host RAM" if budget[1].startswith(("host", "cgroup")) else "HBM")
     except ValueError as e:
       raise ValueError(f"--config.hardware={cfg.hardware} ({budget[1]}): {e}") from None
   return Setup(cfg, task, model_cfg, trainer_policy, sampler_policy, sampling, eval_sampling,

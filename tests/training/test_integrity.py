@@ -21,6 +21,7 @@ from lowrl.rl.corrections import CorrectionConfig
 from lowrl.rl.losses import LossConfig
 from lowrl.tasks.jsonl import JsonlTask
 from lowrl.training import loop, run_config, run_logs
+from lowrl.training import checkpointing
 from lowrl.training.checkpointing import (CheckpointError, Checkpointer, abstract_like,
                                           verify_manifest)
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, make_rl_update
@@ -58,7 +59,8 @@ def test_every_flipped_byte_is_detected(tmp_path):
   files = _files(step_dir)
   assert any("/d/" in f for f in files)  # the array data files are among them
   for f in files:
-    if os.path.getsize(f) == 0:
+    # orbax's bookkeeping is left out of the digests (orbax rewrites it after the manifest)
+    if os.path.getsize(f) == 0 or os.path.basename(f) in checkpointing._UNDIGESTED:
       continue
     _flip(f)
     assert "changed" in verify_manifest(step_dir), f
@@ -88,7 +90,7 @@ def test_damaged_newest_falls_back_to_intact_and_keeps_everything(tmp_path):
 
 def test_rotation_never_deletes_the_last_intact_checkpoint(tmp_path):
   ckpt = _save(tmp_path / "c", [1, 2])
-  _flip(_files(ckpt.step_dir(2))[0])
+  _flip([f for f in _files(ckpt.step_dir(2)) if "/d/" in f][0])
   ckpt.save(3, _tree(3), {"step": 3})
   # 3 and 1 are the two newest intact ones: the damaged 2 does not push 1 out.
   assert ckpt.all_steps() == [1, 2, 3]
