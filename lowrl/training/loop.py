@@ -19,6 +19,7 @@ step and a resumed run sees exactly the prompts an uninterrupted one would.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -40,9 +41,10 @@ from lowrl.sampling import SampleOutput, Sampler, SamplingConfig, rescore
 from lowrl.tasks.base import Task
 from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
 from lowrl.tasks.registry import make_task
-from lowrl.training import (diagnostics, optimizer, probes, run_config, run_logs, schema, sft,
-                            storage)
-from lowrl.training.checkpointing import Checkpointer, verify_manifest
+from lowrl.training import (diagnostics, disk, optimizer, preemption, probes, run_config,
+                            run_logs, schema, sft, storage)
+from lowrl.training.checkpointing import Checkpointer, read_meta, verify_manifest
+from lowrl.training.workdir_lock import WorkdirLock
 from lowrl.training.evaluation import eval_metrics
 from lowrl.training.loss_scaling import loss_scaled
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, update_config_from
@@ -540,14 +542,22 @@ class NonFiniteError(RuntimeError):
   """Training produced non-finite updates for `max_skipped_steps` steps in a row."""
 
 
-def _finished_summary(workdir: str, ckpt: Checkpointer, steps: int) -> dict[str, Any] | None:
-  """The summary of a run that already finished in `workdir` (its last checkpoint is the end)."""
-  path = os.path.join(workdir, run_logs.SUMMARY)
-  if (ckpt.latest_step() != steps or not os.path.exists(path)
-      or verify_manifest(ckpt.step_dir(steps)) is not None):  # a damaged end: resume instead
+def _finished_summary(workdir: str, cfg: ml_collections.ConfigDict) -> dict[str, Any] | None:
+  """The summary of a run of `cfg` that already finished in `workdir` (its newest checkpoint is
+  the verified end, summary.json is there and names this config); reads only, so it also works in
+  a read-only workdir. WorkdirError for a summary.json that cannot be read."""
+  ckpt_dir, steps = os.path.join(workdir, "checkpoints"), cfg.rl.steps
+  done = [int(d) for d in os.listdir(ckpt_dir) if d.isdigit()] if os.path.isdir(ckpt_dir) else []
+  if (not done or max(done) != steps or not os.path.exists(os.path.join(workdir, run_logs.SUMMARY))
+      or verify_manifest(os.path.join(ckpt_dir, str(steps))) is not None):  # damaged: resume
     return None
-  with open(path) as f:
-    return json.load(f)
+  summary = run_logs.read_json(workdir, run_logs.SUMMARY, "move it aside and re-run: the final "
+                               "evaluation of the finished run runs again and rewrites it.")
+  if not isinstance(summary, dict) or "eval_end" not in summary:
+    raise run_logs.WorkdirError(
+        f"{os.path.join(workdir, run_logs.SUMMARY)} is not a run summary; move it aside and "
+        "re-run: the final evaluation of the finished run runs again and rewrites it.")
+  return summary
 
 
 def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print, *,
@@ -565,13 +575,61 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print, *,
   primary = distributed.is_primary()  # only process 0 logs and writes files (orbax: all save)
   if not primary:
     log = lambda _: None  # noqa: E731
+  if not reevaluate and not disk.writable(workdir):  # a finished run is still shown
+    summary = _finished_summary(workdir, cfg)
+    if summary is not None:
+      return _show_finished(summary, workdir, cfg, log)
+  disk.check_workdir(workdir, _disk_needed(setup, workdir))
+  with (WorkdirLock(workdir, log) if primary else _no_lock()), \
+      preemption.stop_on_signals() as stop:
+    try:
+      return _run_in_workdir(setup, workdir, log, stop, allow_config_change=allow_config_change,
+                             reevaluate=reevaluate)
+    except Exception as e:
+      if not disk.is_disk_full(e):
+        raise
+      raise disk.DiskFullError(disk.full_message(workdir, os.path.join(workdir, "checkpoints"))
+                               ) from None
+
+
+def _show_finished(summary: dict[str, Any], workdir: str, cfg: ml_collections.ConfigDict,
+                   log: Log) -> dict[str, Any]:
+  log(f"[done] {workdir} holds a finished run ({cfg.rl.steps} steps); nothing to do "
+      "(--reevaluate evaluates it again).")
+  log(json.dumps(summary, indent=2))
+  return summary
+
+
+def _disk_needed(setup: Setup, workdir: str) -> int:
+  """Free bytes the run needs: the checkpoints it will hold at once (`max_to_keep` = 2 kept + 1
+  in flight) less those already on disk, plus the logs."""
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  kept = len([d for d in os.listdir(ckpt_dir) if d.isdigit()]) if os.path.isdir(ckpt_dir) else 0
+  cfg = setup.cfg
+  def size(storage: str) -> int:
+    return 2 if storage == "bfloat16" else jnp.dtype(cfg.optimizer.master_dtype).itemsize
+  per_param = size("param") + 8  # the params and Adam's two FP32 moments
+  if uses_reference(cfg):
+    per_param += size(cfg.rl.ref_storage)
+  if setup.schedule.lag > 0 or setup.schedule.sync_every > 1:
+    per_param += setup.schedule.max_versions * size(cfg.async_rl.version_storage)
+  one = setup.model_cfg.num_params() * per_param
+  return one * max(1, 3 - kept) + disk.LOG_SLACK
+
+
+@contextlib.contextmanager
+def _no_lock():
+  yield
+
+
+def _run_in_workdir(setup: Setup, workdir: str, log: Log, stop: preemption.StopFlag, *,
+                    allow_config_change: bool, reevaluate: bool) -> dict[str, Any]:
+  """`run` once the workdir is checked and locked."""
+  cfg, primary = setup.cfg, distributed.is_primary()
   ckpt, resuming = _open_workdir(cfg, workdir, log, allow_config_change)
-  summary = _finished_summary(workdir, ckpt, cfg.rl.steps)
+  summary = _finished_summary(workdir, cfg)
   if summary is not None and not reevaluate:
-    log(f"[done] {workdir} holds a finished run ({cfg.rl.steps} steps); nothing to do "
-        "(--reevaluate evaluates it again).")
-    log(json.dumps(summary, indent=2))
-    return summary
+    return _show_finished(summary, workdir, cfg, log)
   _log_setup(setup, workdir, log)
 
   t0 = time.time()
@@ -589,7 +647,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print, *,
   writer = create_writer(tb_dir, enabled=primary, purge_step=start + 1 if start else None)
   try:
     summary = _train(setup, trainer, ckpt, writer, workdir, start, state, versions, log,
-                     reevaluate=reevaluate and start == cfg.rl.steps)
+                     reevaluate=reevaluate and start == cfg.rl.steps, stop=stop)
   finally:
     writer.close()  # flushes: points logged before an error are kept
     ckpt.wait()  # a save still in flight is completed and verified, also after an error
@@ -614,15 +672,20 @@ def _open_workdir(cfg: ml_collections.ConfigDict, workdir: str, log: Log,
   # Asynchronous: a save's files are written while the next steps train.
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint_every,
                       async_save=True)
-  resuming = bool(ckpt.all_steps())
+  steps = ckpt.all_steps()
+  resuming = bool(steps)
+  if resuming and primary:  # damaged bookkeeping: one line, before anything is compiled
+    run_logs.check_resumable(workdir)
   if ckpt.unfinished:
     log(f"[checkpoint] removed unfinished saves {ckpt.unfinished} (never restorable)")
   if not resuming and primary and run_logs.has_logs(workdir):
     dest = run_logs.move_aside(workdir)
     log(f"[warn] {workdir} has logs of an earlier attempt but no finished checkpoint: they were "
         f"moved to {dest}; starting from step 0.")
+  newest = read_meta(ckpt.step_dir(steps[-1])) if steps else None
   changes = run_config.check_or_write(workdir, cfg, resuming=resuming,
-                                      allow_change=allow_config_change, write=primary)
+                                      allow_change=allow_config_change, write=primary,
+                                      checkpoint_fingerprint=(newest or {}).get("config_fingerprint"))
   log("[config]\n" + run_config.describe(cfg))
   for c in changes:
     log(f"[config] changed since the last start (--allow_config_change): {c}")
@@ -687,8 +750,8 @@ def _eval_start(setup: Setup, trainer: Trainer, writer, workdir: str, start: int
   cfg = setup.cfg
   primary = distributed.is_primary()
   if start:
-    with open(os.path.join(workdir, run_logs.EVAL_START)) as f:
-      eval_start = json.load(f)
+    eval_start = run_logs.read_json(workdir, run_logs.EVAL_START, "restore it, or start afresh "
+                                    "in a new --workdir.")
     if primary:
       run_logs.trim_metrics(workdir, start)
     return eval_start
@@ -714,8 +777,11 @@ def _log_order(metrics: dict[str, Any]) -> dict[str, Any]:
 
 def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: str, start: int,
            state: dict[str, Any], versions: VersionBuffer, log: Log, *,
-           reevaluate: bool) -> dict[str, Any]:
-  """The RL steps from `start`, then the final evaluation; returns the summary (no wall time)."""
+           reevaluate: bool, stop: preemption.StopFlag | None = None) -> dict[str, Any]:
+  """The RL steps from `start`, then the final evaluation; returns the summary (no wall time).
+
+  When `stop` is set (SIGTERM/SIGINT) the step in progress finishes, is checkpointed and waited
+  for, the logs are flushed, and preemption.Preempted is raised."""
   cfg, rl = setup.cfg, setup.cfg.rl
   primary = distributed.is_primary()
   use_ref = uses_reference(cfg)
@@ -733,6 +799,9 @@ def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: 
   versions.put(start, copy(params))
   eta = run_logs.Eta(rl.steps)
   skipped_in_a_row = 0
+  fp = run_config.fingerprint(cfg)
+  if stop:  # signalled while the base trained or the programs compiled
+    raise preemption.Preempted(stop.signame, None, workdir)
   for step in range(start, rl.steps):
     sv = setup.schedule.sampler_version(step)
     every = cfg.diagnostics.every
@@ -769,7 +838,12 @@ def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: 
     # The newest version is `params` itself: only older ones are saved separately.
     state = _state(params, opt_state, jax.random.key_data(base_key), ref_params,
                    {str(v): versions.get(v) for v in versions.versions() if v != done})
-    ckpt.save(done, state, {"data_position": done, "step": done}, force=done == rl.steps)
+    ckpt.save(done, state, {"data_position": done, "step": done, "config_fingerprint": fp},
+              force=done == rl.steps or bool(stop))
+    if stop:
+      ckpt.wait()
+      writer.flush()
+      raise preemption.Preempted(stop.signame, done, workdir)
   ckpt.wait()
 
   ev_end = trainer.evaluate(params, eval_key)

@@ -20,6 +20,12 @@ TB_DIR = "tb"
 _LOG_FILES = (METRICS, EVAL_START, SUMMARY, TB_DIR, "config.json")
 
 
+class WorkdirError(RuntimeError):
+  """The workdir cannot be used as it is (a damaged bookkeeping file, another run holding it,
+  no write access or space); raised before anything is compiled, the message names the fix and
+  nothing was overwritten."""
+
+
 def metrics_line(step: int, metrics: dict[str, float]) -> str:
   """One JSON line; non-finite values are written as null (bare NaN is not JSON)."""
   def value(v):
@@ -29,12 +35,47 @@ def metrics_line(step: int, metrics: dict[str, float]) -> str:
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
-  """The complete lines of metrics.jsonl (a line cut short by a kill is dropped)."""
+  """The complete lines of metrics.jsonl (a line cut short by a kill is dropped); WorkdirError
+  naming the line for one that is not a JSON object with a step."""
   path = os.path.join(workdir, METRICS)
   if not os.path.exists(path):
     return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.endswith("\n")]
+  out = []
+  with open(path, errors="replace") as f:
+    for n, line in enumerate(f, 1):
+      if not line.endswith("\n"):
+        continue
+      try:
+        m = json.loads(line)
+        int(m["step"])
+      except (ValueError, KeyError, TypeError):
+        raise WorkdirError(
+            f"{path} line {n} is not a metrics line ({line.strip()[:60]!r}); delete that line "
+            "(the lines after the resumed checkpoint are rewritten), or start afresh in a new "
+            "--workdir.") from None
+      out.append(m)
+  return out
+
+
+def read_json(workdir: str, name: str, fix: str) -> Any:
+  """A JSON bookkeeping file of the workdir; WorkdirError naming it and `fix` if it is missing
+  or unreadable (the file is left as it is)."""
+  path = os.path.join(workdir, name)
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    problem = "is missing"
+  except (OSError, ValueError) as e:
+    problem = f"is unreadable ({type(e).__name__}: {str(e)[:80]})"
+  raise WorkdirError(f"{path} {problem}; {fix}")
+
+
+def check_resumable(workdir: str) -> None:
+  """The files a resume reads, checked before anything is compiled (WorkdirError if damaged)."""
+  read_metrics(workdir)
+  read_json(workdir, EVAL_START, "it holds the step-0 evaluation a resume reports: restore it, "
+                                 "or start afresh in a new --workdir.")
 
 
 def trim_metrics(workdir: str, last_step: int) -> None:

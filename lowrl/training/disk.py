@@ -1,0 +1,81 @@
+"""The workdir's disk, checked before anything is compiled, and a full disk met mid-run.
+
+Before compiling: the workdir must be writable (one line naming the directory otherwise) and its
+filesystem must have room for the checkpoints the run still has to write (the loop's count).
+Mid-run, a write that fails for lack of space (orbax's background save, metrics.jsonl, a JSON
+file) stops the run with one line (`DiskFullError`); checkpoints already committed are intact,
+since orbax writes into a tmp directory and renames it only when complete.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+
+from lowrl.training.checkpointing import verify_manifest
+from lowrl.training.run_logs import WorkdirError
+
+# Room for the log files besides the checkpoints (metrics.jsonl, TensorBoard, JSON files).
+LOG_SLACK = 1 << 20
+_NO_SPACE = ("No space left on device", "ENOSPC", "Disk quota exceeded")
+
+
+class DiskFullError(RuntimeError):
+  """The workdir's disk filled up during the run; the message names what was kept."""
+
+
+def check_workdir(workdir: str, need_bytes: int) -> None:
+  """Raises WorkdirError (one line) if `workdir` cannot be created or written, or its disk has
+  less than `need_bytes` free."""
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=workdir, prefix=".lowrl-write-test-"):
+      pass
+  except OSError as e:
+    raise WorkdirError(f"--workdir={workdir} is not writable ({e.strerror or e}); fix its "
+                       "permissions or use another --workdir.") from None
+  free = shutil.disk_usage(workdir).free
+  if free < need_bytes:
+    raise WorkdirError(
+        f"--workdir={workdir}: its disk has {_mb(free)} free but the run's checkpoints need "
+        f"about {_mb(need_bytes)}; free space, or use a --workdir on a larger disk.")
+
+
+def writable(workdir: str) -> bool:
+  """Whether `workdir` (or, when it does not exist yet, its nearest existing parent) is
+  writable by this process."""
+  path = os.path.abspath(workdir)
+  while not os.path.exists(path) and os.path.dirname(path) != path:
+    path = os.path.dirname(path)
+  return os.access(path, os.W_OK | os.X_OK)
+
+
+def full_message(workdir: str, ckpt_dir: str) -> str:
+  """The one line a run stopped by a full disk ends with: what is free, what was kept."""
+  steps = (sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit())
+           if os.path.isdir(ckpt_dir) else [])
+  intact = [s for s in steps if verify_manifest(os.path.join(ckpt_dir, str(s))) is None]
+  kept = (f"the intact checkpoints (steps {intact}) are kept; re-run the same command to resume "
+          f"from step {intact[-1]}" if intact else "no checkpoint had been completed yet")
+  return (f"the disk of --workdir={workdir} is full ({_mb(shutil.disk_usage(workdir).free)} "
+          f"free): the run stopped; {kept} once space is freed (or move the workdir to a "
+          "larger disk).")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+  """Whether `exc` (or an exception it was raised from) is a write that found no space: an
+  OSError ENOSPC/EDQUOT, or a library's error whose text says so (orbax wraps tensorstore's)."""
+  seen = set()
+  while exc is not None and id(exc) not in seen:
+    seen.add(id(exc))
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+      return True
+    if any(s in str(exc) for s in _NO_SPACE):
+      return True
+    exc = exc.__cause__ or exc.__context__
+  return False
+
+
+def _mb(n: float) -> str:
+  return f"{n / 2**20:.1f} MiB"
