@@ -41,8 +41,9 @@ if _cache_dir:
   # Processes share each cache folder, and JAX's default (no size limit) reads and writes entries
   # without any lock, writing in place (jax/_src/lru_cache.py, LRUCache.put: `exists()`, then
   # `write_bytes`): a worker can read an entry another is still writing, and two writers of one
-  # key truncate each other's file. A size limit turns on JAX's own file lock (filelock) around
-  # every read and write; 16 GiB is never reached by the suite, so nothing is evicted.
+  # key truncate each other's file (zlib's checks catch a torn entry in Python, so JAX recompiles;
+  # docs/integrity.md). A size limit turns on JAX's own file lock (filelock) around every read
+  # and write; 16 GiB is never reached by the suite, so nothing is evicted.
   os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(_CACHE_MAX_BYTES)
 
 import jax  # noqa: E402
