@@ -13,6 +13,9 @@ import os
 import shutil
 import tempfile
 
+import ml_collections
+import numpy as np
+
 from lowrl.training.checkpointing import verify_manifest
 from lowrl.training.run_logs import WorkdirError
 
@@ -23,6 +26,21 @@ _NO_SPACE = ("No space left on device", "ENOSPC", "Disk quota exceeded")
 
 class DiskFullError(RuntimeError):
   """The workdir's disk filled up during the run; the message names what was kept."""
+
+
+def needed_bytes(cfg: ml_collections.ConfigDict, num_params: int, ckpt_dir: str, *,
+                 keep_reference: bool, versions: int) -> int:
+  """Free bytes a run of `cfg` needs: the checkpoints it holds at once (2 kept + 1 in flight)
+  less those already in `ckpt_dir`, plus the logs. A checkpoint: the params, Adam's two FP32
+  moments, the reference (`keep_reference`) and `versions` parameter copies of the schedule."""
+  def size(storage: str) -> int:
+    return 2 if storage == "bfloat16" else np.dtype(cfg.optimizer.master_dtype).itemsize
+  per_param = size("param") + 8
+  if keep_reference:
+    per_param += size(cfg.rl.ref_storage)
+  per_param += versions * size(cfg.async_rl.version_storage)
+  kept = len([d for d in os.listdir(ckpt_dir) if d.isdigit()]) if os.path.isdir(ckpt_dir) else 0
+  return num_params * per_param * max(1, 3 - kept) + LOG_SLACK
 
 
 def check_workdir(workdir: str, need_bytes: int) -> None:

@@ -43,7 +43,7 @@ from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
 from lowrl.tasks.registry import make_task
 from lowrl.training import (diagnostics, disk, optimizer, preemption, probes, run_config,
                             run_logs, schema, sft, storage)
-from lowrl.training.checkpointing import Checkpointer, read_meta, verify_manifest
+from lowrl.training.checkpointing import Checkpointer, read_meta
 from lowrl.training.workdir_lock import WorkdirLock
 from lowrl.training.evaluation import eval_metrics
 from lowrl.training.loss_scaling import loss_scaled
@@ -542,24 +542,6 @@ class NonFiniteError(RuntimeError):
   """Training produced non-finite updates for `max_skipped_steps` steps in a row."""
 
 
-def _finished_summary(workdir: str, cfg: ml_collections.ConfigDict) -> dict[str, Any] | None:
-  """The summary of a run of `cfg` that already finished in `workdir` (its newest checkpoint is
-  the verified end, summary.json is there and names this config); reads only, so it also works in
-  a read-only workdir. WorkdirError for a summary.json that cannot be read."""
-  ckpt_dir, steps = os.path.join(workdir, "checkpoints"), cfg.rl.steps
-  done = [int(d) for d in os.listdir(ckpt_dir) if d.isdigit()] if os.path.isdir(ckpt_dir) else []
-  if (not done or max(done) != steps or not os.path.exists(os.path.join(workdir, run_logs.SUMMARY))
-      or verify_manifest(os.path.join(ckpt_dir, str(steps))) is not None):  # damaged: resume
-    return None
-  summary = run_logs.read_json(workdir, run_logs.SUMMARY, "move it aside and re-run: the final "
-                               "evaluation of the finished run runs again and rewrites it.")
-  if not isinstance(summary, dict) or "eval_end" not in summary:
-    raise run_logs.WorkdirError(
-        f"{os.path.join(workdir, run_logs.SUMMARY)} is not a run summary; move it aside and "
-        "re-run: the final evaluation of the finished run runs again and rewrites it.")
-  return summary
-
-
 def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print, *,
         allow_config_change: bool = False, reevaluate: bool = False) -> dict[str, Any]:
   """Runs (or resumes) the whole pipeline in `workdir`; returns the summary.
@@ -576,11 +558,14 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print, *,
   if not primary:
     log = lambda _: None  # noqa: E731
   if not reevaluate and not disk.writable(workdir):  # a finished run is still shown
-    summary = _finished_summary(workdir, cfg)
+    summary = run_logs.finished_summary(workdir, cfg.rl.steps)
     if summary is not None:
       return _show_finished(summary, workdir, cfg, log)
-  disk.check_workdir(workdir, _disk_needed(setup, workdir))
-  with (WorkdirLock(workdir, log) if primary else _no_lock()), \
+  stale = setup.schedule.lag > 0 or setup.schedule.sync_every > 1
+  disk.check_workdir(workdir, disk.needed_bytes(
+      cfg, setup.model_cfg.num_params(), os.path.join(workdir, "checkpoints"),
+      keep_reference=uses_reference(cfg), versions=setup.schedule.max_versions if stale else 0))
+  with (WorkdirLock(workdir, log) if primary else contextlib.nullcontext()), \
       preemption.stop_on_signals() as stop:
     try:
       return _run_in_workdir(setup, workdir, log, stop, allow_config_change=allow_config_change,
@@ -600,34 +585,12 @@ def _show_finished(summary: dict[str, Any], workdir: str, cfg: ml_collections.Co
   return summary
 
 
-def _disk_needed(setup: Setup, workdir: str) -> int:
-  """Free bytes the run needs: the checkpoints it will hold at once (`max_to_keep` = 2 kept + 1
-  in flight) less those already on disk, plus the logs."""
-  ckpt_dir = os.path.join(workdir, "checkpoints")
-  kept = len([d for d in os.listdir(ckpt_dir) if d.isdigit()]) if os.path.isdir(ckpt_dir) else 0
-  cfg = setup.cfg
-  def size(storage: str) -> int:
-    return 2 if storage == "bfloat16" else jnp.dtype(cfg.optimizer.master_dtype).itemsize
-  per_param = size("param") + 8  # the params and Adam's two FP32 moments
-  if uses_reference(cfg):
-    per_param += size(cfg.rl.ref_storage)
-  if setup.schedule.lag > 0 or setup.schedule.sync_every > 1:
-    per_param += setup.schedule.max_versions * size(cfg.async_rl.version_storage)
-  one = setup.model_cfg.num_params() * per_param
-  return one * max(1, 3 - kept) + disk.LOG_SLACK
-
-
-@contextlib.contextmanager
-def _no_lock():
-  yield
-
-
 def _run_in_workdir(setup: Setup, workdir: str, log: Log, stop: preemption.StopFlag, *,
                     allow_config_change: bool, reevaluate: bool) -> dict[str, Any]:
   """`run` once the workdir is checked and locked."""
   cfg, primary = setup.cfg, distributed.is_primary()
   ckpt, resuming = _open_workdir(cfg, workdir, log, allow_config_change)
-  summary = _finished_summary(workdir, cfg)
+  summary = run_logs.finished_summary(workdir, cfg.rl.steps)
   if summary is not None and not reevaluate:
     return _show_finished(summary, workdir, cfg, log)
   _log_setup(setup, workdir, log)
@@ -685,7 +648,8 @@ def _open_workdir(cfg: ml_collections.ConfigDict, workdir: str, log: Log,
   newest = read_meta(ckpt.step_dir(steps[-1])) if steps else None
   changes = run_config.check_or_write(workdir, cfg, resuming=resuming,
                                       allow_change=allow_config_change, write=primary,
-                                      checkpoint_fingerprint=(newest or {}).get("config_fingerprint"))
+                                      checkpoint_fingerprint=(newest or {}).get(
+                                          "config_fingerprint"))
   log("[config]\n" + run_config.describe(cfg))
   for c in changes:
     log(f"[config] changed since the last start (--allow_config_change): {c}")
@@ -800,8 +764,8 @@ def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: 
   eta = run_logs.Eta(rl.steps)
   skipped_in_a_row = 0
   fp = run_config.fingerprint(cfg)
-  if stop:  # signalled while the base trained or the programs compiled
-    raise preemption.Preempted(stop.signame, None, workdir)
+  if preemption.agreed(stop):  # signalled while the base trained or the programs compiled
+    raise preemption.Preempted(stop.signame or "a signal", None, workdir)
   for step in range(start, rl.steps):
     sv = setup.schedule.sampler_version(step)
     every = cfg.diagnostics.every
@@ -838,12 +802,13 @@ def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: 
     # The newest version is `params` itself: only older ones are saved separately.
     state = _state(params, opt_state, jax.random.key_data(base_key), ref_params,
                    {str(v): versions.get(v) for v in versions.versions() if v != done})
+    stopping = preemption.agreed(stop)
     ckpt.save(done, state, {"data_position": done, "step": done, "config_fingerprint": fp},
-              force=done == rl.steps or bool(stop))
-    if stop:
+              force=done == rl.steps or stopping)
+    if stopping:
       ckpt.wait()
       writer.flush()
-      raise preemption.Preempted(stop.signame, done, workdir)
+      raise preemption.Preempted(stop.signame or "a signal", done, workdir)
   ckpt.wait()
 
   ev_end = trainer.evaluate(params, eval_key)

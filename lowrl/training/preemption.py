@@ -4,7 +4,8 @@ A cluster scheduler (or a TPU preemption notice) sends SIGTERM first and SIGKILL
 later; Ctrl-C sends SIGINT. The first signal only sets a flag: the loop finishes the step it is in,
 checkpoints it (whatever `checkpoint_every` says), waits for the save and its manifest, flushes
 the logs and raises `Preempted`; the binary prints one line and exits with `EXIT_PREEMPTED`.
-Re-running the same command resumes from that step. A second signal exits at once
+Re-running the same command resumes from that step. With several processes, process 0's signal
+decides (broadcast each step), so all stop at the same step. A second signal exits at once
 (status 128 + signal number, as the shell reports a signal death) without waiting for anything:
 a save in flight is then lost (orbax never commits half a checkpoint), earlier ones are intact.
 """
@@ -16,6 +17,11 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+
+import jax
+import numpy as np
+
+from lowrl import distributed
 
 # 75 is EX_TEMPFAIL (sysexits.h): "try again later", what a requeue wrapper looks for.
 EXIT_PREEMPTED = 75
@@ -41,6 +47,14 @@ class StopFlag:
 
   def __bool__(self) -> bool:
     return self.signame is not None
+
+
+def agreed(flag: "StopFlag | None") -> bool:
+  """Whether to stop now: the flag, or with several processes process 0's flag, broadcast (every
+  process must stop at the same step: the checkpoint is collective)."""
+  if jax.process_count() == 1:
+    return bool(flag)
+  return bool(distributed.broadcast_from_primary(np.array(bool(flag))))
 
 
 @contextlib.contextmanager

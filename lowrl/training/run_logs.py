@@ -13,6 +13,8 @@ import shutil
 import time
 from typing import Any, Callable
 
+from lowrl.training.checkpointing import verify_manifest
+
 METRICS = "metrics.jsonl"
 EVAL_START = "eval_start.json"
 SUMMARY = "summary.json"
@@ -118,6 +120,23 @@ def write_json(workdir: str, name: str, obj: Any) -> None:
   with open(path + ".tmp", "w") as f:
     json.dump(obj, f, indent=2)
   os.replace(path + ".tmp", path)
+
+
+def finished_summary(workdir: str, steps: int) -> dict[str, Any] | None:
+  """The summary of a run of `steps` steps that already finished in `workdir` (its newest
+  checkpoint is the verified end, summary.json is there); reads only, so it also works in a
+  read-only workdir. WorkdirError for a summary.json that cannot be read."""
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  done = [int(d) for d in os.listdir(ckpt_dir) if d.isdigit()] if os.path.isdir(ckpt_dir) else []
+  if (not done or max(done) != steps or not os.path.exists(os.path.join(workdir, SUMMARY))
+      or verify_manifest(os.path.join(ckpt_dir, str(steps))) is not None):  # damaged: resume
+    return None
+  fix = "move it aside and re-run: the final evaluation of the finished run runs again and " \
+        "rewrites it."
+  summary = read_json(workdir, SUMMARY, fix)
+  if not isinstance(summary, dict) or "eval_end" not in summary:
+    raise WorkdirError(f"{os.path.join(workdir, SUMMARY)} is not a run summary; {fix}")
+  return summary
 
 
 class Eta:
