@@ -714,8 +714,7 @@ def _eval_start(setup: Setup, trainer: Trainer, writer, workdir: str, start: int
   cfg = setup.cfg
   primary = distributed.is_primary()
   if start:
-    eval_start = run_logs.read_json(workdir, run_logs.EVAL_START, "restore it, or start afresh "
-                                    "in a new --workdir.")
+    eval_start = run_logs.read_json(workdir, run_logs.EVAL_START, run_logs.EVAL_START_FIX)
     if primary:
       run_logs.trim_metrics(workdir, start)
     return eval_start

@@ -19,6 +19,8 @@ METRICS = "metrics.jsonl"
 EVAL_START = "eval_start.json"
 SUMMARY = "summary.json"
 TB_DIR = "tb"
+EVAL_START_FIX = ("it holds the step-0 evaluation a resume reports: restore it, or start afresh in "
+                  "a new --workdir.")
 _LOG_FILES = (METRICS, EVAL_START, SUMMARY, TB_DIR, "config.json")
 
 
@@ -76,8 +78,7 @@ def read_json(workdir: str, name: str, fix: str) -> Any:
 def check_resumable(workdir: str) -> None:
   """The files a resume reads, checked before anything is compiled (WorkdirError if damaged)."""
   read_metrics(workdir)
-  read_json(workdir, EVAL_START, "it holds the step-0 evaluation a resume reports: restore it, "
-                                 "or start afresh in a new --workdir.")
+  read_json(workdir, EVAL_START, EVAL_START_FIX)
 
 
 def trim_metrics(workdir: str, last_step: int) -> None:

@@ -141,7 +141,7 @@ def test_a_second_sigint_exits_at_once_keeping_the_checkpoints(tmp_path):
 
 @pytest.mark.slow
 def test_a_disk_that_fills_mid_run_stops_in_one_line_keeping_the_checkpoints(tmp_path, full):
-  base = str(tmp_path / "base")  # the base lives off the small disk
+  base = os.path.join(full, "base")  # the uninterrupted run's base, off the small disk
   with small_fs.tmpfs(str(tmp_path / "disk"), "3m") as disk:
     workdir = os.path.join(disk, "run")
     proc = _at_checkpoint_2(workdir, f"--config.sft.base_dir={base}")
