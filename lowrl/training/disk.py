@@ -8,10 +8,14 @@ since orbax writes into a tmp directory and renames it only when complete.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import os
 import shutil
 import tempfile
+import threading
+from collections.abc import Iterator
 
 import ml_collections
 import numpy as np
@@ -21,6 +25,7 @@ from lowrl.training.run_logs import WorkdirError
 
 # Room for the log files besides the checkpoints (metrics.jsonl, TensorBoard, JSON files).
 LOG_SLACK = 1 << 20
+NEARLY_FULL = 64 << 10
 _NO_SPACE = ("No space left on device", "ENOSPC", "Disk quota exceeded")
 
 
@@ -81,9 +86,14 @@ def full_message(workdir: str, ckpt_dir: str) -> str:
           "larger disk).")
 
 
-def is_disk_full(exc: BaseException) -> bool:
+def is_disk_full(exc: BaseException, workdir: str | None = None) -> bool:
   """Whether `exc` (or an exception it was raised from) is a write that found no space: an
-  OSError ENOSPC/EDQUOT, or a library's error whose text says so (orbax wraps tensorstore's)."""
+  OSError ENOSPC/EDQUOT, or a library's error whose text says so (orbax wraps tensorstore's);
+  or, with `workdir`, an OSError while its disk has less than NEARLY_FULL free (a writer thread
+  that died of it reports only that it stopped: lowrl.metrics.writer)."""
+  if (workdir is not None and isinstance(exc, OSError) and os.path.isdir(workdir)
+      and shutil.disk_usage(workdir).free < NEARLY_FULL):
+    return True
   seen = set()
   while exc is not None and id(exc) not in seen:
     seen.add(id(exc))
@@ -97,3 +107,35 @@ def is_disk_full(exc: BaseException) -> bool:
 
 def _mb(n: float) -> str:
   return f"{n / 2**20:.1f} MiB"
+
+
+class _DropDiskFull(logging.Filter):
+  """Drops log records of failed writes for lack of space (orbax logs each of its background
+  threads' with a traceback)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (any(s in record.getMessage() for s in _NO_SPACE)
+                or (exc is not None and is_disk_full(exc)))
+
+
+@contextlib.contextmanager
+def one_line_when_full() -> Iterator[None]:
+  """For the block: background threads' reports of a full disk (log records, uncaught thread
+  exceptions) are dropped; the loop reports it once (DiskFullError). Other errors pass."""
+  handlers, drop = logging.getLogger().handlers, _DropDiskFull()
+  for h in handlers:
+    h.addFilter(drop)
+  previous = threading.excepthook
+
+  def hook(args):
+    if not is_disk_full(args.exc_value):
+      previous(args)
+
+  threading.excepthook = hook
+  try:
+    yield
+  finally:
+    threading.excepthook = previous
+    for h in handlers:
+      h.removeFilter(drop)

@@ -566,12 +566,12 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print, *,
       cfg, setup.model_cfg.num_params(), os.path.join(workdir, "checkpoints"),
       keep_reference=uses_reference(cfg), versions=setup.schedule.max_versions if stale else 0))
   with (WorkdirLock(workdir, log) if primary else contextlib.nullcontext()), \
-      preemption.stop_on_signals() as stop:
+      preemption.stop_on_signals() as stop, disk.one_line_when_full():
     try:
       return _run_in_workdir(setup, workdir, log, stop, allow_config_change=allow_config_change,
                              reevaluate=reevaluate)
     except Exception as e:
-      if not disk.is_disk_full(e):
+      if not disk.is_disk_full(e, workdir):
         raise
       raise disk.DiskFullError(disk.full_message(workdir, os.path.join(workdir, "checkpoints"))
                                ) from None
