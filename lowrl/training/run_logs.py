@@ -40,7 +40,8 @@ def metrics_line(step: int, metrics: dict[str, float]) -> str:
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
   """The complete lines of metrics.jsonl (a line cut short by a kill is dropped); WorkdirError
-  naming the line for one that is not a JSON object with a step."""
+  naming the line for one that is not a JSON object with a step, or whose step does not
+  increase."""
   path = os.path.join(workdir, METRICS)
   if not os.path.exists(path):
     return []
@@ -57,6 +58,10 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
             f"{path} line {n} is not a metrics line ({line.strip()[:60]!r}); delete that line "
             "(the lines after the resumed checkpoint are rewritten), or start afresh in a new "
             "--workdir.") from None
+      if out and m["step"] <= out[-1]["step"]:  # two writers, or pasted lines
+        raise WorkdirError(
+            f"{path} line {n} is step {m['step']} after step {out[-1]['step']} (steps must "
+            "increase); delete the repeated lines, or start afresh in a new --workdir.")
       out.append(m)
   return out
 

@@ -191,6 +191,8 @@ def _snapshot(workdir: str) -> dict[str, bytes]:
 @pytest.mark.parametrize("name, content, summary, fix", [
     ("config.json", b'{"fingerprint": "ab', False, "restore it, or move it aside"),
     ("metrics.jsonl", b'{"step": 1, "reward/mean": 0.5}\ngarbage\n', False, "delete that line"),
+    ("metrics.jsonl", b'{"step": 1}\n{"step": 2}\n{"step": 1}\n', False,
+     "delete the repeated lines"),
     ("eval_start.json", None, False, "restore it, or start afresh"),
     ("summary.json", b"\x00\x01", True, "move it aside and re-run"),
 ])
