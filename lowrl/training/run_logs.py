@@ -13,7 +13,7 @@ import shutil
 import time
 from typing import Any, Callable
 
-from lowrl.training.checkpointing import verify_manifest
+from lowrl.training.checkpointing import MANIFEST, read_meta, verify_manifest
 
 METRICS = "metrics.jsonl"
 EVAL_START = "eval_start.json"
@@ -134,8 +134,14 @@ def finished_summary(workdir: str, steps: int) -> dict[str, Any] | None:
   read-only workdir. WorkdirError for a summary.json that cannot be read."""
   ckpt_dir = os.path.join(workdir, "checkpoints")
   done = [int(d) for d in os.listdir(ckpt_dir) if d.isdigit()] if os.path.isdir(ckpt_dir) else []
-  if (not done or max(done) != steps or not os.path.exists(os.path.join(workdir, SUMMARY))
-      or verify_manifest(os.path.join(ckpt_dir, str(steps))) is not None):  # damaged: resume
+  if not done or max(done) != steps or not os.path.exists(os.path.join(workdir, SUMMARY)):
+    return None
+  end = os.path.join(ckpt_dir, str(steps))
+  problem = verify_manifest(end)
+  # A damaged end resumes; one without a manifest (saved before checksums) counts as finished
+  # when its record says it is the end (else every re-run would evaluate it again).
+  if problem is not None and not (problem.startswith(f"no {MANIFEST}")
+                                  and (read_meta(end) or {}).get("step") == steps):
     return None
   fix = "move it aside and re-run: the final evaluation of the finished run runs again and " \
         "rewrites it."

@@ -227,6 +227,18 @@ def test_a_finished_run_in_a_read_only_workdir_prints_its_summary(resumed_run, b
     shutil.copytree(resumed_run[0], workdir)
     small_fs.remount_read_only(mnt)
     logs: list[str] = []
+    with open(os.path.join(workdir, "summary.json")) as f:
+      expected = json.load(f)
     summary = loop.run(tiny_config(base_dir), workdir, log=logs.append)
-  assert summary == resumed_run[3] | {"wall_s": summary["wall_s"]}
+  assert summary == expected
   assert any(m.startswith("[done]") for m in logs)
+
+
+def test_a_finished_run_whose_end_has_no_manifest_is_not_evaluated_again(resumed_run, base_dir,
+                                                                          tmp_path):
+  workdir = _damaged_copy(resumed_run, tmp_path, f"checkpoints/{STEPS}/lowrl_manifest.json", None)
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  logs: list[str] = []
+  assert loop.run(tiny_config(base_dir), workdir, log=logs.append) == summary
+  assert any(m.startswith("[done]") for m in logs) and not any("[eval]" in m for m in logs)
