@@ -86,6 +86,7 @@ side, and the rows' padding.
 from __future__ import annotations
 
 import dataclasses
+import os
 import textwrap
 
 from typing import Mapping
@@ -381,7 +382,7 @@ def _terms(est: MemoryEstimate) -> list[tuple[str, str, int]]:
 
 
 def check_fits(est: MemoryEstimate, hbm_bytes: float, headroom: float = 0.9,
-               hints: Mapping[str, str] | None = None) -> None:
+               hints: Mapping[str, str] | None = None, what: str = "HBM") -> None:
   """Raises ValueError naming the knobs to change when est.total > headroom x hbm_bytes.
 
   The message lists the largest terms first, each with the knobs that shrink it: `hints`, keyed
@@ -399,7 +400,7 @@ def check_fits(est: MemoryEstimate, hbm_bytes: float, headroom: float = 0.9,
   big = sorted((t for t in _terms(est) if t[2] > 0), key=lambda t: -t[2])[:4]
   text = "; ".join(f"{name} {b / GB:.1f} GB ({hints[key]})" for key, name, b in big)
   raise ValueError(f"per-device memory estimate {est.total / GB:.1f} GB exceeds {headroom:g} x "
-                   f"{hbm_bytes / GB:.1f} GB of HBM; largest terms: {text}; params, grads, "
+                   f"{hbm_bytes / GB:.1f} GB of {what}; largest terms: {text}; params, grads, "
                    f"optimizer and reference also shrink with {hints['devices']}.")
 
 
@@ -407,8 +408,8 @@ def device_memory(name: str) -> tuple[float | None, str]:
   """(bytes of one device's memory, where that number comes from) of a `hardware` knob value.
 
   A preset (HARDWARE_CHOICES): its HBM. "none": (None, ...): no fit check. "auto": the first
-  device's `memory_stats()["bytes_limit"]` where the backend reports one (GPU, TPU); None on CPU
-  (host memory, no per-device limit) and where it reports none.
+  device's `memory_stats()["bytes_limit"]` where the backend reports one (GPU, TPU); on CPU the
+  host's RAM (`host_memory`) shared by the local CPU devices; None where a backend reports none.
   """
   if name not in HARDWARE_CHOICES:
     raise ValueError(f"hardware={name!r}; use one of {HARDWARE_CHOICES}.")
@@ -418,11 +419,28 @@ def device_memory(name: str) -> tuple[float | None, str]:
     return HARDWARE[name].hbm_bytes, f"{name} HBM"
   device = jax.devices()[0]
   if device.platform == "cpu":
-    return None, "no limit (hardware=auto on CPU)"
+    ram, source = host_memory()
+    n = jax.local_device_count()
+    return ram / n, f"{source} {ram / GB:.1f} GB / {n} CPU device(s)"
   stats = device.memory_stats() or {}
   if "bytes_limit" not in stats:
     return None, f"no limit ({device.device_kind} reports no memory_stats bytes_limit)"
   return float(stats["bytes_limit"]), f"{device.device_kind} memory_stats bytes_limit"
+
+
+def host_memory() -> tuple[float, str]:
+  """(bytes, what they are) of the RAM this process may use: the machine's physical memory, or
+  the cgroup (container) limit where that is smaller."""
+  ram, source = float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")), "host RAM"
+  for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    try:
+      with open(path) as f:
+        limit = f.read().strip()
+    except OSError:
+      continue
+    if limit.isdigit() and float(limit) < ram:
+      ram, source = float(limit), "cgroup memory limit"
+  return ram, source
 
 
 @dataclasses.dataclass(frozen=True)

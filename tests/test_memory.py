@@ -276,8 +276,10 @@ def test_binary_qwen3_8b_on_8_h100(capsys):
 def test_device_memory():
   assert memory.device_memory("h100_sxm")[0] == 80e9
   assert memory.device_memory("none")[0] is None
-  # The tests' fake devices are CPUs: auto means no per-device limit.
-  assert memory.device_memory("auto")[0] is None
+  # The tests' fake devices are CPUs: auto means the host's RAM, shared by them.
+  ram, source = memory.host_memory()
+  assert ram > 0 and source in ("host RAM", "cgroup memory limit")
+  assert memory.device_memory("auto")[0] == ram / jax.local_device_count()
   with pytest.raises(ValueError, match="hardware='tpu'; use one of"):
     memory.device_memory("tpu")
 
