@@ -19,6 +19,10 @@ from lowrl.models.config import ModelConfig
 BLOCK_MATMULS = ("attn/q_proj", "attn/k_proj", "attn/v_proj", "attn/o_proj",
                  "mlp/gate_proj", "mlp/up_proj", "mlp/down_proj")
 LM_HEAD = "lm_head"
+# The block matmuls an inference engine runs as one fused linear on one input (vLLM's `qkv_proj`
+# and `gate_up_proj`: their weights concatenated along `out`, one per-tensor scale for the whole;
+# ModelOpt's exporter unifies their amax, `preprocess_linear_fusion`).
+FUSED_GROUPS = (("attn/q_proj", "attn/k_proj", "attn/v_proj"), ("mlp/gate_proj", "mlp/up_proj"))
 # Hugging Face module names of the block matmuls (under `model.layers.{i}.`).
 _HF_BLOCK_NAMES = {"attn/q_proj": "self_attn.q_proj", "attn/k_proj": "self_attn.k_proj",
                    "attn/v_proj": "self_attn.v_proj", "attn/o_proj": "self_attn.o_proj",

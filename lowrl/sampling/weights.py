@@ -2,7 +2,9 @@
 kernels held packed (E2M1 codes two per byte + scales) between sampler calls.
 
 Both are exact: `quantize_weights` and `unpack_params` give `fake_quant(W)` bit for bit, the value
-the forward's own weight quantizer computes, and `prequantized_policy` then skips that quantizer.
+the forward's own weight quantizer computes (with the fused groups' shared per-tensor amax,
+`lowrl.models.fused_scales`, as the forward takes it), and `prequantized_policy` then skips that
+quantizer.
 This module knows the model's layout (which kernels, which contracting axis) and the precision
 policy (which quantizer); the format-level packing (`PackedWeight`, `pack_qtensor`) lives with the
 quantizers in `lowrl.quant.packing`, which sits below both.
@@ -17,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lowrl.models import layout
+from lowrl.models import fused_scales, layout
 from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
 from lowrl.quant.config import QuantConfig
@@ -43,6 +45,22 @@ def _weight_quantizer(policy: PrecisionPolicy, m: layout.Matmul) -> QuantConfig 
 def _kernels(model_cfg: ModelConfig) -> list[layout.Matmul]:
   """The matmuls with an [in, out] kernel of their own (a tied head reads the embedding)."""
   return [m for m in layout.matmuls(model_cfg) if m.owns_kernel]
+
+
+def weight_amaxes(params: Params, model_cfg: ModelConfig, policy: PrecisionPolicy
+                  ) -> dict[str, jax.Array]:
+  """{full path: static per-tensor amax} of the weights whose per-tensor scale their fused group
+  shares (`fused_scales.weight_amax`, what the forward passes its quantizers); the other weights
+  take their own amax. Traceable."""
+  out = {}
+  for i in range(model_cfg.n_layers):
+    groups = fused_scales.shared_groups(policy, i)
+    if groups:
+      kernels = fused_scales.layer_kernels(params[layout.layer_key(i)],
+                                           [p for g in groups for p in g])
+      out.update({layout.matmul_path(i, p): a
+                  for p, a in fused_scales.weight_amax(policy, i, kernels).items()})
+  return out
 
 
 def _set(tree, keys, value):
@@ -78,10 +96,12 @@ def quantize_weights(params: Params, model_cfg: ModelConfig, policy: PrecisionPo
   its loop does not re-quantize every weight at every step. Traceable.
   """
   out = params
+  amaxes = weight_amaxes(params, model_cfg, policy)
   for m in _kernels(model_cfg):
     q = _weight_quantizer(policy, m)
     if q is not None:
-      out = _set(out, m.param_keys, fake_quant(layout.get_param(params, m.param_keys), q))
+      out = _set(out, m.param_keys, fake_quant(layout.get_param(params, m.param_keys), q,
+                                               tensor_amax=amaxes.get(m.full_path)))
   return out, prequantized_policy(policy, model_cfg)
 
 
@@ -120,11 +140,13 @@ def pack_params(params: Params, model_cfg: ModelConfig, policy: PrecisionPolicy,
 def _pack(params, *, model_cfg, policy, other_dtype):
   # One program for all kernels (eager quantize calls would compile once per kernel shape).
   out = params if other_dtype is None else jax.tree.map(lambda x: x.astype(other_dtype), params)
+  amaxes = weight_amaxes(params, model_cfg, policy)
   for m in _kernels(model_cfg):
     q = _weight_quantizer(policy, m)
     if q is not None:
-      out = _set(out, m.param_keys, pack_qtensor(quantize(layout.get_param(params, m.param_keys),
-                                                          q)))
+      w = layout.get_param(params, m.param_keys)
+      out = _set(out, m.param_keys,
+                 pack_qtensor(quantize(w, q, tensor_amax=amaxes.get(m.full_path))))
   return out
 
 
