@@ -11,10 +11,14 @@ checkpoint (`model.hf_checkpoint` in the config), its tokenizer.json, tokenizer_
 generation_config.json (and chat_template.jinja) are copied beside the weights; the built-in
 character tokenizer has no Hugging Face form and nothing is written for it (the log says so).
 
---rollout_format=nvfp4|mxfp8 instead writes the block linears quantized in NVIDIA ModelOpt's
-layout (lowrl/checkpoints/hf_quantized.py; vLLM: quantization="modelopt_fp4" / "modelopt_mxfp8").
-NVFP4's static activation scales are calibrated on the run's calibration batch (train prompts +
-reference answers) in the trainer's precision, as the loop calibrates its sampler.
+--rollout_format=nvfp4|nvfp4_w4a16|mxfp8 instead writes the block linears quantized in NVIDIA
+ModelOpt's layout (lowrl/checkpoints/hf_quantized.py; vLLM: quantization="modelopt_fp4" /
+"modelopt_mxfp8"; docs/export.md): with the run's sampler weight quantizers when its recipe
+quantizes weights in that format (4/6, 16x16 blocks, unquantized tail layers listed in `ignore`,
+fused q/k/v and gate/up with one shared global scale), so the file holds the sampler's weights bit
+for bit, else with the format's default quantizer. NVFP4's static activation scales are calibrated
+on the run's calibration batch (train prompts + reference answers) in the trainer's precision, as
+the loop calibrates its sampler; nvfp4_w4a16 (ModelOpt "W4A16_NVFP4") has none.
 
 The export runs on the host CPU (JAX_PLATFORMS=cpu unless set): it restores only the `params`
 subtree and needs no accelerator. Bad input (no checkpoint, unknown step, non-empty --out
@@ -164,11 +168,20 @@ def export(workdir: str, out: str, *, step: int | None = None, rollout_format: s
     raise ExportError(f"The run's source checkpoint {source} has no tokenizer.json to export; "
                       "restore it there.")
   extra = hf.read_hf_config(source) if source else None
+  if rollout_format:  # checked before anything is written
+    try:
+      hf_quantized.export_policy(setup.model_cfg, rollout_format, setup.sampler_policy)
+    except ValueError as e:
+      raise ExportError(str(e)) from None
   os.makedirs(out, exist_ok=True)
   if rollout_format:
     amax = _calibrated_amax(setup, params) if rollout_format == "nvfp4" else None
-    hf_quantized.save_quantized_checkpoint(out, setup.model_cfg, params, rollout_format,
-                                           act_amax=amax, dtype=dtype, extra_config=extra)
+    try:
+      hf_quantized.save_quantized_checkpoint(out, setup.model_cfg, params, rollout_format,
+                                             act_amax=amax, policy=setup.sampler_policy,
+                                             dtype=dtype, extra_config=extra)
+    except ValueError as e:
+      raise ExportError(str(e)) from None
   else:
     hf.save_hf_checkpoint(out, setup.model_cfg, params, dtype=dtype, extra_config=extra)
   copied = []
@@ -187,8 +200,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "The training run directory to e
 _OUT = flags.DEFINE_string("out", None, "Output directory of the Hugging Face checkpoint.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the newest).")
 _ROLLOUT = flags.DEFINE_enum("rollout_format", "", ["", *hf_quantized.ROLLOUT_FORMATS],
-                             "Write the block linears quantized in ModelOpt's NVFP4 / MXFP8 "
-                             "layout (empty: unquantized).")
+                             "Write the block linears quantized in ModelOpt's NVFP4 / "
+                             "W4A16_NVFP4 / MXFP8 layout (empty: unquantized).")
 _DTYPE = flags.DEFINE_enum("dtype", "", list(_DTYPES), "dtype of the written (unquantized) "
                            "tensors; empty keeps the run's parameter dtype.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Write into a non-empty --out directory.")

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from lowrl.models import layout
+from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
 from lowrl.quant.config import QuantConfig
 
@@ -61,6 +62,21 @@ def weight_amax(policy: PrecisionPolicy, layer: int,
   for group in shared_groups(policy, layer):
     amax = joint_amax(kernels, group)
     out.update({p: amax for p in group})
+  return out
+
+
+def weight_amaxes(params: Mapping, model_cfg: ModelConfig, policy: PrecisionPolicy
+                  ) -> dict[str, jax.Array]:
+  """{full path ("layers_0/attn/q_proj"): static per-tensor amax} of every weight whose
+  per-tensor scale its fused group shares (`weight_amax` per layer), from a whole param tree;
+  the other weights are absent (they take their own amax). Traceable."""
+  out = {}
+  for i in range(model_cfg.n_layers):
+    groups = shared_groups(policy, i)
+    if groups:
+      kernels = layer_kernels(params[layout.layer_key(i)], [p for g in groups for p in g])
+      out.update({layout.matmul_path(i, p): a
+                  for p, a in weight_amax(policy, i, kernels).items()})
   return out
 
 

@@ -19,7 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lowrl.models import fused_scales, layout
+from lowrl.models import layout
+from lowrl.models.fused_scales import weight_amaxes
 from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
 from lowrl.quant.config import QuantConfig
@@ -45,22 +46,6 @@ def _weight_quantizer(policy: PrecisionPolicy, m: layout.Matmul) -> QuantConfig 
 def _kernels(model_cfg: ModelConfig) -> list[layout.Matmul]:
   """The matmuls with an [in, out] kernel of their own (a tied head reads the embedding)."""
   return [m for m in layout.matmuls(model_cfg) if m.owns_kernel]
-
-
-def weight_amaxes(params: Params, model_cfg: ModelConfig, policy: PrecisionPolicy
-                  ) -> dict[str, jax.Array]:
-  """{full path: static per-tensor amax} of the weights whose per-tensor scale their fused group
-  shares (`fused_scales.weight_amax`, what the forward passes its quantizers); the other weights
-  take their own amax. Traceable."""
-  out = {}
-  for i in range(model_cfg.n_layers):
-    groups = fused_scales.shared_groups(policy, i)
-    if groups:
-      kernels = fused_scales.layer_kernels(params[layout.layer_key(i)],
-                                           [p for g in groups for p in g])
-      out.update({layout.matmul_path(i, p): a
-                  for p, a in fused_scales.weight_amax(policy, i, kernels).items()})
-  return out
 
 
 def _set(tree, keys, value):

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 
 from lowrl import precision
 from lowrl.models import layout
+from lowrl.models.fused_scales import weight_amaxes
 from lowrl.models.config import ModelConfig
 from lowrl.quant import fake_quant
-from lowrl.sampling.weights import weight_amaxes
 
 
 def weight_quant_errors(params, model_cfg: ModelConfig,
