@@ -180,8 +180,6 @@ KNOBS = {
     "format": "'none' or a lowrl.quant format (nvfp4, mxfp8_e4m3, ...) for the linear layers",
     "act_format": "activations: '' = quantized with `format`; 'none' = weight-only (activations in "
                   "compute_dtype, e.g. W4A16)",
-    "weight_scales": "fused (q/k/v and gate/up share one per-tensor weight scale, as inference "
-                     "engines fuse them) | per_linear",
     "compute_dtype": "activations / attention / KV cache / unquantized GEMM dtype",
     "backward": "high_precision | dequantized | quantized (QDotConfig.backward)",
     "grad_format": "gradient quantizer format when backward=quantized ('' = same as format)",
@@ -198,6 +196,8 @@ KNOBS = {
     "high_precision_paths": "regex (fullmatch) of further matmul paths kept unquantized, '' = none",
     "gemm": "emulated (dequantized operands in compute_dtype) | native (FP8 formats: the codes as "
             "float8 GEMM operands, what XLA lowers to cuBLASLt FP8 GEMMs; forward only)",
+    "weight_scales": "fused (q/k/v and gate/up share one per-tensor weight scale, as inference "
+                     "engines fuse them) | per_linear",
 }
 
 
