@@ -98,6 +98,16 @@ def _is_packed(x) -> bool:
   return isinstance(x, PackedWeight)
 
 
+def check_packable(model_cfg: ModelConfig, policy: PrecisionPolicy) -> None:
+  """ValueError unless every weight quantizer of `policy` can be applied ahead of time."""
+  for m in _kernels(model_cfg):
+    rhs = policy.qdot_config(m.full_path).rhs
+    if rhs is not None and rhs.stochastic_rounding:
+      raise ValueError(f"{m.full_path}: stochastically rounded weights are re-drawn every "
+                       "forward and cannot be packed; use precision.stochastic_rounding=grad or "
+                       "none for a packed sampler.")
+
+
 def pack_params(params: Params, model_cfg: ModelConfig, policy: PrecisionPolicy,
                 other_dtype=None) -> Params:
   """Replaces every kernel the policy quantizes by a PackedWeight (E2M1 two codes per byte).
@@ -111,12 +121,7 @@ def pack_params(params: Params, model_cfg: ModelConfig, policy: PrecisionPolicy,
   Raises:
     ValueError: a stochastically rounded weight quantizer (re-drawn every forward).
   """
-  for m in _kernels(model_cfg):
-    rhs = policy.qdot_config(m.full_path).rhs
-    if rhs is not None and rhs.stochastic_rounding:
-      raise ValueError(f"{m.full_path}: stochastically rounded weights are re-drawn every "
-                       "forward and cannot be packed; use precision.stochastic_rounding=grad or "
-                       "none for a packed sampler.")
+  check_packable(model_cfg, policy)
   return _pack(params, model_cfg=model_cfg, policy=policy,
                other_dtype=None if other_dtype is None else jnp.dtype(other_dtype))
 
