@@ -42,7 +42,7 @@ from absl import app, flags  # noqa: E402
 
 from lowrl.checkpoints import hf, hf_quantized  # noqa: E402
 from lowrl.models import layout, transformer  # noqa: E402
-from lowrl.training import loop, run_config  # noqa: E402
+from lowrl.training import loop, run_config, schema  # noqa: E402
 from lowrl.training.checkpointing import verify_manifest  # noqa: E402
 
 # Files of a source checkpoint that describe its tokenizer and generation defaults.
@@ -75,7 +75,34 @@ def run_config_of(workdir: str) -> ml_collections.ConfigDict:
       saved = json.load(f)["config"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
       raise ExportError(f"{path} is not a lowrl run config ({e}).") from None
-  return ml_collections.ConfigDict(_tuples(saved))
+  return _with_new_knobs(ml_collections.ConfigDict(_tuples(saved)))
+
+
+# Precision knobs added after runs were saved, with the value such a run was trained under.
+_PRECISION_BEFORE = {"act_format": "", "weight_scales": "per_linear"}
+
+
+def _with_new_knobs(saved: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A saved run config with the knobs added since filled in: precision's with the behaviour the
+  run had (`_PRECISION_BEFORE`: it quantized each linear with its own scale), the rest with the
+  schema's defaults (knobs that don't change the weights)."""
+  if "precision" in saved:
+    for k, v in _PRECISION_BEFORE.items():
+      if k not in saved.precision:
+        saved.precision[k] = v
+  out = schema.TRAIN.defaults(precision=saved.precision)
+
+  def merge(dst, src):
+    for k, v in src.items():
+      if isinstance(v, ml_collections.ConfigDict) and k in dst and isinstance(
+          dst[k], ml_collections.ConfigDict):
+        merge(dst[k], v)
+      else:
+        dst[k] = v
+
+  with out.unlocked():
+    merge(out, saved)
+  return out
 
 
 def _source_checkpoint(cfg: ml_collections.ConfigDict) -> str | None:

@@ -178,3 +178,21 @@ def test_copy_tokenizer_files(tmp_path):
   os.remove(src / "tokenizer.json")
   with pytest.raises(export_hf.ExportError, match="no tokenizer.json"):
     export_hf.copy_tokenizer_files(str(src), str(out))
+
+
+def test_a_run_saved_before_newer_knobs_exports_as_it_ran(run, tmp_path):
+  """A config.json without the knobs added since (precision.act_format / weight_scales,
+  refit_check_every) reads back with the behaviour the run had: one scale per linear."""
+  import shutil
+  workdir, _ = run
+  old = tmp_path / "old"
+  shutil.copytree(workdir, old)
+  saved = json.loads((old / "config.json").read_text())
+  for k in ("act_format", "weight_scales"):
+    del saved["config"]["precision"][k]
+  del saved["config"]["refit_check_every"]
+  (old / "config.json").write_text(json.dumps(saved))
+  cfg = export_hf.run_config_of(str(old))
+  assert cfg.precision.weight_scales == "per_linear" and cfg.precision.act_format == ""
+  assert cfg.refit_check_every == 1
+  export_hf.export(str(old), str(tmp_path / "out"), log=lambda _: None)
