@@ -130,6 +130,7 @@ class Refitter:
     self._pack = jax.jit(lambda p: quantize_for_sampler(p, model_cfg, policy))
     self.check = make_refit_check(model_cfg, policy, calibrate=act_amax)
     self.version, self.held, self.syncs = None, None, 0
+    self.last: float | None = None  # mismatching tensors found by the latest check
 
   def quantize(self, params: Params) -> RolloutWeights:
     """What a sync hands the sampler for `params` (the trainer's weights)."""
@@ -138,18 +139,21 @@ class Refitter:
 
   def __call__(self, params: Params, version: int | None
                ) -> tuple[RolloutWeights, dict[str, float]]:
-    """(the sampler's weights for `version`, refit metrics of this call: {} unless it synced and
-    checked). `version` None: a fresh sync every call."""
-    if version is not None and version == self.version:
-      return self.held, {}
-    self.held, self.version = self.quantize(params), version
-    self.syncs += 1
-    if not self.check_every or (self.syncs - 1) % self.check_every:
-      return self.held, {}
-    return self.held, self.report(self.held, params)
+    """(the sampler's weights for `version`, the refit metric): a new version is a sync, and
+    every `check_every`-th sync (the first included) is checked. The metric is the latest
+    check's count of mismatching tensors, logged at every call (so a resumed run, whose first
+    call is a checked sync, logs what the uninterrupted one does); {} when checks are off.
+    `version` None: a fresh sync every call."""
+    if version is None or version != self.version:
+      self.held, self.version = self.quantize(params), version
+      self.syncs += 1
+      if self.check_every and (self.syncs - 1) % self.check_every == 0:
+        self.last = self.report(self.held, params)
+    return self.held, ({} if self.last is None else {"refit/mismatched_tensors": self.last})
 
-  def report(self, held: RolloutWeights, params: Params) -> dict[str, float]:
-    """The refit check of `held` against `params` as metrics; a warning line per failure."""
+  def report(self, held: RolloutWeights, params: Params) -> float:
+    """The refit check of `held` against `params`: the count of mismatching tensors, and a
+    warning line naming them when it is not 0."""
     flags = jax.device_get(self.check(held, params))
     n = int(flags.sum())
     if n:
@@ -157,4 +161,4 @@ class Refitter:
       self.log(f"[warn] refit check: {n} sampler tensor(s) differ from a fresh quantization of "
                f"the trainer's weights (version {self.version}): {', '.join(names[:4])}"
                f"{' ...' if n > 4 else ''}")
-    return {"refit/mismatched_tensors": float(n)}
+    return float(n)

@@ -76,15 +76,18 @@ def test_refitter_syncs_on_a_new_version_and_checks_every_n():
   r = refit.Refitter(TINY, NAIVE, _act_amax, check_every=2, log=logs.append)
   params = _params()
   held, m = r(params, 0)
-  assert m == {"refit/mismatched_tensors": 0.0}
-  assert r(params, 0) == (held, {})  # same version: no sync, no check
-  assert r(params, 1)[1] == {}  # second sync: not checked (every 2)
+  assert m == {"refit/mismatched_tensors": 0.0} and r.syncs == 1
+  # Same version: no sync, no check, the latest check's count again.
+  assert r(params, 0) == (held, m) and r.syncs == 1
+  assert r(params, 1)[1] == m and r.syncs == 2  # second sync: not checked (every 2)
   pack = r._pack
   r._pack = lambda p: _bump_first_scale(pack(p))  # a broken sync
   _, m = r(params, 2)
   assert m == {"refit/mismatched_tensors": 1.0}
   assert len(logs) == 1 and logs[0].startswith("[warn] refit check: 1 sampler tensor(s)")
   assert "layers_0/attn/k_proj" in logs[0]
+  off = refit.Refitter(TINY, NAIVE, _act_amax, check_every=0)
+  assert off(params, 0)[1] == {}
 
 
 def test_loop_rollout_logs_the_check_and_samples_the_held_weights():
