@@ -19,7 +19,7 @@ TINY = tiny.TINY
 W4A16 = precision.policy_for("nvfp4_w4a16", layout.matmuls(TINY))
 PROMPTS = jnp.array([[5, 9, 2, 7], [0, 8, 3, 6], [0, 0, 11, 12], [0, 0, 0, 21]])
 PMASK = (PROMPTS > 0).astype(jnp.int32).at[:, -1].set(1)
-RL = SamplingConfig(max_new_tokens=5, temperature=1.0)
+RL = SamplingConfig(max_new_tokens=3, temperature=1.0)
 
 
 def _params():
