@@ -1,4 +1,4 @@
-"""NVFP4 with the 4-bitter lesson's fixes (REFERENCE.md §1): the main job.
+"""NVFP4 with the 4-bitter lesson's fixes (docs/reference.md §1): the main job.
 
 Every precision knob is spelled out (meanings: lowrl.precision.KNOBS). To make a recipe, copy
 this file, edit PRECISION (and its name) and run `--config=configs/my_recipe.py`;

@@ -20,7 +20,7 @@ Each candidate is timed against its baseline in the same process, interleaved ro
 call); the reported ratio is baseline time / candidate time per round (> 1: the candidate is
 faster), its median and [min, max] over --repeats rounds. TFLOP/s are medians (2 M K N per GEMM).
 On CPU the numbers only show that the programs run: XLA CPU has no FP8 GEMM and upcasts.
-GPU numbers of one H200 run (GEMMs only) are in the README.
+GPU numbers of one H200 run (GEMMs only) are in docs/benchmarks.md.
 """
 from __future__ import annotations
 

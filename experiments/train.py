@@ -19,7 +19,7 @@ Several processes (one per host, or per GPU): run the same command on each, with
   --distributed                                                      (auto-detect: TPU pod slice,
                                                                       SLURM, Open MPI, Kubernetes)
 and a --workdir every process can reach. The mesh (--config.mesh.shape/axes/rules) spans all
-processes' devices; see README "Sharding and multi-host runs".
+processes' devices; see docs/sharding.md.
 """
 import sys
 

@@ -36,6 +36,9 @@ WEIGHT_SCALES = ("fused", "per_linear")
 # Activation formats: "" = the weight format (W4A4, W8A8, ...); "none" = activations stay in the
 # compute dtype (weight-only quantization, e.g. W4A16).
 ACT_FORMATS = ("", FORMAT_NONE)
+# What the attention's KV cache stores (lowrl.models.kv_cache): the compute dtype, FP8 E4M3 with
+# static per-tensor or per-head scales, or NVFP4 blocks along head_dim.
+KV_CACHE_MODES = ("none", "fp8_per_tensor", "fp8_per_head", "nvfp4")
 
 
 class MatmulSite(Protocol):
@@ -85,18 +88,24 @@ class PrecisionPolicy:
       (`models.layout.FUSED_GROUPS`: q/k/v, gate/up) whose quantizers are equal and have a
       per-tensor scale (FP8, NVFP4) take one per-tensor scale from their joint amax, so the
       engine's fused linear holds the values the policy computes; "per_linear": each its own.
+    kv_cache: what the KV cache stores, one of KV_CACHE_MODES ("none": compute_dtype); a
+      quantized cache reads static K/V scales (lowrl.models.kv_cache).
   """
 
   rules: tuple[tuple[str, QDotConfig], ...]
   compute_dtype: str = "float32"
   name: str = ""
   weight_scales: str = "fused"
+  kv_cache: str = "none"
 
   def __post_init__(self):
     if self.compute_dtype not in COMPUTE_DTYPES:
       raise ValueError(f"compute_dtype={self.compute_dtype!r}; use one of {COMPUTE_DTYPES}.")
     if self.weight_scales not in WEIGHT_SCALES:
       raise ValueError(f"weight_scales={self.weight_scales!r}; use one of {WEIGHT_SCALES}.")
+    if self.kv_cache not in KV_CACHE_MODES:
+      raise ValueError(f"kv_cache={self.kv_cache!r}: use one of {', '.join(KV_CACHE_MODES)} "
+                       "(--config.sampler_precision.kv_cache).")
     for pattern, cfg in self.rules:
       try:
         re.compile(pattern)
@@ -149,7 +158,7 @@ ACT_SCALINGS = ("none", "row", "tensor", "tile")
 
 
 def activation_scaling(cfg: QDotConfig) -> str:
-  """What the activation (lhs) scale of a matmul depends on (REFERENCE.md §2, per-tensor scales).
+  """What the activation (lhs) scale of a matmul depends on (docs/reference.md §2, per-tensor).
 
   "none": activations unquantized. "row": every scale is computed within one token's row (MX
   blocks or NVFP4 blocks along the contracting axis with a per-token outer scale): causal and

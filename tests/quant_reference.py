@@ -3,8 +3,9 @@
 They follow the scale formulas documented in lowrl/quant/quantize.py, but compute MX exponents
 from float64 log2 (not bit tricks) and round elements with `astype(ml_dtypes type)`, so agreement
 with the JAX fast path (FP32 grid arithmetic) is a real check. NVFP4 follows the spec-exact
-definition (REFERENCE.md §2) with exact rational arithmetic (`exact_fake_quant`).
+definition (docs/reference.md §2) with exact rational arithmetic (`exact_fake_quant`).
 """
+import ml_dtypes
 import numpy as np
 
 from lowrl.quant.formats import element_format
@@ -32,8 +33,9 @@ def _unblocks(xb, axis):
   return np.moveaxis(x, -1, axis)
 
 
-def ref_fake_quant(x, cfg):
-  """FP32 dequantized values of x under cfg (round to nearest even)."""
+def ref_fake_quant(x, cfg, dtype=np.float32):
+  """Dequantized values of x under cfg (round to nearest even), as FP32 numbers: FP32 results
+  (per-tensor FP8, MX), or for NVFP4 rounded once to `dtype` (exact_fake_quant)."""
   x = np.asarray(x, f32)
   fmt = element_format(cfg.fmt)
   with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
@@ -54,7 +56,7 @@ def ref_fake_quant(x, cfg):
       return _unblocks(out, cfg.axis)
     # NVFP4 (1-D blocks along cfg.axis; 2-D tiles handled by the caller's transposes in tests):
     # the exact-rounding definition below.
-    return exact_fake_quant(x, cfg)
+    return exact_fake_quant(x, cfg, dtype=dtype)
 
 
 def grid_neighbours(y, fmt):
@@ -76,7 +78,7 @@ __all__ = ["ref_fake_quant", "grid_neighbours", "ml_dtypes_cast"]
 
 
 # ---------------------------------------------------------------------------------------------
-# Exact-rounding NVFP4 reference (REFERENCE.md §2 "spec-exact"): every rounding is one
+# Exact-rounding NVFP4 reference (docs/reference.md §2 "spec-exact"): every rounding is one
 # round-to-nearest-even of the exact rational value, computed with fractions.Fraction.
 
 from fractions import Fraction  # noqa: E402
@@ -101,8 +103,9 @@ def _grid(fmt_name):
   return [Fraction(float(g)) for g in element_format(fmt_name).grid()]
 
 
-def rne_f32(v: Fraction) -> f32:
-  """Exact value -> nearest FP32 (ties to even), flushing results below 2**-126 to 0 like XLA."""
+def rne_f32(v: Fraction, mantissa_bits: int = 23) -> f32:
+  """Exact value -> nearest FP32 (ties to even), flushing results below 2**-126 to 0 like XLA.
+  mantissa_bits=7: the nearest BF16 value (same exponent range), as an FP32 number."""
   if v == 0:
     return f32(0)
   sign = -1 if v < 0 else 1
@@ -111,24 +114,27 @@ def rne_f32(v: Fraction) -> f32:
   if Fraction(2) ** e > v:
     e -= 1
   # v in [2**e, 2**(e+1)): 24 significant bits -> integer part of v * 2**(23 - e).
-  scaled = v * Fraction(2) ** (23 - e)
+  scaled = v * Fraction(2) ** (mantissa_bits - e)
   m, rem = divmod(scaled.numerator, scaled.denominator)
   half = Fraction(rem, scaled.denominator)
   if half > Fraction(1, 2) or (half == Fraction(1, 2) and m % 2 == 1):
     m += 1
-  out = float(m) * 2.0 ** (e - 23)
+  out = float(m) * 2.0 ** (e - mantissa_bits)
   if out < 2.0 ** -126:
     return f32(0.0 * sign)
   return f32(sign * out)
 
 
-def exact_fake_quant(x, cfg, tensor_amax=None):
-  """FP32 dequantized values of x under an NVFP4 cfg with exact rounding (1-D blocks):
+def exact_fake_quant(x, cfg, tensor_amax=None, dtype=np.float32):
+  """Dequantized values of x under an NVFP4 cfg with exact rounding (1-D blocks), as FP32 numbers:
   s_global = RNE_f32(amax / D); s_block = RNE_e4m3(amax_block / (target * s_global)) (saturating
-  at 448); code = RNE_e2m1(x / (s_block * s_global)) (saturating at 6); dq = RNE_f32(code *
-  s_block * s_global) (code * s_block is exact). 4/6 keeps 4 only when its exact squared (mse) or
-  absolute (mae) error sum over the block is strictly smaller. Per-tensor FP8 (fp8_e4m3 / e5m2):
-  s = RNE_f32(amax / max) and dq = RNE_f32(RNE_fmt(x / s) * s)."""
+  at 448); code = RNE_e2m1(x / (s_block * s_global)) (saturating at 6); dq = RNE_dtype(code *
+  s_block * s_global), one rounding of the exact product to `dtype` (float32 or bfloat16). 4/6 keeps
+  4 only when the exact squared (mse) or absolute (mae) error sum of its exact dequantized values
+  code * s_block * s_global over the block is strictly smaller (so the choice does not depend on
+  `dtype`). Per-tensor FP8 (fp8_e4m3 / e5m2, FP32 only): s = RNE_f32(amax / max) and
+  dq = RNE_f32(RNE_fmt(x / s) * s)."""
+  mant = {np.dtype(np.float32): 23, np.dtype(ml_dtypes.bfloat16): 7}[np.dtype(dtype)]
   x = np.asarray(x, f32)
   fmt = element_format(cfg.fmt)
   grid = _grid(cfg.fmt)
@@ -179,10 +185,9 @@ def exact_fake_quant(x, cfg, tensor_amax=None):
           fv = Fraction(float(v)) if np.isfinite(v) else Fraction(10) ** 40 * (1 if v > 0 else -1)
           code = _rne_grid(abs(fv) / big_s, grid) if big_s else Fraction(0)
           neg = v < 0 or (v == 0 and np.signbit(v))
-          d = rne_f32(code * big_s)
-          d = -d if neg else d
-          dq.append(d)
-          diff = Fraction(float(d)) - fv
+          d = rne_f32(code * big_s, mant)
+          dq.append(-d if neg else d)
+          diff = code * big_s * (-1 if neg else 1) - fv
           err_sq += diff * diff
           err_abs += abs(diff)
         return np.asarray(dq, f32), (err_sq if cfg.four_over_six_metric == "mse" else err_abs)

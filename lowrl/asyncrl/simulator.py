@@ -199,7 +199,7 @@ SCHEMA = schema.Schema((
     schema.SIM_RL.with_defaults(steps=400, num_prompts=8, group_size=8),
     schema.OPTIMIZER.with_defaults(lr=3e-3),
     # Supervised warm start (FP32, inside the same jit): RL starts from a base with a modest
-    # reward (REFERENCE.md §5).
+    # reward (docs/reference.md §6).
     schema.SFT.only("steps", "lr", "batch_size").with_defaults(steps=0, batch_size=64),
     # The recipe components, overridable on both sides at once (a sweep knob per component).
     schema.Section("recipe", tuple(

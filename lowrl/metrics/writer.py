@@ -1,4 +1,4 @@
-"""TensorBoard event writer on tensorboardX (no TensorFlow import; see REFERENCE.md §6).
+"""TensorBoard event writer on tensorboardX (no TensorFlow import; see docs/reference.md §7).
 
 Values may be Python, NumPy or JAX scalars/arrays; they are pulled to host here. `NullWriter` has the
 same interface and does nothing: use it in tests and on non-zero processes (`create_writer`).

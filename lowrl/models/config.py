@@ -142,6 +142,11 @@ _PRESETS: dict[str, ModelConfig] = {
     "qwen3_0_6b": ModelConfig(vocab_size=151936, d_model=1024, n_layers=28, n_heads=16,
                               n_kv_heads=8, head_dim=128, d_ff=3072, rope_theta=1e6, rms_eps=1e-6,
                               qk_norm=True, tie_embeddings=True, max_seq_len=40960),
+    # Qwen/Qwen3-1.7B config.json (hidden_size 2048, intermediate_size 6144, 28 layers, 16/8
+    # heads, head_dim 128, tied embeddings).
+    "qwen3_1_7b": ModelConfig(vocab_size=151936, d_model=2048, n_layers=28, n_heads=16,
+                              n_kv_heads=8, head_dim=128, d_ff=6144, rope_theta=1e6, rms_eps=1e-6,
+                              qk_norm=True, tie_embeddings=True, max_seq_len=40960),
     # Qwen/Qwen3-8B config.json (hidden_size 4096, intermediate_size 12288, 36 layers, 32/8
     # heads, head_dim 128, untied embeddings).
     "qwen3_8b": ModelConfig(vocab_size=151936, d_model=4096, n_layers=36, n_heads=32,

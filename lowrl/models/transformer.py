@@ -29,6 +29,7 @@ columns, not positions: left-pad prompts so that every row's next token lands in
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Mapping
 
@@ -38,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrl.models import fused_scales, layout
+from lowrl.models import fused_scales, init, kv_cache, layout
 from lowrl.models.config import ModelConfig
 from lowrl.models.layout import BLOCK_MATMULS, LM_HEAD
 from lowrl.models.row_sharding import constrain_rows, constrain_unsplit
@@ -48,7 +49,8 @@ from lowrl.quant.qdot import quantized_dot_general
 
 Params = Any
 Cache = dict[str, Any]
-# Static activation amaxes: full matmul path ("layers_0/attn/q_proj", "lm_head") -> FP32 scalar.
+# Static activation amaxes: full matmul path ("layers_0/attn/q_proj", "lm_head") -> FP32 scalar;
+# a quantized KV cache's "layers_0/attn/k_cache" / "v_cache" -> FP32 [n_kv_heads] (kv_cache.py).
 ActAmax = Mapping[str, jax.Array]
 # Flax collection the calibration forward records per-token activation amaxes in.
 _CALIB = "act_amax"
@@ -272,6 +274,10 @@ class Attention(nn.Module):
     inv_freq = rope_inv_freq(cfg)
     q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq)
     k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq)
+    if self.is_mutable_collection(_CALIB):  # static K/V scales (lowrl.models.kv_cache)
+      self.sow(_CALIB, "k_cache", kv_cache.record_amax(k_BTKH))
+      self.sow(_CALIB, "v_cache", kv_cache.record_amax(v_BTKH))
+    k_BTKH, v_BTKH = kv_cache.quantize_kv(k_BTKH, v_BTKH, self.policy.kv_cache, act_amax)
 
     if cache_layer is None:
       keys_BSKH, values_BSKH, new_cache = k_BTKH, v_BTKH, None
@@ -372,8 +378,10 @@ def layer_groups(model_cfg: ModelConfig, policy: PrecisionPolicy) -> tuple[tuple
 
 
 def _tensor_scaled_paths(policy: PrecisionPolicy, layer: int) -> tuple[str, ...]:
+  """Block paths of layer `layer`'s static amaxes: tensor-scaled matmuls, quantized K/V cache."""
   return tuple(p for p in BLOCK_MATMULS
-               if activation_scaling(policy.qdot_config(layout.matmul_path(layer, p))) == "tensor")
+               if activation_scaling(policy.qdot_config(layout.matmul_path(layer, p))) == "tensor"
+               ) + kv_cache.block_kv_paths(policy.kv_cache)
 
 
 def _layer_amax(policy: PrecisionPolicy, layer: int,
@@ -481,13 +489,16 @@ class Transformer(nn.Module):
 # Pure functions.
 
 
-def init_params(model_cfg: ModelConfig, rng: jax.Array, param_dtype=jnp.float32) -> Params:
+def init_params(model_cfg: ModelConfig, rng: jax.Array, param_dtype=jnp.float32, *,
+                method: str = "auto") -> Params:
   """A fresh parameter tree (ARCHITECTURE.md layout), deterministic in `rng`.
 
   Kernels ~ N(0, 1/fan_in), embedding ~ N(0, 1/D) (so tied logits start with unit scale), norm
-  scales 1, biases 0.
+  scales 1, biases 0. `method`: how the draw is compiled (lowrl/models/init.py): "auto" (the
+  fused program up to init.FUSED_MAX_PARAMS parameters, the split one above), "fused", "split".
   """
-  return _init_fn(model_cfg, jnp.dtype(param_dtype))(rng)
+  return init.init_from_shapes(_module_shapes(model_cfg, jnp.dtype(param_dtype)), rng,
+                               param_dtype, method=method)
 
 
 @functools.lru_cache(maxsize=None)
@@ -498,36 +509,12 @@ def param_shapes(model_cfg: ModelConfig, param_dtype=jnp.float32) -> Params:
 
 
 @functools.lru_cache(maxsize=16)
-def _init_fn(model_cfg: ModelConfig, param_dtype):
+def _module_shapes(model_cfg: ModelConfig, param_dtype) -> Params:
   module = Transformer(model_cfg, PrecisionPolicy.unquantized(layout.matmuls(model_cfg)),
                        param_dtype)
   tokens = jnp.zeros((1, 1), jnp.int32)
-  shapes = jax.eval_shape(
+  return jax.eval_shape(
       lambda: module.init(jax.random.key(0), tokens, tokens, jnp.ones((1, 1), bool))["params"])
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-  names = [jax.tree_util.keystr(path, simple=True, separator="/") for path, _ in leaves]
-  random = [i for i, n in enumerate(names) if n.endswith(("kernel", "embedding"))]
-  sizes = [leaves[i][1].size for i in random]
-
-  @jax.jit
-  def init(rng):
-    # One normal draw sliced into every random leaf: a draw per leaf compiles ~10x slower.
-    flat = jax.random.normal(rng, (sum(sizes),), jnp.float32)
-    out = [None] * len(leaves)
-    offset = 0
-    for i, size in zip(random, sizes):
-      shape = leaves[i][1].shape
-      fan_in = shape[1] if names[i].endswith("embedding") else shape[0]
-      out[i] = flat[offset:offset + size].reshape(shape) * fan_in ** -0.5
-      offset += size
-    for i, name in enumerate(names):
-      if out[i] is None:
-        fill = 1.0 if name.endswith("scale") else 0.0
-        out[i] = jnp.full(leaves[i][1].shape, fill, jnp.float32)
-      out[i] = out[i].astype(param_dtype)
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-  return init
 
 
 def positions_from_mask(mask_BT: jax.Array) -> jax.Array:
@@ -553,16 +540,17 @@ def _check_key(policy: PrecisionPolicy, quant_key) -> None:
 
 def check_act_amax(policy: PrecisionPolicy, model_cfg: ModelConfig,
                    act_amax: ActAmax | None) -> None:
-  """Raises ValueError unless `act_amax` is None or holds every tensor-scaled activation path."""
+  """Raises ValueError unless `act_amax` is None or holds every tensor-scaled activation path
+  (and the static K/V amaxes of a quantized KV cache)."""
   if act_amax is None:
     return
   missing = [p for p in policy.act_paths(layout.matmuls(model_cfg), "tensor")
-             if p not in act_amax]
+             + kv_cache.kv_paths(policy.kv_cache, model_cfg.n_layers) if p not in act_amax]
   if missing:
     raise ValueError(f"act_amax lacks the static activation amax of {missing} (policy "
-                     f"{policy.name!r} scales them per tensor); calibrate them with "
-                     "transformer.calibrate_act_amax(..., paths=policy.act_paths("
-                     "layout.matmuls(model_cfg), 'tensor')).")
+                     f"{policy.name!r} scales them per tensor or quantizes its KV cache); "
+                     "calibrate them with transformer.calibrate_act_amax(..., paths="
+                     "act_scales.calibration_paths(policy, model_cfg)).")
 
 
 def calibrate_act_amax(params: Params, tokens_BT: jax.Array, model_cfg: ModelConfig,
@@ -574,9 +562,12 @@ def calibrate_act_amax(params: Params, tokens_BT: jax.Array, model_cfg: ModelCon
   One full forward of a calibration batch under `policy` (the trainer's precision: an inference
   engine's calibration pass on the rollout weights); padding positions (mask 0) are excluded, as
   their activations are garbage. `paths` are full matmul paths, e.g. a sampler policy's
-  `act_paths(layout.matmuls(model_cfg), "tensor")`. Jittable; no gradient.
+  `act_paths(layout.matmuls(model_cfg), "tensor")`, and "layers_{i}/attn/k_cache" / "v_cache":
+  max |K| (after RoPE) and |V| per kv head ([n_kv_heads]), read with an unquantized cache
+  (lowrl.models.kv_cache). Jittable; no gradient.
   """
   _check_key(policy, quant_key)
+  policy = dataclasses.replace(policy, kv_cache="none")  # K/V amaxes of the unquantized cache
   mask_BT, positions_BT = _inputs(tokens_BT, mask_BT, positions_BT)
   _, state = Transformer(model_cfg, policy).apply(
       {"params": jax.lax.stop_gradient(params)}, tokens_BT, positions_BT, mask_BT,
@@ -588,7 +579,10 @@ def calibrate_act_amax(params: Params, tokens_BT: jax.Array, model_cfg: ModelCon
   if unknown:
     raise ValueError(f"calibrate_act_amax: no matmul {unknown}; paths are "
                      f"{sorted(recorded)}.")
-  return {p: jnp.max(jnp.where(mask_BT, recorded[p], 0.0)) for p in paths}
+  # Max over the real tokens ([B, T] of each record; K/V records keep their heads).
+  real = lambda r: mask_BT.reshape(mask_BT.shape + (1,) * (r.ndim - 2))  # noqa: E731
+  return {p: jnp.max(jnp.where(real(recorded[p]), recorded[p], 0.0), axis=(0, 1))
+          for p in paths}
 
 
 def forward(params: Params, tokens_BT: jax.Array, model_cfg: ModelConfig,

@@ -18,7 +18,7 @@ FORMATS: dict[str, tuple[int | None, str]] = {
 }
 SCALE_ROUNDINGS = ("floor", "rceil")
 FOUR_OVER_SIX_METRICS = ("mse", "mae")
-SCALE_CONVENTIONS = ("exact", "te")
+SCALE_CONVENTIONS = ("exact", "te", "te_v2_13")
 BACKWARD_MODES = ("high_precision", "dequantized", "quantized")
 REQUANTIZE_SOURCES = ("original", "dequantized")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -49,8 +49,9 @@ class QuantConfig:
       outer and block scales up (exactly) instead of to nearest, and MX needs rceil, so that no
       element saturates: SR is unbiased on every element.
     scale_convention: NVFP4 only. "exact": every quotient rounded once, to nearest even
-      (REFERENCE.md §2). "te": TransformerEngine's FP32 scale arithmetic, bit for bit (see
-      quantize.py; per-tensor scale, round to nearest, no 4/6).
+      (docs/reference.md §2). "te": TransformerEngine's current FP32 arithmetic (v2.14 and later),
+      bit for bit (te.py): per-tensor or per_token, 4/6 as TE's 4over6 chooses, round to
+      nearest, 1-D blocks. "te_v2_13": TE v2.10-v2.13's block-scale order, per-tensor only.
   """
 
   fmt: str
@@ -90,11 +91,14 @@ class QuantConfig:
     if self.scale_convention not in SCALE_CONVENTIONS:
       raise ValueError(f"scale_convention={self.scale_convention!r}; use one of "
                        f"{SCALE_CONVENTIONS}.")
-    if self.scale_convention == "te" and (kind != "nvfp4" or self.per_token or self.four_over_six
-                                          or self.stochastic_rounding):
-      raise ValueError("scale_convention='te' reproduces TransformerEngine's per-tensor NVFP4 "
-                       "round-to-nearest quantizer: use fmt='nvfp4' without per_token, "
-                       "four_over_six or stochastic_rounding (or scale_convention='exact').")
+    if self.scale_convention != "exact" and (kind != "nvfp4" or self.stochastic_rounding
+                                             or self.block_2d):
+      raise ValueError(f"scale_convention={self.scale_convention!r} reproduces TransformerEngine's "
+                       "round-to-nearest NVFP4 quantizer with 1-D blocks: use fmt='nvfp4' without "
+                       "stochastic_rounding or block_2d (or scale_convention='exact').")
+    if self.scale_convention == "te_v2_13" and (self.per_token or self.four_over_six):
+      raise ValueError("scale_convention='te_v2_13': TE v2.13 had neither row-scaled NVFP4 nor "
+                       "4over6; use scale_convention='te' for per_token or four_over_six.")
     if self.per_token and self.block_2d:
       raise ValueError("per_token and block_2d don't combine: 16x16 tiles span 16 rows, so one outer "
                        "scale per row is not defined; choose one.")
@@ -106,8 +110,8 @@ class QuantConfig:
 
   @property
   def scheme(self) -> str:
-    """The scale arithmetic: kind, or "nvfp4_te" for NVFP4 with scale_convention="te"."""
-    return "nvfp4_te" if self.scale_convention == "te" else self.kind
+    """The scale arithmetic: kind, or "nvfp4_te" for NVFP4 with a TE scale_convention."""
+    return "nvfp4_te" if self.scale_convention != "exact" else self.kind
 
   @property
   def block(self) -> int | None:

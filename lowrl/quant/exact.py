@@ -1,7 +1,7 @@
 """Exact (spec) rounding of FP32 quotients onto element grids, in FP32 and int32 arithmetic.
 
-"Spec-exact" NVFP4 (REFERENCE.md §2) rounds the exact quotients amax/D, amax_block/(6 s_global)
-and x/(s_block s_global) once, to nearest even. An FP32 division (or the reciprocal multiply XLA
+"Spec-exact" NVFP4 (docs/reference.md §2) rounds the exact quotients amax/D,
+amax_block/(6 s_global) and x/(s_block s_global) once, to nearest even. An FP32 division (or the reciprocal multiply XLA
 turns it into) rounds first, and a second rounding onto a 1- or 3-bit-mantissa grid then flips ties
 and near-ties. Here an approximate quotient only picks the grid interval [lo, hi] around the value;
 the decision between lo and hi compares the numerator with midpoint * denominator *exactly*:
@@ -20,12 +20,56 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from lowrl.quant.formats import ElementFormat
 from lowrl.quant.rounding import f32_exponent, pow2, round_to_grid
 
 _LOW12 = 0xFFF
+_F32_MAX = np.float32(np.finfo(np.float32).max)
+_F32_MIN_NORMAL = np.float32(np.finfo(np.float32).tiny)
+
+
+def materialize(v: jax.Array) -> jax.Array:
+  """v, computed once into a buffer instead of inside every consumer.
+
+  XLA CPU fuses cheap elementwise producers into their consumers, so a per-block value that feeds a
+  per-element loop through a broadcast is recomputed for every element (16x the block-scale
+  rounding for NVFP4), but it never duplicates an "expensive" op (a division) that way. Dividing by
+  a runtime 1 (2 for NaN, so XLA cannot fold it) is an exact identity that ends the fusion here.
+  """
+  return v / jnp.where(jnp.isnan(v), 2.0, 1.0).astype(v.dtype)
+
+
+def opaque(v: jax.Array) -> jax.Array:
+  """min(v, FP32 max): a no-op on the finite products it is applied to (code * s_block, never
+  +inf) that neither XLA nor LLVM can see through, so the product is rounded (exactly) on its own
+  and not reassociated with, or contracted (FMA) into, the next operation in any program."""
+  return jnp.minimum(v, _F32_MAX)
+
+
+def narrow_product(y_f32: jax.Array, cs_abs: jax.Array, down: jax.Array, g_hi: jax.Array,
+                   g_lo: jax.Array, dtype) -> jax.Array:
+  """RNE_dtype(cs * s) of the exact product, for y = fl32(cs * s) with s = G * 2**e
+  (G = g_hi + g_lo as from `split12`, down = 2**-e) and cs_abs = |cs| (<= 6 significant bits), for
+  a float dtype narrower than FP32 (BF16, FP16): one rounding, where y.astype(dtype) rounds twice.
+
+  Round to odd: the FP32 value y' = trunc(exact) with its last bit set when y != exact, else y.
+  Rounding y' to any format with at least 2 bits fewer is the correct rounding of the exact value
+  (y' keeps the sticky information, and no rounding boundary of the narrow format lies between
+  exact and y'). Whether y is above the exact value is decided exactly: |y| * 2**-e - cs * g_hi
+  is exact (the two are within a factor 2), cs * g_lo is exact (<= 18 bits), so comparing them is
+  comparing |y| with |cs| * s. Results at or below the smallest normal keep y (FP32 subnormals are
+  flushed by XLA; the narrow cast of 2**-126 is exact).
+  """
+  y_r = jnp.abs(y_f32) * down
+  d = y_r - cs_abs * g_hi
+  p = cs_abs * g_lo
+  bits = lax.bitcast_convert_type(y_f32, jnp.int32)
+  trunc = bits - (d > p).astype(jnp.int32)  # |y| above the exact value: the FP32 number below
+  odd = jnp.where((d != p) & (jnp.abs(y_f32) > _F32_MIN_NORMAL), trunc | 1, bits)
+  return lax.bitcast_convert_type(odd, jnp.float32).astype(dtype)
 
 
 def split12(v_f32: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,29 +1,35 @@
 """Exact 4/6 selection: is the block's error with scale 4 strictly smaller than with scale 6?
 
-The errors are those of the dequantized FP32 values against the FP32 input, as real numbers:
-  mse  D = sum (dq4 - x)**2 - (dq6 - x)**2 = sum (dq4 - dq6) * (dq4 + dq6 - 2x)
+The errors are those of the *exact* dequantized values dq = code * s_block * s_outer (real
+numbers, before any rounding to an output dtype) against the input x, so the choice, and with it
+the codes and scales, do not depend on the dtype the values are later dequantized to:
+  mse  D = sum (dq4 - x)**2 - (dq6 - x)**2
   mae  D = sum |dq4 - x| - |dq6 - x|
-and 4 wins iff D < 0 (an exact tie keeps 6). D is computed exactly in int32 arithmetic:
+and 4 wins iff D < 0 (an exact tie keeps 6). Codes carry x's sign, so |dq - x| = ||dq| - |x||
+and everything below works on magnitudes. The caller passes values divided by 2**e, e the outer
+scale's exponent (an exact rescaling), so that s_outer becomes G = g * 2**-23 in [1, 2) (g an
+integer < 2**24), and a = |code| * s_block (exact in FP32: <= 6 significant bits). Then
+dq = a * G and, with sigma_k = sign(a_k G - |x|) (decided exactly, see `_above`),
+  mse  D = G * (G * sum(a4**2 - a6**2) - 2 * sum((a4 - a6) |x|))
+  mae  D = G * sum(sigma4 a4 - sigma6 a6) - sum((sigma4 - sigma6) |x|)
+Both are integers in small units, so the sign of D is integer arithmetic:
 
-  * The caller passes x, dq4, dq6 and amax_b divided by 2**e, e the outer scale's exponent (an
-    exact rescaling for values above 2**-126, where dq / 2**e = fl(code * s_block * G) with G the
-    outer scale's significand), so they lie near [2**-10, 2**13] and the unit below is a normal
-    FP32 number for every block that can contribute.
-  * Only elements with dq4 != dq6 contribute (both factors of the mse term, and the mae term, vanish
-    otherwise). Such an element has a nonzero dq, so |x| >= S/4 and dq >= S/2 for a block scale
-    S = s_block * G >= amax_b / 9 (an E4M3 block scale is >= 2/3 of the quotient it rounds;
-    when the 4-scale saturates at 448, amax_b <= 2688 G still gives S4 >= amax_b / 6; when both
-    saturate, dq4 == dq6 everywhere; blocks with amax_b < 2**-98 flush both scales to 0). So
-    |x| >= amax_b / 36 >= 2**(E - 6) and |dq| >= amax_b / 18 >= 2**(E - 5), E = floor(log2
-    amax_b): integer multiples of u = 2**(E - 29), and below 3 * 2**E (< 2**31 u), so
-    v * 2**(29 - E) converts to int32 exactly.
-  * The differences used, |dq - x| <= S, and each mse factor are below amax_b (< 2**30 u).
-  * The mse product of two 31-bit factors and the block sums are carried in 16-bit limbs, each
-    partial product and limb sum fitting int32 (blocks of <= 1024 elements, checked in config.py);
-    a final carry pass gives the sign of the exact sum.
+  * a = 2c * m * 2**(k - 1) with 2c in {0, 1, 2, 3, 4, 6, 8, 12} (twice the E2M1 magnitude) and the
+    E4M3 scale s = m * 2**k (m < 16 an integer; k = exponent - 3, or -9 for subnormals and 0).
+    With kb = min(k4, k6): alpha = a / 2**(kb - 1) is an integer <= 12 * 15 * 2 = 360 (s4 >= s6
+    and s4 / s6 < 1.7 give k4 - k6 in {0, 1}; s6 = 0 implies s4 <= 2**-9, k4 = -9), so the sums of
+    alpha**2 (< 2**21) and sigma * alpha are exact in FP32 (integers below 2**24, any order).
+  * Only elements with a4 != a6 contribute (otherwise both terms vanish, in both metrics). Such an
+    element has a nonzero code, so |x| >= S / 4 for an S = s_block * G >= amax_b / 9, i.e. |x| >=
+    2**(E - 6), E = floor(log2 amax_b): X = |x| / 2**(E - 29) is an integer < 2**30. Its 15-bit
+    limbs times (alpha4 - alpha6) (< 2**9) or (sigma4 - sigma6) (<= 2) sum exactly in int32.
+  * Dividing by common powers of two, D < 0 iff g * A * 2**t < B with A, B the integer sums above
+    and t = kb - E + 4 (mse, where B counts the factor 2 through the unit) or kb - E + 5 (mae);
+    t lies in [-3, 4] for every block that can contribute. That comparison is done per block in
+    15-bit limbs (`_lt_shifted`): cheap next to the per-element work.
 
-Integer arithmetic is exact in any order, so the selection is the same in every program (jit or
-not, whatever XLA's reduction order).
+Integer (and exact integer-valued FP32) arithmetic is exact in any order, so the selection is the
+same in every program (jit or not, whatever XLA's reduction order).
 """
 from __future__ import annotations
 
@@ -31,57 +37,92 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from lowrl.quant import exact
 from lowrl.quant.rounding import f32_exponent, pow2
 
-_MASK16 = 0xFFFF
+_M15 = 0x7FFF
 
 
-def _units(v_f32: jax.Array, e_block: jax.Array) -> jax.Array:
-  """v / 2**(e_block - 29) as int32: exact (see the module docstring) where it matters."""
-  return (v_f32 * pow2(jnp.clip(29 - e_block, -126, 127))).astype(jnp.int32)
+def _scale_k(s_f32: jax.Array) -> jax.Array:
+  """k of an E4M3 value s = m * 2**k, m < 16 an integer (normal: exponent - 3; subnormal or 0:
+  -9), int32."""
+  return jnp.maximum(f32_exponent(s_f32), -6) - 3
 
 
-def _split16(v_i32: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(hi, lo) with v = hi * 2**16 + lo, lo in [0, 2**16)."""
-  return v_i32 >> 16, v_i32 & _MASK16
+def _limbs15(v: jax.Array) -> list[jax.Array]:
+  """v (int32) = l1 * 2**15 + l0 with l0 in [0, 2**15)."""
+  return [v & _M15, v >> 15]
 
 
-def _sum_is_negative(limbs: list[jax.Array], axes) -> jax.Array:
-  """sign(sum over axes of sum_k limbs[k] * 2**(16 k)) < 0, limbs[k] int32 small enough that
-  their sums over axes fit int32; the top limb carries the sign, the others are >= 0."""
-  # One variadic reduction: the limbs share their (elementwise) computation in one loop, where
-  # separate sums would each recompute the products they come from.
-  axes = tuple(a % limbs[0].ndim for a in axes)
-  sums = lax.reduce(tuple(limbs), tuple(jnp.int32(0) for _ in limbs),
-                    lambda xs, ys: tuple(x + y for x, y in zip(xs, ys)), axes)
-  total = [jnp.expand_dims(t, axes) for t in sums]
-  carry = jnp.zeros_like(total[0])
-  for t in total[:-1]:
-    carry = (t + carry) >> 16  # the remainders (t + carry) & 0xFFFF are >= 0
-  return total[-1] + carry < 0
+def _normalize(limbs: list[jax.Array], n: int) -> list[jax.Array]:
+  """n 15-bit limbs (the top one signed) of sum_i limbs[i] * 2**(15 i); |limbs[i]| < 2**30."""
+  out, carry = [], jnp.zeros_like(limbs[0])
+  for i in range(n - 1):
+    t = (limbs[i] if i < len(limbs) else 0) + carry
+    out.append(t & _M15)
+    carry = t >> 15
+  top = (limbs[n - 1] if n - 1 < len(limbs) else 0) + carry
+  return out + [top]
 
 
-def four_wins(x_f32: jax.Array, dq4: jax.Array, dq6: jax.Array, amax_b: jax.Array, axes,
+def _lt_shifted(p: list[jax.Array], b: list[jax.Array], t: jax.Array) -> jax.Array:
+  """p * 2**t < b exactly, p and b given as 15-bit-limb integers (any limb sizes < 2**30), per
+  block; t in [-14, 14]. Both are normalized to 15-bit limbs, the smaller side shifted left."""
+  # |p|, |b| < 2**46: three 15-bit limbs and a small signed top limb.
+  n = 4
+  p, b = _normalize(p, n), _normalize(b, n)
+  sp, sb = jnp.maximum(t, 0), jnp.maximum(-t, 0)
+  # Shifting normalized limbs by < 15 bits keeps them below 2**30; renormalize the difference.
+  diff = [lax.shift_left(pi, sp) - lax.shift_left(bi, sb) for pi, bi in zip(p, b)]
+  return _normalize(diff, n)[-1] < 0
+
+
+def _above(a: jax.Array, g_hi: jax.Array, g_lo: jax.Array, x_abs: jax.Array) -> jax.Array:
+  """sign(a * (g_hi + g_lo) - |x|) in {-1, 0, 1} (FP32), exactly: a * g_hi and a * g_lo are exact
+  (<= 6 + 12 bits) and |x| - a * g_hi is exact or already decisive (exact.py's module docstring)."""
+  d = x_abs - a * g_hi
+  p = a * g_lo
+  return (p > d).astype(jnp.float32) - (p < d).astype(jnp.float32)
+
+
+def four_wins(x_abs: jax.Array, code4: jax.Array, code6: jax.Array, s4: jax.Array, s6: jax.Array,
+              g: jax.Array, g_hi: jax.Array, g_lo: jax.Array, amax_b: jax.Array, axes,
               metric: str) -> jax.Array:
-  """True per block (keepdims over `axes`) where the error with scale 4 is strictly smaller than
-  with scale 6 (exact, see the module docstring). x, dq4, dq6: FP32 in the blocked view, amax_b:
-  the block max (FP32, keepdims), all divided by 2**e of the outer scale."""
+  """True per block (keepdims over `axes`) where the exact error with scale 4 is strictly
+  smaller than with scale 6 (module docstring). x_abs: |x| / 2**e (FP32, blocked view); code4,
+  code6: E2M1 grid values (any sign); s4, s6: E4M3 block scales (keepdims); g = g_hi + g_lo: the
+  outer scale's significand; amax_b: the block max / 2**e (keepdims)."""
+  a4 = jnp.abs(code4) * s4  # exact: <= 6 significant bits
+  a6 = jnp.abs(code6) * s6
+  kb = jnp.minimum(_scale_k(s4), _scale_k(s6))
   e_block = f32_exponent(amax_b)
-  x_u, d4, d6 = _units(x_f32, e_block), _units(dq4, e_block), _units(dq6, e_block)
-  contributes = dq4 != dq6
+  # The per-block factors once into one buffer (materialize: fused into the element loops, their
+  # exponent arithmetic would be redone for every element).
+  unit_a, unit_x = exact.materialize(jnp.stack([pow2(jnp.clip(1 - kb, -126, 127)),
+                                                pow2(jnp.clip(29 - e_block, -126, 127))]))
+  al4, al6 = a4 * unit_a, a6 * unit_a  # integers <= 360
+  x_units = (x_abs * unit_x).astype(jnp.int32)
+  x_lo, x_hi = _limbs15(x_units)
   if metric == "mae":
-    v = jnp.where(contributes, jnp.abs(d4 - x_u) - jnp.abs(d6 - x_u), 0)
-    hi, lo = _split16(v)
-    return _sum_is_negative([lo, hi], axes)
-  a = jnp.where(contributes, d4 - d6, 0)
-  b = jnp.where(contributes, (d4 - x_u) + (d6 - x_u), 0)
-  a_hi, a_lo = _split16(a)
-  b_hi, b_lo = _split16(b)
-  # a * b = hh 2**32 + (hl + lh) 2**16 + ll; |hh| <= 2**30, |hl|, |lh| < 2**31, ll < 2**32.
-  hh, hl, lh = a_hi * b_hi, a_hi * b_lo, a_lo * b_hi
-  ll = a_lo.astype(jnp.uint32) * b_lo.astype(jnp.uint32)
-  l0 = (ll & _MASK16).astype(jnp.int32)
-  l1 = (ll >> 16).astype(jnp.int32) + (hl & _MASK16) + (lh & _MASK16)
-  l2 = hh + (hl >> 16) + (lh >> 16)
-  l2_hi, l2_lo = _split16(l2)
-  return _sum_is_negative([l0, l1, l2_lo, l2_hi], axes)
+    sig4, sig6 = _above(a4, g_hi, g_lo, x_abs), _above(a6, g_hi, g_lo, x_abs)
+    coef_a = sig4 * al4 - sig6 * al6
+    coef_x = (sig4 - sig6).astype(jnp.int32)
+    t_off = 5
+  else:
+    coef_a = al4 * al4 - al6 * al6
+    coef_x = (al4 - al6).astype(jnp.int32)
+    t_off = 4
+  # One variadic reduction: the three sums share their elementwise inputs in one loop.
+  axes = tuple(ax % x_abs.ndim for ax in axes)
+  zero_f, zero_i = jnp.float32(0), jnp.int32(0)
+  sum_a, b_lo, b_hi = lax.reduce(
+      (coef_a, coef_x * x_lo, coef_x * x_hi), (zero_f, zero_i, zero_i),
+      lambda u, v: tuple(p + q for p, q in zip(u, v)), axes)
+  sum_a, b_lo, b_hi = (jnp.expand_dims(v, axes) for v in (sum_a, b_lo, b_hi))
+  # g * A in 15-bit limbs: g = g1 2**15 + g0 (g < 2**24), A = A1 2**15 + A0 (|A| < 2**21).
+  g_int = (g * 8388608.0).astype(jnp.int32)
+  g0, g1 = _limbs15(g_int)
+  a0, a1 = _limbs15(sum_a.astype(jnp.int32))
+  p = [g0 * a0, g1 * a0 + g0 * a1, g1 * a1]
+  t = jnp.clip(kb - e_block + t_off, -14, 14)
+  return _lt_shifted(p, [b_lo, b_hi], t)

@@ -12,20 +12,24 @@ with broadcast operands) leave them unchanged, so jitted and eager results are b
   per-tensor FP8  s = amax * fl(1/max_normal); y = x * fl(1/s); dq = code * s.
   MX              s = 2**e (E8M0), e by the floor or rceil rule; y = x * 2**-e; dq = code * 2**e
                   (both exact).
-  NVFP4           spec-exact (REFERENCE.md §2; every rounding one RNE of the exact value, see
+  NVFP4           spec-exact (docs/reference.md §2; every rounding one RNE of the exact value, see
                   exact.py): s_outer = RNE_f32(amax / (6*448)) (6*256 with four_over_six);
                   s_block = RNE_e4m3(amax_block / (6 * s_outer)); code = RNE_e2m1(x / (s_block *
-                  s_outer)); dq = fl(code * s_block) * s_outer (the first product exact).
+                  s_outer)); dq = RNE_dtype(code * s_block * s_outer), one rounding of the exact
+                  product to the output dtype (FP32: fl(code * s_block) * s_outer, the first
+                  product exact; BF16/FP16: from that by round to odd, exact.narrow_product).
                   Stochastic rounding rounds both scales up instead (exact ceilings, so no
                   element saturates) and draws from the quotient x * fl(1/fl(s_block*s_outer)).
-                  4/6 keeps 4 iff its exact squared (mse) or absolute (mae) error sum of the
-                  dequantized values is strictly smaller (four_over_six.py; a tie keeps 6).
+                  4/6 keeps 4 iff the exact squared (mse) or absolute (mae) error sum of its
+                  exact dequantized values code * s_block * s_outer is strictly smaller
+                  (four_over_six.py; a tie keeps 6), whatever the output dtype.
+  NVFP4 "te"      TransformerEngine's FP32 arithmetic (te.py).
 
 `quantize` stores the grid values in their ml_dtypes type and the scales in theirs (E8M0, E4M3,
 FP32); `fake_quant` skips the storage casts and applies the same scales to the FP32 grid values, so
 `fake_quant(x) == dequantize(quantize(x)).astype(x.dtype)` bit for bit.
 
-Special values (REFERENCE.md §2):
+Special values (docs/reference.md §2):
   * MX: NaN/Inf in a block -> E8M0 scale NaN -> the whole block dequantizes to NaN; an all-zero
     block gets the smallest scale 2**-127 and stays exactly 0.
   * Per-tensor FP8 and NVFP4: the scale is taken from the amax of the tensor (of the row for
@@ -58,7 +62,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from lowrl.quant import exact, formats, four_over_six
+from lowrl.quant import exact, formats, four_over_six, te
 from lowrl.quant.config import QuantConfig
 from lowrl.quant.formats import E4M3, ElementFormat
 from lowrl.quant.rounding import f32_exponent, pow2, round_to_grid, stochastic_round_to_grid
@@ -222,14 +226,14 @@ def _tensor_scales(x_b: jax.Array, cfg: QuantConfig, fmt: ElementFormat, layout:
   return scale, None
 
 
-def _tensor_params(scale, outer, layout):
+def _tensor_params(scale, outer, layout, cfg):
   """(encode multiplier, decode scale) of a per-tensor FP8 scale."""
-  del outer, layout
+  del outer, layout, cfg
   return _recip(scale), scale
 
 
-def _tensor_apply(grid_b, scale):
-  return grid_b * scale
+def _tensor_apply(grid_b, scale, dtype):
+  return (grid_b * scale).astype(dtype)
 
 
 def _mx_shared_exp(amax_b: jax.Array, cfg: QuantConfig, fmt: ElementFormat) -> jax.Array:
@@ -261,9 +265,9 @@ def _mx_scale_exponent(scale, layout) -> tuple[jax.Array, jax.Array]:
   return bits - formats.E8M0_BIAS, bits == formats.E8M0_NAN_BITS
 
 
-def _mx_params(scale, outer, layout):
+def _mx_params(scale, outer, layout, cfg):
   """(encode multiplier 2**-e, (e, is_nan)) per block."""
-  del outer
+  del outer, cfg
   e, is_nan = _mx_scale_exponent(scale, layout)
   # -e >= -126 since e <= 127 - emax + 1; the clip only matters for NaN blocks (any value).
   return pow2(jnp.clip(-e, -126, 127)), (e, is_nan)
@@ -287,7 +291,7 @@ def _mx_encode(x_f32: jax.Array, e_and_nan) -> jax.Array:
   return jnp.where(is_sub, _with_sign_of(sub, x_f32), normal)
 
 
-def _mx_apply(grid_b, e_and_nan):
+def _mx_apply(grid_b, e_and_nan, dtype):
   """grid * 2**e by adding e to the FP32 exponent field (exact), or, for results below 2**-126,
   by writing the FP32 subnormal's mantissa field grid * 2**(e + 149) (an exact integer: grid
   values are multiples of 2**-16 and e >= -127).
@@ -306,19 +310,25 @@ def _mx_apply(grid_b, e_and_nan):
   out_bits = jnp.where(new_exp <= 0, sign | sub_mant, out_bits)
   out_bits = jnp.where(grid_b == 0, sign, out_bits)
   out = lax.bitcast_convert_type(out_bits, jnp.float32)
-  return jnp.where(is_nan | jnp.isnan(grid_b), jnp.nan, out)
+  return jnp.where(is_nan | jnp.isnan(grid_b), jnp.nan, out).astype(dtype)
+
+
+def _outer_amax(amax_b: jax.Array, cfg: QuantConfig, layout: _Layout,
+                tensor_amax: jax.Array | None) -> jax.Array:
+  """The amax an NVFP4 outer scale is taken from: the static one, the row's (per_token, keepdims)
+  or the tensor's."""
+  if tensor_amax is not None:
+    return _static_amax(tensor_amax)
+  if cfg.per_token:
+    return jnp.max(amax_b, axis=layout.index_axis, keepdims=True)
+  return jnp.max(amax_b)
 
 
 def _nvfp4_outer(amax_b: jax.Array, cfg: QuantConfig, layout: _Layout,
                  tensor_amax: jax.Array | None) -> jax.Array:
   """FP32 outer scale (blocked view's rank): RNE_fp32(amax / (6*448)) of the exact quotient
   (6*256 with four_over_six); NaN when amax is not finite."""
-  if tensor_amax is not None:
-    amax = _static_amax(tensor_amax)
-  elif cfg.per_token:
-    amax = jnp.max(amax_b, axis=layout.index_axis, keepdims=True)
-  else:
-    amax = jnp.max(amax_b)
+  amax = _outer_amax(amax_b, cfg, layout, tensor_amax)
   denom = 6.0 * (formats.NVFP4_SCALE_MAX_FOUR_OVER_SIX if cfg.four_over_six
                  else formats.NVFP4_SCALE_MAX)
   finite = jnp.isfinite(amax)
@@ -394,18 +404,17 @@ def _with_sign_of(mag_f32: jax.Array, x_f32: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(lax.bitcast_convert_type(mag_f32, jnp.int32) | sign, jnp.float32)
 
 
-def _nvfp4_apply(grid_b, scales):
-  """(code * s_block) * outer: the first product is exact (<= 7 bits); `_opaque` keeps XLA from
-  reassociating it into code * (s_block * outer), which rounds differently."""
-  s_block, outer = scales
-  return _opaque(grid_b * s_block) * outer
-
-
-def _opaque(v: jax.Array) -> jax.Array:
-  """min(v, FP32 max): a no-op on the finite products it is applied to (code * s_block, never
-  +inf) that neither XLA nor LLVM can see through, so the product is rounded (exactly) on its own
-  and not reassociated with, or contracted (FMA) into, the next operation in any program."""
-  return jnp.minimum(v, np.float32(np.finfo(np.float32).max))
+def _nvfp4_apply(grid_b, scales, dtype):
+  """RNE_dtype(code * s_block * outer) of the exact product, rounded once: in FP32, (code *
+  s_block) * outer (the first product is exact, <= 7 bits; `_opaque` keeps XLA from reassociating
+  it into code * (s_block * outer), which rounds differently); in a narrower dtype (BF16, FP16)
+  from that FP32 value by round to odd (exact.narrow_product), not by a second rounding."""
+  s_block, outer, parts = scales
+  cs = _opaque(grid_b * s_block)
+  y = cs * outer
+  if jnp.dtype(dtype).itemsize >= 4:
+    return y.astype(dtype)
+  return exact.narrow_product(y, jnp.abs(cs), parts.down, parts.g_hi, parts.g_lo, dtype)
 
 
 _NO_SR = QuantConfig("nvfp4")
@@ -440,11 +449,13 @@ def _nvfp4_quantize(x_b, cfg, layout, key, tensor_amax):
     # Round-to-nearest grid values of both candidates (4/6 compares round-to-nearest errors),
     # computed once into a buffer: read by the selection and, without SR, by the result.
     codes = _materialize(_nvfp4_elements(x_f32[None], s_both, parts, _NO_SR, None))
-    # fl(code * s_block * G): the dequantized values divided by 2**e of the outer scale.
-    dq = _opaque(codes * s_both) * parts.g
     use4 = four_over_six.four_wins(
-        _scaled_by_outer(x_f32, parts), dq[1], dq[0], _scaled_by_outer(amax_b, parts),
-        layout.reduce_axes, cfg.four_over_six_metric)
+        _scaled_by_outer(jnp.abs(x_f32), parts), codes[1], codes[0], s_both[1], s_both[0],
+        parts.g, parts.g_hi, parts.g_lo, _scaled_by_outer(amax_b, parts), layout.reduce_axes,
+        cfg.four_over_six_metric)
+    # The per-block choice once into a buffer: fused into the element loop, its integer
+    # comparison would be recomputed for every element of the block.
+    use4 = _materialize(use4.astype(jnp.float32)) > 0
     s_block = jnp.where(use4, s_both[1], s_both[0])
     if not sr:
       grid_b = jnp.where(use4, codes[1], codes[0])
@@ -453,76 +464,46 @@ def _nvfp4_quantize(x_b, cfg, layout, key, tensor_amax):
     grid_b = _nvfp4_elements(x_b.astype(jnp.float32), s_block, parts, cfg, key)
   scale = _squeeze(s_block, layout).astype(E4M3.dtype)
   outer_stored = _squeeze(outer, layout) if cfg.per_token else outer
-  return grid_b, scale, outer_stored, (s_block, outer)
+  return grid_b, scale, outer_stored, (s_block, outer, parts)
 
 
-def _materialize(v: jax.Array) -> jax.Array:
-  """v, computed once into a buffer instead of inside every consumer.
-
-  XLA CPU fuses cheap elementwise producers into their consumers, so a per-block value that feeds a
-  per-element loop through a broadcast is recomputed for every element (16x the block-scale
-  rounding for NVFP4), but it never duplicates an "expensive" op (a division) that way. Dividing by
-  a runtime 1 (2 for NaN, so XLA cannot fold it) is an exact identity that ends the fusion here.
-  """
-  return v / jnp.where(jnp.isnan(v), 2.0, 1.0).astype(v.dtype)
+_materialize = exact.materialize
+_opaque = exact.opaque
 
 
-def _nvfp4_params(scale, outer, layout):
-  """(no encode multiplier: elements round exactly in _nvfp4_elements, (s_block, outer))."""
+def _nvfp4_params(scale, outer, layout, cfg):
+  """(no encode multiplier: elements round exactly in _nvfp4_elements, (s_block, outer, parts))."""
+  del cfg
   outer = _unsqueeze(outer, layout) if outer.ndim else outer
-  return None, (_materialize(_unsqueeze(scale.astype(jnp.float32), layout)), outer)
+  return None, (_materialize(_unsqueeze(scale.astype(jnp.float32), layout)), outer,
+                _outer_parts(outer))
 
 
-# TransformerEngine's NVFP4 scale convention (QuantConfig(scale_convention="te")), from
-# transformer_engine/common/cast/nvfp4/core_nvfp4.cuh (compute_global_encode_scaling_factor_FP4;
-# quantization_and_transposition_SF::compute_decoding_scaling_factor, the variant its quantize +
-# transpose kernel and its C++ reference tests use), the non-fast-math `compute_scaling_coefficient`
-# of tests/cpp/operator/test_cast_nvfp4_transpose.cu, and dequantize_nvfp4.cuh
-# (dequantize_fp4_kernel). FP32 arithmetic, each step rounded:
-#   S_enc  = fl(2688 / amax), clamped to FLT_MAX; 1 where amax == 0 or S_enc == 0 (amax = inf)
-#   s_b    = e4m3_satfinite(fl(fl(amax_b / 6) * S_enc))   (RNE, saturating at 448)
-#   coeff  = min(fl(1 / fl(s_b * fl(1 / S_enc))), FLT_MAX)
-#   code   = e2m1_satfinite(fl(x * coeff))                (RNE, saturating at 6)
-#   dq     = fl(code * fl(fl(s_b * amax) * fl(1 / 2688)))  (TE dequantizes from the amax)
-# The stored `outer` is the FP32 tensor amax (what TE's dequantization reads). Divisions by
-# constants go through exact.div_rn (XLA would turn them into reciprocal multiplies under jit);
-# per-block values are materialized, so XLA cannot reassociate them into the element products.
-_F32_MAX = np.float32(np.finfo(np.float32).max)
+# TransformerEngine's NVFP4 conventions (scale_convention="te" | "te_v2_13"): te.py.
 
 
-def _te_scales(x_b, cfg, fmt, layout, tensor_amax):
-  del fmt
+def _te_quantize(x_b, cfg, layout, key, tensor_amax):
+  del key  # round to nearest only (config.py)
   amax_b = _abs_max(x_b, layout.reduce_axes)
-  amax = _abs_max(x_b, None, keepdims=False) if tensor_amax is None else _static_amax(tensor_amax)
-  s_enc = _te_encode_scale(amax)
-  finite_b = jnp.isfinite(amax_b)
-  q = exact.div_rn(jnp.where(finite_b, amax_b, 0.0), 6.0)  # fl(amax_b / 6)
-  q = jnp.where(finite_b, q, amax_b)
-  s_dec_b = jnp.minimum(q * s_enc, _F32_MAX)
-  s_block = round_to_grid(s_dec_b, E4M3)  # satfinite RNE cast (NaN stays NaN)
-  return _squeeze(s_block, layout).astype(E4M3.dtype), amax
+  amax = _outer_amax(amax_b, cfg, layout, tensor_amax)
+  grid_b, s_b = te.quantize_blocked(x_b, amax_b, amax, cfg, layout.reduce_axes[0])
+  outer_stored = _squeeze(amax, layout) if cfg.per_token else amax
+  return grid_b, _squeeze(s_b, layout).astype(E4M3.dtype), outer_stored, te.decode_scale(
+      s_b, amax, cfg)
 
 
-def _te_encode_scale(amax: jax.Array) -> jax.Array:
-  s_enc = jnp.minimum(np.float32(6.0 * 448.0) / amax, _F32_MAX)
-  return _materialize(jnp.where((amax == 0) | (s_enc == 0), np.float32(1.0), s_enc))
+def _te_params(scale, amax, layout, cfg):
+  """(no encode multiplier, per-block decode scale) from the stored scales."""
+  amax = _unsqueeze(amax, layout) if amax.ndim else amax
+  return None, te.decode_scale(_unsqueeze(scale.astype(jnp.float32), layout), amax, cfg)
 
 
-def _te_params(scale, amax, layout):
-  """(per-block element multiplier coeff, per-block decode scale)."""
-  s_block = _unsqueeze(scale.astype(jnp.float32), layout)
-  s_dec = _materialize(np.float32(1.0) / _te_encode_scale(amax))
-  coeff = _materialize(jnp.minimum(np.float32(1.0) / (s_block * s_dec), _F32_MAX))
-  final = _materialize(_materialize(s_block * amax) * _inv_const(6.0 * 448.0))
-  return coeff, final
+def _te_apply(grid_b, final_scale, dtype):
+  return (grid_b * final_scale).astype(dtype)  # TE casts its FP32 product (dequantize_nvfp4.cuh)
 
 
-def _te_apply(grid_b, final_scale):
-  return grid_b * final_scale
-
-
-# NVFP4 (exact): _nvfp4_quantize, which returns the grid values and decode parameters too.
-_SCALES = {"tensor": _tensor_scales, "mx": _mx_scales, "nvfp4_te": _te_scales}
+# NVFP4: _nvfp4_quantize and _te_quantize, which return the grid values and decode parameters too.
+_SCALES = {"tensor": _tensor_scales, "mx": _mx_scales}
 # Per-block (encode, decode) parameters from the stored scales, and the elementwise decode.
 # quantize, dequantize and fake_quant all go through these.
 _PARAMS = {"tensor": _tensor_params, "mx": _mx_params, "nvfp4": _nvfp4_params,
@@ -537,8 +518,10 @@ def _quantize_blocked(x, cfg, layout, key, tensor_amax):
   x_b = x.reshape(layout.blocked_shape)  # scales read the input dtype, elements work in FP32
   if cfg.scheme == "nvfp4":
     return _nvfp4_quantize(x_b, cfg, layout, key, tensor_amax)
+  if cfg.scheme == "nvfp4_te":
+    return _te_quantize(x_b, cfg, layout, key, tensor_amax)
   scale, outer = _SCALES[cfg.scheme](x_b, cfg, fmt, layout, tensor_amax)
-  enc, dec = _PARAMS[cfg.scheme](scale, outer, layout)
+  enc, dec = _PARAMS[cfg.scheme](scale, outer, layout, cfg)
   x_f32 = x_b.astype(jnp.float32)
   if cfg.kind == "mx":
     grid_b = _round(_mx_encode(x_f32, dec), fmt, cfg, key)
@@ -562,16 +545,14 @@ def _quantize_jit(x, key, tensor_amax, *, cfg, layout):
 @functools.partial(jax.jit, static_argnames=("dtype", "layout"))
 def _dequantize_jit(q, *, dtype, layout):
   grid_b = q.codes.astype(jnp.float32).reshape(layout.blocked_shape)
-  _, dec = _PARAMS[q.cfg.scheme](q.scale, q.outer, layout)
-  out = _APPLY[q.cfg.scheme](grid_b, dec)
-  return out.reshape(layout.shape).astype(dtype)
+  _, dec = _PARAMS[q.cfg.scheme](q.scale, q.outer, layout, q.cfg)
+  return _APPLY[q.cfg.scheme](grid_b, dec, dtype).reshape(layout.shape)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layout"))
 def _fake_quant_jit(x, key, tensor_amax, *, cfg, layout):
   grid_b, _, _, dec = _quantize_blocked(x, cfg, layout, key, tensor_amax)
-  out = _APPLY[cfg.scheme](grid_b, dec)
-  return out.reshape(layout.shape).astype(x.dtype)
+  return _APPLY[cfg.scheme](grid_b, dec, x.dtype).reshape(layout.shape)
 
 
 def quantize(x: jax.Array, cfg: QuantConfig, key: jax.Array | None = None, *,

@@ -1,7 +1,7 @@
 """Sampler/trainer mismatch corrections: truncated (TIS) and masked (MIS / IcePop) importance sampling.
 
 w_t = pi_trainer(y_t) / pi_sampler(y_t) = exp(logp_trainer - logp_sampler), with logp_trainer the
-trainer's recompute of pi_old and logp_sampler what the sampler recorded (REFERENCE.md §3).
+trainer's recompute of pi_old and logp_sampler what the sampler recorded (docs/reference.md §3).
 
   tis: weight = min(w, tis_cap)                                    (verl default cap 2)
   mis: weight = w if mis_low <= w <= mis_high else 0                (IcePop, MIS; bounds inclusive)

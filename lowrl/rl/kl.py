@@ -1,4 +1,4 @@
-"""Per-token estimators of KL(pi_theta || pi_ref) from samples of pi_theta (REFERENCE.md §3).
+"""Per-token estimators of KL(pi_theta || pi_ref) from samples of pi_theta (docs/reference.md §3).
 
 With r = logp_ref - logp:  k1 = -r,  k2 = r^2 / 2,  k3 = e^r - r - 1.
 k1 is unbiased but can be negative per token; k2 and k3 are non-negative; k3 is unbiased.

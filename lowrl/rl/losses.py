@@ -1,6 +1,6 @@
 """Policy-gradient losses (GRPO / DAPO / GSPO / CISPO) and their aggregation over tokens.
 
-All losses are written per token ([B, T]) and then aggregated; formulas follow REFERENCE.md §3.
+All losses are written per token ([B, T]) and then aggregated (formulas: docs/reference.md §3).
 rho_t = exp(logp_t - logp_old_t); advantages are per sequence (adv_B) and detached.
 
   grpo:  -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)         (PPO clip)

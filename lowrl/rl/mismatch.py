@@ -1,4 +1,4 @@
-"""Sampler/trainer mismatch metrics, logged every step (REFERENCE.md §3).
+"""Sampler/trainer mismatch metrics, logged every step (docs/reference.md §3).
 
 Tokens are sampled from the sampler, so with d = logp_sampler - logp_trainer on masked tokens:
   mismatch_kl     = mean(d)                  k1 estimate of KL(sampler || trainer)

@@ -5,14 +5,15 @@ row-local (`precision.activation_scaling`): per-token / MX scales are; a per-ten
 scale is only with a static calibrated amax (`act_amax`, `transformer.calibrate_act_amax`), as
 inference engines do it. Computed from the data, the scale of a decode step spans the other rows,
 and a full-sequence rescore spans the later tokens too, so neither is a distribution of one row's
-prefix.
+prefix. A quantized KV cache (`PrecisionPolicy.kv_cache`) reads static K/V amaxes from the same
+mapping (`calibration_paths`).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from lowrl.models import layout, transformer
+from lowrl.models import kv_cache, layout, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
 
@@ -37,7 +38,20 @@ def check_row_local(policy: PrecisionPolicy, model_cfg: ModelConfig,
         "transformer.calibrate_act_amax(params, tokens, model_cfg, trainer_policy, "
         "policy.act_paths(layout.matmuls(model_cfg), 'tensor')) (as inference engines do), or use row-local "
         "scaling (--config.precision.act_per_token=True, or an MX format).")
+  kv_cache.check_mode(policy.kv_cache, model_cfg.head_dim)
+  if kv_cache.quantized(policy.kv_cache) and act_amax is None:
+    raise ValueError(f"Precision policy {policy.name!r} quantizes the KV cache "
+                     f"({policy.kv_cache}) with static K/V scales: pass act_amax="
+                     "transformer.calibrate_act_amax(params, tokens, model_cfg, trainer_policy, "
+                     "act_scales.calibration_paths(policy, model_cfg)).")
   transformer.check_act_amax(policy, model_cfg, act_amax)
+
+
+def calibration_paths(policy: PrecisionPolicy, model_cfg: ModelConfig) -> tuple[str, ...]:
+  """The static amaxes sampling under `policy` reads: its tensor-scaled activations' and its
+  quantized KV cache's (`calibrate_act_amax`'s `paths`); () when it reads none."""
+  return (policy.act_paths(layout.matmuls(model_cfg), "tensor")
+          + kv_cache.kv_paths(policy.kv_cache, model_cfg.n_layers))
 
 
 def used_act_amax(policy: PrecisionPolicy, model_cfg: ModelConfig,
@@ -46,5 +60,5 @@ def used_act_amax(policy: PrecisionPolicy, model_cfg: ModelConfig,
   policy, hence one compile); None when it reads none."""
   if act_amax is None:
     return None
-  paths = policy.act_paths(layout.matmuls(model_cfg), "tensor")
+  paths = calibration_paths(policy, model_cfg)
   return {p: jnp.asarray(act_amax[p], jnp.float32) for p in paths} if paths else None

@@ -2,7 +2,7 @@
 
 Each operand's digit count is drawn uniformly from 1..num_digits, then the operand uniformly among
 numbers of that length. Mixing lengths gives a small model easy problems to learn from first,
-which keeps pass@k of a briefly mid-trained base clearly above zero (REFERENCE.md §5).
+which keeps pass@k of a briefly mid-trained base clearly above zero (docs/reference.md §6).
 
 `reverse_answer=True` writes the sum least-significant digit first ("12+345=" -> "753"): each
 output digit then depends only on digits already seen plus one carry, which small transformers

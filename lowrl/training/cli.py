@@ -1,7 +1,8 @@
-"""Command-line plumbing shared by the absl binaries: config-file paths and one-line flag errors.
+"""Command-line plumbing shared by the absl binaries: config-file paths, --help, one-line errors.
 
 A config error is one line on stderr naming the flag (with a "did you mean" for a misspelt
-`--config.*` key) and exit status 2, not a traceback.
+`--config.*` key) or the file, and exit status 2, not a traceback. `--help` prints the binary's
+docstring and its flags on stdout and exits 0.
 """
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import dataclasses
 import importlib.util
 import os
 import sys
+import textwrap
 from typing import Any, Callable, NoReturn, Sequence
 
 from absl import flags
 
+from lowrl import precision
 from lowrl.training import run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,6 +38,32 @@ def resolve_config_paths(argv: Sequence[str]) -> list[str]:
   return out
 
 
+HELP_ARGS = ("--help", "-h", "-?", "--helpshort")
+HELPFULL_ARGS = ("--helpfull",)
+
+
+def usage(doc: str, module: str) -> str:
+  """The --help text: the binary's docstring, its run flags and own flags, how to see the knobs."""
+  def flag_lines(name: str) -> list[str]:  # absl's help text of a module's flags, minus headings
+    return [line for line in flags.FLAGS.module_help(name).splitlines() if line.startswith(" ")]
+  footer = ("Every knob of the config file is a flag too, --config.KEY=VALUE: --print_config lists "
+            "them with their values and meanings. --helpfull lists absl's and JAX's flags too.")
+  return "\n".join([(doc or "").strip(), "", "flags:", *flag_lines(__name__), *flag_lines(module),
+                    "", textwrap.fill(footer, 80)])
+
+
+def _help_requested(argv: Sequence[str]) -> str | None:
+  """"short" or "full" when argv asks for help (before any `--` ends the flags), else None."""
+  for arg in argv[1:]:
+    if arg == "--":
+      return None
+    if arg in HELP_ARGS:
+      return "short"
+    if arg in HELPFULL_ARGS:
+      return "full"
+  return None
+
+
 def fail(message: str) -> NoReturn:
   """Prints `error: message` (one line) and exits with status 2 (a usage error)."""
   print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
@@ -48,16 +77,26 @@ def innermost(e: BaseException) -> BaseException:
   return e
 
 
-def make_flags_parser(default_spec: str) -> Callable[[list[str]], list[str]]:
-  """An absl `flags_parser` that resolves --config paths and turns a flag error into one line."""
+def make_flags_parser(default_spec: str, doc: str = "",
+                      module: str = "__main__") -> Callable[[list[str]], list[str]]:
+  """An absl `flags_parser` that resolves --config paths, answers --help (exit 0) and turns a
+  flag error into one line (exit 2). `doc` and `module` name the binary for --help."""
   def parse(argv: list[str]) -> list[str]:
     argv = resolve_config_paths(argv)
+    wanted = _help_requested(argv)
+    if wanted is not None:
+      # absl's own --help prints only "Try --helpfull" under a console script and exits 1.
+      print(usage(doc, module) if wanted == "short" else
+            f"{(doc or '').strip()}\n\nflags:\n{flags.FLAGS.get_help()}", flush=True)
+      sys.exit(0)
     try:
       return flags.FLAGS(argv)
     except flags.Error as e:
-      if not isinstance(innermost(e), flags.Error):  # a config file error wrapped by absl
+      if not isinstance(innermost(e), flags.Error) or _TRACEBACK in str(e):
+        # A config file's error, wrapped by absl (and by ml_collections as traceback text).
         config_error(e, argv, default_spec)
-      fail(str(e))
+      hint = " (--help lists the flags)" if isinstance(e, flags.UnrecognizedFlagError) else ""
+      fail(f"{e}{hint}")
     except Exception as e:  # noqa: BLE001 - config files raise anything; all are usage errors
       config_error(e, argv, default_spec)
   return parse
@@ -72,6 +111,34 @@ def _load_config_file(spec: str) -> Any:
   return module.get_config(arg) if arg else module.get_config()
 
 
+_TRACEBACK = "Traceback (most recent call last)"
+
+
+def _shown(path: str) -> str:
+  """`path` as the user would type it: relative to the repository when inside it."""
+  return os.path.relpath(path, REPO) if path.startswith(REPO + os.sep) else path
+
+
+def missing_file_message(spec: str, default_spec: str) -> str:
+  """The one-line error for a --config file that does not exist, naming what exists."""
+  path = spec.partition(":")[0]
+  return (f"--config={spec}: no config file {path!r} in the working directory or the repository; "
+          f"a recipe is configs/<name>.py or configs/base.py:<name> with <name> one of "
+          f"{', '.join(precision.RECIPES)} (this binary's default: {_shown(default_spec)}).")
+
+
+def error_line(root: BaseException) -> str:
+  """One line for an error a config file raised: the last line of a traceback ml_collections
+  folded into the message, the type name unless it is a plain ValueError."""
+  text = str(root).strip()
+  if _TRACEBACK in text:  # "Error whilst parsing config file: Traceback ...\nValueError: msg"
+    return text.splitlines()[-1].strip().removeprefix("ValueError: ")
+  if isinstance(root, AttributeError) and "get_config" in text:
+    return "the file defines no get_config(); a config file's get_config() returns its ConfigDict."
+  line = " ".join(text.split())
+  return line if type(root) is ValueError else f"{type(root).__name__}: {line}"
+
+
 def config_error(e: BaseException, argv: Sequence[str], default_spec: str) -> NoReturn:
   """Reports a config-loading failure in one line and exits 2.
 
@@ -83,6 +150,8 @@ def config_error(e: BaseException, argv: Sequence[str], default_spec: str) -> No
   for arg in argv:
     if arg.startswith("--config="):
       spec = arg[len("--config="):]
+  if not os.path.isfile(spec.partition(":")[0]):
+    fail(missing_file_message(_shown(spec), default_spec))
   try:
     base = _load_config_file(spec)
   except Exception:  # noqa: BLE001 - the file itself is broken: report its error below
@@ -95,8 +164,7 @@ def config_error(e: BaseException, argv: Sequence[str], default_spec: str) -> No
         if key not in known and not any(k.startswith(key + ".") for k in known):
           fail(f"unknown flag --config.{key}{run_config.did_you_mean(key, base)}; "
                "--print_config lists every --config.* key.")
-  text = str(root).strip()
-  fail(f"--config={spec}: {type(root).__name__}: {text.splitlines()[-1] if text else ''}")
+  fail(f"--config={_shown(spec)}: {error_line(root)}")
 
 
 def config_value(holder: Any, argv: Sequence[str], default_spec: str) -> Any:
@@ -112,11 +180,13 @@ def config_value(holder: Any, argv: Sequence[str], default_spec: str) -> Any:
 @dataclasses.dataclass(frozen=True)
 class RunFlags:
   """The flags every binary defines: its config file (`default_spec`), --config, --workdir and
-  --print_config (absl flag holders)."""
+  --print_config (absl flag holders); `doc` and `module` name the binary for --help."""
   default_spec: str
   config: Any
   workdir: Any
   print_config: Any
+  doc: str = ""
+  module: str = "__main__"
 
   def config_value(self) -> Any:
     """The config with its --config.* overrides, or a one-line error (exit 2)."""
@@ -143,13 +213,18 @@ class RunFlags:
 
   def parser(self) -> Callable[[list[str]], list[str]]:
     """The `flags_parser` for `absl.app.run` (one-line flag errors)."""
-    return make_flags_parser(self.default_spec)
+    return make_flags_parser(self.default_spec, self.doc, self.module)
 
 
 def define_run_flags(config_file: str, workdir: str, workdir_help: str) -> RunFlags:
   """Defines --config (`configs/<config_file>` by default; `path[:arg]` and --config.KEY=VALUE
-  overrides), --workdir and --print_config. Call at import time of a binary, before app.run."""
+  overrides), --workdir and --print_config. Call at import time of a binary, before app.run:
+  the calling module's docstring and flags are what its --help prints."""
   from ml_collections import config_flags  # noqa: PLC0415 - only the binaries need it
+
+  caller = sys._getframe(1).f_globals  # noqa: SLF001 - the binary defining its flags
+  # absl files the flags of `python -m pkg.mod` (module __main__) under sys.argv[0].
+  module = sys.argv[0] if caller["__name__"] == "__main__" else caller["__name__"]
 
   default_spec = os.path.join(REPO, "configs", config_file)
   sys.argv = resolve_config_paths(sys.argv)
@@ -163,4 +238,5 @@ def define_run_flags(config_file: str, workdir: str, workdir_help: str) -> RunFl
   return RunFlags(
       default_spec, config, flags.DEFINE_string("workdir", workdir, workdir_help),
       flags.DEFINE_bool("print_config", False,
-                        "Print every --config.* knob with its value and meaning, and exit."))
+                        "Print every --config.* knob with its value and meaning, and exit."),
+      doc=caller.get("__doc__") or "", module=module)

@@ -33,10 +33,11 @@ import numpy as np
 from lowrl import distributed, hardware, memory, precision, sharding
 from lowrl.checkpoints import hf
 from lowrl.metrics.writer import create_writer
-from lowrl.models import layout, transformer
+from lowrl.models import kv_cache, layout, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.rl.mismatch import mismatch_metrics
 from lowrl.sampling import SampleOutput, Sampler, SamplingConfig, refit, rescore
+from lowrl.sampling.act_scales import calibration_paths
 from lowrl.tasks.base import Task
 from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
 from lowrl.tasks.registry import make_task
@@ -44,6 +45,7 @@ from lowrl.training import (diagnostics, optimizer, probes, run_config, run_logs
                             storage)
 from lowrl.training.checkpointing import Checkpointer, verify_manifest
 from lowrl.training.evaluation import eval_metrics
+from lowrl.training.kv_share import kv_share_metrics
 from lowrl.training.loss_scaling import loss_scaled
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, update_config_from
 from lowrl.training.schedule import AsyncSchedule, VersionBuffer
@@ -90,7 +92,9 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   sampler_cfg = cfg.precision
   if cfg.sampler_precision.recipe:
     sampler_cfg = precision.recipe(cfg.sampler_precision.recipe)
-  sampler_policy = precision.make_policy(sampler_cfg, matmuls)
+  kv_cache.check_mode(cfg.sampler_precision.kv_cache, model_cfg.head_dim)
+  sampler_policy = dataclasses.replace(precision.make_policy(sampler_cfg, matmuls),
+                                       kv_cache=cfg.sampler_precision.kv_cache)
   stop = task.tokenizer.eos_ids  # every eos of a checkpoint ends a completion
   sampling = SamplingConfig(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
                             top_k=rl.top_k, top_p=rl.top_p, stop_tokens=stop,
@@ -368,7 +372,7 @@ class Trainer:
     do: calibrated (max |input| per matmul, trainer's precision) on a fixed batch of train prompts
     + reference answers from the weights being sampled, i.e. recalibrated at every weight sync.
     """
-    paths = policy.act_paths(layout.matmuls(self.setup.model_cfg), "tensor")
+    paths = calibration_paths(policy, self.setup.model_cfg)  # + a quantized KV cache's K/V
     if not paths:
       return None
     tp = self.setup.trainer_policy
@@ -500,9 +504,10 @@ class Trainer:
     # Exact mode re-scores in the sampler's precision with the same key it sampled with.
     sampler_qk = _quant_key(self.setup.sampler_policy, k_quant)
     held, refit_metrics = self.refit(sampler_params, sampler_version)
+    act_amax = held.act_amax  # + a quantized KV cache's K/V amaxes
     out = self.sampler(held.weights, tokens_BP, mask_BP, k_sample, quant_key=sampler_qk,
                        trainer_params=sampler_params, trainer_quant_key=sampler_qk,
-                       act_amax=held.act_amax)
+                       act_amax=act_amax)
     logp_now_BT = self.score(params, self.setup.trainer_policy, out, k_quant)
     logp_stale_BT = (self.score(sampler_params, self.setup.trainer_policy, out, k_quant) if stale
                      else logp_now_BT)
@@ -510,7 +515,11 @@ class Trainer:
     rollout = self.plan.put(Rollout(out, jnp.asarray(rewards), logp_now_BT, logp_stale_BT),
                             self.plan.batch)
     return rollout, {"rewards": rewards, "completions": completions, "examples": examples,
-                     "refit": refit_metrics}
+                     "refit": refit_metrics,
+                     "kv": kv_share_metrics(  # {} without a quantized KV cache
+                         out, sampler_params, model_cfg=self.setup.model_cfg,
+                         policy=self.setup.sampler_policy, config=self.setup.sampling,
+                         quant_key=sampler_qk, plan=self.plan, act_amax=act_amax)}
 
   def probe(self, params, opt_state, ref_params, rollout: Rollout, key: jax.Array
             ) -> dict[str, jax.Array]:
@@ -541,7 +550,7 @@ class Trainer:
       probe_metrics = self.probe(params, opt_state, ref_params, rollout,
                                  jax.random.fold_in(key, _PROBE_STREAM))
     params, opt_state, metrics = self.step(params, opt_state, ref_params, rollout, k_upd)
-    return params, opt_state, {**metrics, **probe_metrics, **info["refit"]}, info
+    return params, opt_state, {**metrics, **probe_metrics, **info["kv"], **info["refit"]}, info
 
 
 class NonFiniteError(RuntimeError):

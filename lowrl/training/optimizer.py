@@ -3,7 +3,7 @@
 Master weights are FP32 by default. With `master_dtype="bfloat16"` the parameter tree itself is
 BF16: the update is computed in FP32 on the upcast weights and rounded back either to nearest
 (RL's small updates below half a BF16 ulp are then erased) or stochastically (unbiased, so small
-updates survive in expectation; REFERENCE.md §2 "Stochastic rounding").
+updates survive in expectation; docs/reference.md §2 "Stochastic rounding").
 """
 from __future__ import annotations
 

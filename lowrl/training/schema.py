@@ -317,7 +317,7 @@ RL = Section("rl", (
          "PPO, the sampler corrected by rl.correction) or sampler (recorded; rl.correction must "
          "be none)", OneOf(OLD_LOGP_SOURCES)),
     Knob("kl_coef", 0.0, "beta of the KL-to-reference penalty (0 = no penalty)"),
-    Knob("kl_estimator", "k3", "KL estimator (REFERENCE.md section 3)", OneOf(KL_ESTIMATORS)),
+    Knob("kl_estimator", "k3", "KL estimator (docs/reference.md section 3)", OneOf(KL_ESTIMATORS)),
     Knob("correction", "none", "sampler/trainer mismatch correction", OneOf(CORRECTION_MODES)),
     Knob("correction_level", "token", "correction weight per", OneOf(CORRECTION_LEVELS)),
     Knob("tis_cap", 2.0, "TIS: weight truncated at this cap (> 0)"),
@@ -508,7 +508,11 @@ TRAIN = Schema((
     PRECISION,
     Section("sampler_precision", (
         Knob("recipe", "", "sampler precision recipe; '' = the trainer's",
-             OneOf(("",) + precision.RECIPES)),)),
+             OneOf(("",) + precision.RECIPES)),
+        Knob("kv_cache", "none", "the sampler's KV cache: none (compute_dtype) | FP8 E4M3 with "
+             "static per-tensor / per-head scales | NVFP4 (head_dim % 16 == 0); scales "
+             "calibrated at every weight sync, the trainer scores with unquantized K/V "
+             "(docs/sampling.md)", OneOf(precision.KV_CACHE_MODES)),)),
     Section("", (Knob("sampler_exact", True, "sampler logprobs from the trainer's forward "
                       "(bit-identical when same recipe)"),
                  Knob("refit_check_every", 1, "weight syncs between refit checks (the sampler's "

@@ -1,7 +1,7 @@
 """Supervised "mid-training": turn a random model into a base with a modest pass rate.
 
-RL only works from a base whose pass@k is not zero (REFERENCE.md §5), so every RL run starts from
-a base trained with next-token cross-entropy on the task's reference targets. The base is
+RL only works from a base whose pass@k is not zero (docs/reference.md §6), so every RL run starts
+from a base trained with next-token cross-entropy on the task's reference targets. The base is
 precision-agnostic (FP32 policy), checkpointed with a fingerprint of everything that determines
 it, and reused by every run (and every recipe) that asks for the same base.
 """

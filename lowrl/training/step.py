@@ -21,6 +21,7 @@ import optax
 
 from lowrl.rl.advantages import compute_advantages, group_has_signal, overlong_penalty
 from lowrl.rl.drift import drift_metrics
+from lowrl.rl.health import health_metrics
 from lowrl.sampling import SampleOutput
 from lowrl.sharding import ShardingPlan
 from lowrl.training.rl_update import UpdateConfig, make_rl_update
@@ -147,7 +148,9 @@ def make_step(logprob_fn, tx: optax.GradientTransformation, update_cfg: UpdateCo
 
   `make_batch` + `drift_metrics` + the update; pure and jittable. `logprob_fn` is the trainer's
   (`rl_update.make_logprob_fn`); `ref_params` None = no KL to a reference (kl_coef must be 0).
-  Metrics: the update's, `drift/<part>/<metric>` and `make_batch`'s, in that order. `plan`: the
+  Metrics: the update's, `health/<metric>` (`lowrl.rl.health`: sampler vs the trainer's pi_old
+  on the loss's tokens, as `mismatch/*`; task rewards' groups), `drift/<part>/<metric>` and
+  `make_batch`'s, in that order. `plan`: the
   mesh the step is jitted on (the update keeps rows on their data shards), None when unplaced.
   """
   update = make_rl_update(logprob_fn, tx, update_cfg, plan)
@@ -157,7 +160,10 @@ def make_step(logprob_fn, tx: optax.GradientTransformation, update_cfg: UpdateCo
     batch, batch_metrics = make_batch(out, rollout.rewards_B, batch_cfg, rollout.logp_now_BT)
     drift = drift_metrics(out.logprobs, rollout.logp_stale_BT, rollout.logp_now_BT,
                           out.completion_mask, rollout.logp_now_sampler_BT)
+    health = health_metrics(out.logprobs, rollout.logp_now_BT, batch.loss_mask_BT,
+                            rollout.rewards_B, batch_cfg.group_size)
     params, opt_state, metrics = update(params, opt_state, ref_params, batch, key)
-    return params, opt_state, {**metrics, **drift, **batch_metrics}
+    return params, opt_state, {**metrics, **{f"health/{k}": v for k, v in health.items()},
+                               **drift, **batch_metrics}
 
   return step

@@ -178,6 +178,11 @@ def test_lag0_sync1_same_recipe_is_the_synchronous_trainer(bf16_setup):
   lag_BT = lagged["sampler_version_lag"]
   assert np.all(lagged["drift/staleness/version_distance"][lag_BT > 0] > 0)
   assert np.all(lagged["drift/staleness/version_distance"][lag_BT == 0] == 0)
+  # The loop's run-health metrics (its step's, lowrl.rl.health) come out per step: nothing off in
+  # sync, the stale sampler's logprobs seen at the lagged steps.
+  assert np.all(m["health/is_chi2"] == 0.0) and np.all(m["health/dlogp_gt_ln2_frac"] == 0.0)
+  assert np.any(lagged["health/is_chi2"][lag_BT > 0] != 0.0)
+  assert np.all((m["health/zero_spread_group_frac"] >= 0) & (m["health/zero_spread_group_frac"] <= 1))
 
 
 def test_fourth_drift_score_is_the_samplers_where_its_scales_are_static():

@@ -1,4 +1,4 @@
-"""Spec-exact NVFP4 (REFERENCE.md §2): fake_quant equals the exact-rounding Fraction reference
+"""Spec-exact NVFP4 (docs/reference.md §2): fake_quant equals the exact-rounding Fraction reference
 (tests/quant_reference.py) bit for bit on random FP32/BF16 inputs, ties, near-ties, zeros,
 NaN/Inf and saturation; the exact-division helpers against Fraction arithmetic."""
 from fractions import Fraction
@@ -28,9 +28,10 @@ def _same(a, b):
 
 
 def _check(x, cfg, **kw):
-  want = exact_fake_quant(np.asarray(x, f32), cfg, **kw)
+  # One rounding of the exact value to x's dtype (BF16 too: no FP32 rounding first).
+  want = exact_fake_quant(np.asarray(x, f32), cfg, dtype=x.dtype, **kw)
   got = fake_quant(x, cfg, **kw)
-  _same(np.asarray(got, f32), np.asarray(want).astype(x.dtype).astype(f32))
+  _same(np.asarray(got, f32), want)
   # jit (inlined inside an outer program) and the quantize/dequantize pair give the same bits.
   _same(jax.jit(lambda v: fake_quant(v, cfg, **kw))(x), got)
   _same(dequantize(quantize(x, cfg, **kw), x.dtype), got)
@@ -244,3 +245,20 @@ def test_four_over_six_near_ties_are_exact(metric):
   out = np.asarray(fake_quant(x, cfg))
   assert [bool(o == 8.0) for o in out[:, 17]] == six  # 7 + eps -> 8 with scale 6, 6 with 4
   assert any(six) and not all(six)
+
+
+@pytest.mark.parametrize("cfg", [CFGS[1], CFGS[3]], ids=[IDS[1], IDS[3]])
+def test_bf16_outputs_round_once_from_the_exact_value(cfg):
+  """dequantize(q, bfloat16) of an FP32 input rounds code * s_block * s_global to BF16 once (the
+  reference's RNE_bf16 of the exact product), not to FP32 and then to BF16; the codes and scales
+  (the 4/6 choice included) do not depend on the output dtype. The input (BF16 values with per-row
+  magnitudes) makes the two roundings differ on some elements."""
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal((16, 128)) * np.exp2(rng.integers(-6, 7, (16, 1)))
+  x = x.astype(jnp.bfloat16).astype(f32)  # BF16 values (amaxes of 8 bits), stored as FP32
+  q = quantize(x, cfg)
+  want = exact_fake_quant(x, cfg, dtype=jnp.bfloat16)
+  _same(dequantize(q, jnp.bfloat16), want)
+  _same(jax.jit(lambda v: dequantize(quantize(v, cfg), jnp.bfloat16))(x), want)
+  twice = np.asarray(dequantize(q, jnp.float32)).astype(jnp.bfloat16).astype(f32)
+  assert (twice != want).any()  # double rounding would fail this test

@@ -1,5 +1,5 @@
 """Per-tensor activation scales: static calibrated amaxes make a sampler row-local and causal, so
-the logprobs it records are those of the distribution it sampled from (REFERENCE.md §2).
+the logprobs it records are those of the distribution it sampled from (docs/reference.md §2).
 
 Tiny model (the "tiny" preset, V=64, d=32, 2 layers), random init; nvfp4_naive scales every
 activation per tensor. Token 63's embedding is made one-hot so that its normalised activation

@@ -1,7 +1,9 @@
-"""The training binary's command line: one-line config errors (exit 2), --print_config, any cwd.
+"""The binaries' command line: --help (exit 0), one-line config errors (exit 2), --print_config,
+any cwd.
 
 Each case is a subprocess (imports jax) but fails or exits before anything compiles.
 """
+import ast
 import os
 import subprocess
 import sys
@@ -10,14 +12,51 @@ import pytest
 
 import tiny
 from lowrl import precision
+from lowrl.training import cli
 
 REPO = str(tiny.REPO)
 
 
-def _train(args, cwd):
+def _run(command, cwd):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, os.path.join(REPO, "experiments", "train.py"), *args],
-                        cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+  return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _train(args, cwd):
+  return _run([sys.executable, os.path.join(REPO, "experiments", "train.py"), *args], cwd)
+
+
+# What the `lowrl-train` / `lowrl-simulate` console scripts run: the binary imported as a module
+# (not __main__), sys.argv[0] the script's name.
+_CONSOLE = ("import sys; sys.path.insert(0, {repo!r}); sys.argv[0] = {name!r}; "
+            "from experiments.{module} import run_main; run_main()")
+
+
+@pytest.mark.parametrize("module, name, own_flag", [
+    ("train", "lowrl-train", "--[no]allow_config_change"),
+    ("simulate", "lowrl-simulate", "--workdir: Sweep directory"),
+])
+def test_help_prints_usage_and_exits_0(module, name, own_flag, tmp_path):
+  code = _CONSOLE.format(repo=REPO, name=name, module=module)
+  out = _run([sys.executable, "-c", code, "--help"], cwd=str(tmp_path))
+  assert out.returncode == 0, out.stderr[-2000:]
+  with open(os.path.join(REPO, "experiments", f"{module}.py")) as f:  # importing defines flags
+    doc = ast.get_docstring(ast.parse(f.read()))
+  assert out.stdout.startswith(doc.splitlines()[0])  # the binary's purpose
+  for flag in ("--config:", "--workdir:", "--[no]print_config:", own_flag):
+    assert flag in out.stdout, flag
+  text = " ".join(out.stdout.split())
+  assert "--print_config lists them" in text and "Try --helpfull" not in text
+
+
+def test_unknown_recipe_names_the_recipes(tmp_path):
+  out = _train(["--config=configs/nope.py", f"--workdir={tmp_path / 'run'}"], cwd=str(tmp_path))
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert out.stderr.strip() == (
+      "error: --config=configs/nope.py: no config file 'configs/nope.py' in the working directory "
+      "or the repository; a recipe is configs/<name>.py or configs/base.py:<name> with <name> one "
+      f"of {', '.join(precision.RECIPES)} (this binary's default: configs/default.py).")
+  assert not os.path.exists(tmp_path / "run")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -26,12 +65,20 @@ def _train(args, cwd):
      "every --config.* key."),
     (["--config=configs/bf16.py", "--config.rl.loss=ppo2"],
      "error: --config.rl.loss='ppo2': use one of 'grpo', 'dapo', 'gspo', 'cispo'."),
+    # ml_collections folds the recipe's ValueError into a traceback; only its last line is shown.
+    (["--config=configs/base.py:nope"],
+     f"error: --config=configs/base.py:nope: Unknown precision recipe 'nope'; use one of "
+     f"{precision.RECIPES}."),
+    # A config file of one's own that does not parse (the rest of the line is Python's wording).
+    (["--config=broken.py"], "error: --config=broken.py: SyntaxError: "),
 ])
 def test_config_error_is_one_line_with_exit_2(args, message, tmp_path):
+  (tmp_path / "broken.py").write_text("def get_config(:\n")
   # From another directory: the config path resolves against the repository.
   out = _train(args + [f"--workdir={tmp_path / 'run'}"], cwd=str(tmp_path))
   assert out.returncode == 2, out.stderr[-2000:]
-  assert out.stderr.strip() == message
+  line = out.stderr.strip()
+  assert (line.startswith(message) and "\n" not in line) if message.endswith(" ") else line == message
   assert not os.path.exists(tmp_path / "run")  # refused before anything was written
 
 
@@ -48,3 +95,12 @@ def test_print_config_lists_every_knob(tmp_path):
   assert knobs["--config.rl.loss='grpo'"] == "policy loss: grpo | dapo | gspo | cispo"
   assert knobs["--config.precision.four_over_six=False"] == precision.KNOBS["four_over_six"]
   assert not any(k.startswith("--config.recipe") for k in knobs)  # no knob without effect
+
+
+def test_error_line_keeps_the_last_line_of_a_folded_traceback():
+  folded = ValueError("Error whilst parsing config file:\n\nTraceback (most recent call last):\n"
+                      "  File \"x.py\", line 3, in get_config\n    raise KeyError(1)\n"
+                      "KeyError: 'lr'")
+  assert cli.error_line(folded) == "KeyError: 'lr'"
+  assert cli.error_line(ValueError("bad\n  value")) == "bad value"
+  assert cli.error_line(NameError("name 'x' is not defined")) == "NameError: name 'x' is not defined"

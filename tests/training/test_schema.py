@@ -37,7 +37,7 @@ def test_recipe_file_is_the_named_recipe(name):
 
 
 def test_recipes_differ_from_bf16_only_where_their_file_says():
-  # Spot values from REFERENCE.md / the recipe definitions, written here independently.
+  # Spot values from docs/reference.md / the recipe definitions, written here independently.
   expected = {
       "fp32": {"compute_dtype": "float32"},
       "bf16": {},

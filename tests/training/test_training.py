@@ -184,6 +184,11 @@ def test_exact_mode_rollout_and_update_agree_bitwise_under_nvfp4():
   _, _, m = trainer.step(params, trainer.init_opt_state(params), ref, rollout, jax.random.key(2))
   assert float(m["drift/total/mismatch_kl"]) == 0.0
   assert float(m["mismatch/mismatch_kl"]) == 0.0
+  # The run-health metrics of the step (lowrl.rl.health): no token off, chi^2 exactly 0, and the
+  # zero-spread share from the rollout's task rewards.
+  assert float(m["health/dlogp_gt_ln2_frac"]) == 0.0 and float(m["health/is_chi2"]) == 0.0
+  r = np.asarray(rollout.rewards_B).reshape(-1, c.rl.group_size)
+  assert float(m["health/zero_spread_group_frac"]) == np.mean(r.max(1) == r.min(1))
   assert float(m["ratio_mean"]) == pytest.approx(1.0, abs=1e-5)
   # rl.log_kl_ref: the KL to the reference is logged (here pi_ref = pi_old, so ~0) but, with
   # kl_coef = 0, not penalised.
