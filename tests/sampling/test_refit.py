@@ -105,3 +105,21 @@ def test_loop_rollout_logs_the_check_and_samples_the_held_weights():
   _, info = trainer.rollout(params, params, 1, jax.random.key(1), stale=False, sampler_version=1)
   assert info["refit"] == {"refit/mismatched_tensors": 1.0}
   assert any(line.startswith("[warn] refit check") for line in logs)
+
+
+def test_kv_cache_calibration_is_checked_with_the_activation_scales():
+  """A quantized KV cache's static K/V amaxes travel in the held act_amax (as the loop's
+  calibration returns them, lowrl.sampling.act_scales.calibration_paths): a stale one counts."""
+  from lowrl.sampling.act_scales import calibration_paths
+  policy = dataclasses.replace(NAIVE, kv_cache="fp8_per_tensor")
+  paths = calibration_paths(policy, TINY)
+  kv = [p for p in paths if p not in AMAX_PATHS]
+  assert kv
+  tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+  r = refit.Refitter(TINY, policy, lambda p: transformer.calibrate_act_amax(
+      p, tokens, TINY, NAIVE, paths), log=lambda _: None)
+  params = _params()
+  held = r.quantize(params)
+  assert not np.asarray(r.check(held, params)).any()
+  stale = dict(held.act_amax, **{kv[0]: held.act_amax[kv[0]] * 2.0})
+  assert np.asarray(r.check(held._replace(act_amax=stale), params)).sum() == 1
