@@ -2,14 +2,13 @@
 
 At a weight sync the sampler gets the trainer's new weights as `RolloutWeights`: the kernels
 quantized and packed once (`weights.pack_params`: codes, block and per-tensor scales), the static
-activation scales of a tensor-scaled recipe (`act_amax`, calibrated on those weights), and a slot
-for a quantized KV cache's calibration (`kv_scales`, None until a KV-quantizing recipe fills it).
-A quantized KV cache's static K/V amaxes (`lowrl.models.kv_cache`) are calibrated with the
-activation amaxes (`act_scales.calibration_paths`) and travel in `act_amax`, so the check covers
-them; `kv_scales` is for calibration kept apart from it. The refit check (peer frameworks' most reported bug: stale scales after a weight update) compares
-every tensor the sampler holds with a fresh quantization of the trainer's weights, bit for bit, in
-one jitted program (the fresh quantization and the comparison run inside it; only one boolean per
-tensor leaves the device). A mismatch count of 0 is the expected value.
+amaxes calibrated on those weights (`act_amax`: a tensor-scaled recipe's activation scales and a
+quantized KV cache's K/V scales, which `act_scales.calibration_paths` calibrates together), and a
+slot for calibration kept apart from them (`kv_scales`, None unless filled). The refit check
+(peer frameworks' most reported bug: stale scales after a weight update) compares every tensor
+the sampler holds with a fresh quantization and calibration of the trainer's weights, bit for
+bit, in one jitted program (the fresh quantization and the comparison run inside it; only one
+boolean per tensor leaves the device). A mismatch count of 0 is the expected value.
 """
 from __future__ import annotations
 
