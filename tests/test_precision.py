@@ -30,6 +30,8 @@ EXPECTED = {
     # A dense model has no routed experts: nothing quantized.
     "nvfp4_moe_experts": {tuple(range(8)): ("bfloat16", "-", ""),
                           "lm_head": ("float32", "-", "")},
+    "nvfp4_w4a16": {tuple(range(8)): ("bfloat16/nvfp4", "dequantized", "gemm=bfloat16"),
+                    "lm_head": ("float32", "-", "")},
 }
 
 
@@ -63,6 +65,12 @@ def test_recipe_quantizers_are_the_documented_ones():
   naive = precision.policy_for("nvfp4_naive", layout.matmuls(CFG8)).qdot_config("layers_3/attn/o_proj")
   assert naive == QDotConfig(lhs=QuantConfig("nvfp4"), rhs=QuantConfig("nvfp4"),
                              backward="high_precision", compute_dtype="bfloat16")
+  w4a16 = precision.policy_for("nvfp4_w4a16", layout.matmuls(CFG8))
+  assert w4a16.qdot_config("layers_7/attn/k_proj") == QDotConfig(
+      lhs=None, rhs=QuantConfig("nvfp4"), backward="dequantized", compute_dtype="bfloat16")
+  assert w4a16.weight_scales == "fused"
+  assert precision.policy_for("nvfp4_recipe", layout.matmuls(CFG8),
+                              weight_scales="per_linear").weight_scales == "per_linear"
   mx = precision.policy_for("mxfp8", layout.matmuls(CFG8)).qdot_config("layers_5/attn/q_proj")
   assert mx.lhs == mx.rhs == QuantConfig("mxfp8_e4m3", scale_rounding="rceil")
   assert mx.compute_dtype == "bfloat16"
@@ -145,6 +153,8 @@ def test_policy_is_hashable_and_a_jit_static_argument():
     ("grad_format", "int4", "precision.grad_format"),
     ("high_precision_paths", "layers_(", "high_precision_paths"),
     ("lm_head_dtype", "int8", "precision.lm_head_dtype"),
+    ("act_format", "nvfp4", "precision.act_format"),
+    ("weight_scales", "shared", "precision.weight_scales"),
 ])
 def test_bad_values_name_the_flag(knob, value, match):
   with pytest.raises(ValueError, match=match):
@@ -158,6 +168,12 @@ def test_inconsistent_knobs_name_the_fix():
     precision.policy_for("nvfp4_recipe", layout.matmuls(CFG8), format="mxfp8_e4m3", act_per_token=False)
   with pytest.raises(ValueError, match="needs a quantized format"):
     precision.policy_for("bf16", layout.matmuls(CFG8), backward="dequantized")
+  with pytest.raises(ValueError, match="act_per_token=False or precision.act_format"):
+    precision.policy_for("nvfp4_recipe", layout.matmuls(CFG8), act_format="none")
+  with pytest.raises(ValueError, match="precision.gemm=emulated"):
+    precision.policy_for("mxfp8", layout.matmuls(CFG8), act_format="none", gemm="native")
+  with pytest.raises(ValueError, match="weight_scales"):
+    precision.PrecisionPolicy(rules=(), weight_scales="shared")
   with pytest.raises(ValueError, match="Unknown precision recipe"):
     precision.recipe("nvfp4")
   with pytest.raises(ValueError, match="Unknown precision knob"):

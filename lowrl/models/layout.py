@@ -32,6 +32,10 @@ SHARED_EXPERT_MATMULS = ("mlp/shared_expert/gate_proj", "mlp/shared_expert/up_pr
 MOE_MATMULS = (ROUTER,) + EXPERT_MATMULS + SHARED_EXPERT_MATMULS
 # Quant-key stream of each path: the dense ids first (unchanged), the MoE ones after the head.
 PATH_IDS = {p: i for i, p in enumerate(BLOCK_MATMULS + (LM_HEAD,) + MOE_MATMULS)}
+# The block matmuls an inference engine runs as one fused linear on one input (vLLM's `qkv_proj`
+# and `gate_up_proj`: their weights concatenated along `out`, one per-tensor scale for the whole;
+# ModelOpt's exporter unifies their amax, `preprocess_linear_fusion`).
+FUSED_GROUPS = (("attn/q_proj", "attn/k_proj", "attn/v_proj"), ("mlp/gate_proj", "mlp/up_proj"))
 # Hugging Face module names of the block matmuls (under `model.layers.{i}.`).
 _HF_BLOCK_NAMES = {"attn/q_proj": "self_attn.q_proj", "attn/k_proj": "self_attn.k_proj",
                    "attn/v_proj": "self_attn.v_proj", "attn/o_proj": "self_attn.o_proj",

@@ -37,7 +37,7 @@ from lowrl.metrics.writer import create_writer
 from lowrl.models import kv_cache, layout, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.rl.mismatch import mismatch_metrics
-from lowrl.sampling import SampleOutput, Sampler, SamplingConfig, rescore
+from lowrl.sampling import SampleOutput, Sampler, SamplingConfig, refit, rescore
 from lowrl.sampling.act_scales import calibration_paths
 from lowrl.tasks.base import Task
 from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
@@ -324,6 +324,10 @@ class Trainer:
     self._calibrate = jax.jit(transformer.calibrate_act_amax,
                               static_argnames=("model_cfg", "policy", "paths"))
     self.calib_tokens, self.calib_mask = self._calibration_batch(repl)
+    # The sampler's weights between syncs (packed, + static scales) and the refit check.
+    self.refit = refit.Refitter(setup.model_cfg, setup.sampler_policy,
+                                lambda p: self.act_amax(p, setup.sampler_policy),
+                                check_every=cfg.refit_check_every, log=log)
     # Gradient bias vs FP32 and update erasure (diagnostics.every): programs of their own (the
     # FP32 gradient's and the erasure's are the same for every recipe: the compile cache shares
     # them between runs).
@@ -488,21 +492,25 @@ class Trainer:
   # -- one step ---------------------------------------------------------------------------------
 
   def rollout(self, sampler_params, params, step: int, key: jax.Array,
-              stale: bool) -> tuple[Rollout, dict[str, Any]]:
+              stale: bool, sampler_version: int | None = None) -> tuple[Rollout, dict[str, Any]]:
     """Samples the step's batch with `sampler_params` (in the sampler's precision) and scores it.
 
     The trainer scores the sampled tokens with the current `params` in the trainer's precision
     (pi_old) and, when the sampler's version is `stale`, with the sampler's weights in the
-    trainer's precision, for the drift decomposition. Returns (the step's Rollout, host info:
-    rewards, completions, examples).
+    trainer's precision, for the drift decomposition. The sampler generates from the
+    `RolloutWeights` of `sampler_version` (`self.refit`: re-quantized when the version changes,
+    i.e. at each weight sync; None = every call). Returns (the step's Rollout, host info:
+    rewards, completions, examples, refit metrics).
     """
     examples, tokens_BP, mask_BP = self.prompts(step)
     k_sample, k_quant = jax.random.split(key)
     # Exact mode re-scores in the sampler's precision with the same key it sampled with.
     sampler_qk = _quant_key(self.setup.sampler_policy, k_quant)
-    act_amax = self.act_amax(sampler_params, self.setup.sampler_policy)
-    out = self.sampler(sampler_params, tokens_BP, mask_BP, k_sample, quant_key=sampler_qk,
-                       trainer_quant_key=sampler_qk, act_amax=act_amax)
+    held, refit_metrics = self.refit(sampler_params, sampler_version)
+    act_amax = held.act_amax  # + a quantized KV cache's K/V amaxes
+    out = self.sampler(held.weights, tokens_BP, mask_BP, k_sample, quant_key=sampler_qk,
+                       trainer_params=sampler_params, trainer_quant_key=sampler_qk,
+                       act_amax=act_amax)
     logp_now_BT = self.score(params, self.setup.trainer_policy, out, k_quant)
     logp_stale_BT = (self.score(sampler_params, self.setup.trainer_policy, out, k_quant) if stale
                      else logp_now_BT)
@@ -510,6 +518,7 @@ class Trainer:
     rollout = self.plan.put(Rollout(out, jnp.asarray(rewards), logp_now_BT, logp_stale_BT),
                             self.plan.batch)
     return rollout, {"rewards": rewards, "completions": completions, "examples": examples,
+                     "refit": refit_metrics,
                      "kv": kv_share_metrics(  # {} without a quantized KV cache
                          out, sampler_params, model_cfg=self.setup.model_cfg,
                          policy=self.setup.sampler_policy, config=self.setup.sampling,
@@ -527,7 +536,7 @@ class Trainer:
     return {**metrics, "update_erasure": erasure(params, g_q, opt_state, k_opt)}
 
   def rl_step(self, sampler_params, params, opt_state, ref_params, step: int, key: jax.Array,
-              stale: bool, probe: bool = False
+              stale: bool, probe: bool = False, sampler_version: int | None = None
               ) -> tuple[Any, Any, dict[str, jax.Array], dict[str, Any]]:
     """One RL step: rollout, then the jitted step (donates `params` and `opt_state`).
 
@@ -537,13 +546,14 @@ class Trainer:
     host info of the rollout).
     """
     k_roll, k_upd = jax.random.split(key)
-    rollout, info = self.rollout(sampler_params, params, step, k_roll, stale=stale)
+    rollout, info = self.rollout(sampler_params, params, step, k_roll, stale=stale,
+                                 sampler_version=sampler_version)
     probe_metrics = {}
     if probe and self._probe_fns is not None:
       probe_metrics = self.probe(params, opt_state, ref_params, rollout,
                                  jax.random.fold_in(key, _PROBE_STREAM))
     params, opt_state, metrics = self.step(params, opt_state, ref_params, rollout, k_upd)
-    return params, opt_state, {**metrics, **probe_metrics, **info["kv"]}, info
+    return params, opt_state, {**metrics, **probe_metrics, **info["kv"], **info["refit"]}, info
 
 
 class NonFiniteError(RuntimeError):
@@ -780,7 +790,8 @@ def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: 
                                                  opt_state, storage.use(ref_params),
                                                  step, jax.random.fold_in(base_key, step),
                                                  stale=sv != step,
-                                                 probe=bool(every) and step % every == 0)
+                                                 probe=bool(every) and step % every == 0,
+                                                 sampler_version=sv)
     versions.put(step + 1, copy(params))
     versions.evict_before(step + 1)
     if use_ref and rl.ref_reset_every and (step + 1) % rl.ref_reset_every == 0:

@@ -24,7 +24,8 @@ from lowrl.training.schema import flatten  # noqa: F401 (run_config.flatten, for
 CONFIG_FILE = "config.json"
 # Knobs that change what is logged, not what is trained: a resume may change them freely.
 # Keys that change no result (`hardware` only selects the memory budget build() checks against).
-COSMETIC_KEYS = ("log_every", "num_text_samples", "checkpoint_every", "eval_every", "hardware")
+COSMETIC_KEYS = ("log_every", "num_text_samples", "checkpoint_every", "eval_every", "hardware",
+                 "refit_check_every")
 
 
 class ConfigError(ValueError):

@@ -521,7 +521,10 @@ TRAIN = Schema((
              "calibrated at every weight sync, the trainer scores with unquantized K/V "
              "(docs/sampling.md)", OneOf(precision.KV_CACHE_MODES)),)),
     Section("", (Knob("sampler_exact", True, "sampler logprobs from the trainer's forward "
-                      "(bit-identical when same recipe)"),)),
+                      "(bit-identical when same recipe)"),
+                 Knob("refit_check_every", 1, "weight syncs between refit checks (the sampler's "
+                      "quantized weights and scales vs a fresh quantization of the trainer's, "
+                      "bit for bit; metric refit/mismatched_tensors); 0 = off", NON_NEGATIVE))),
     TRAIN_SFT,
     TRAIN_RL,
     TRAIN_OPTIMIZER,
