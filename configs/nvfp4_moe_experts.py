@@ -12,6 +12,7 @@ nothing is quantized. Every knob spelled out, as in configs/nvfp4_recipe.py.
 PRECISION = {
     "name": "nvfp4_moe_experts",  # label in the precision table and logs
     "format": "nvfp4",  # the routed experts (every path high_precision_paths leaves) in NVFP4
+    "act_format": "",  # activations in the weight format (W4A4); "none" = weight-only
     "compute_dtype": "bfloat16",  # activations, attention, KV cache, unquantized GEMMs
     "backward": "dequantized",  # gradients through the dequantized operands
     "grad_format": "",  # gradient quantizer when backward=quantized ('' = format)
@@ -27,6 +28,7 @@ PRECISION = {
     # Everything but the routed experts (lowrl.precision.ROUTED_EXPERTS) unquantized (BF16).
     "high_precision_paths": r"(?!layers_\d+/mlp/experts/|lm_head$).*",
     "gemm": "emulated",  # forward GEMMs: emulated | native (FP8 formats: float8 GEMM operands)
+    "weight_scales": "fused",  # q/k/v, gate/up: one per-tensor weight scale | per_linear
 }
 
 

@@ -30,7 +30,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _CACHE_MAX_BYTES = 16 << 30
 _cache_dir = os.environ.get(
     "LOWRL_TEST_JAX_CACHE",
-    str(pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax"))
+    # "jax-lru": a folder of its own for the size-limited (locked) cache, whose eviction reads an
+    # access-time file beside every entry; a cache the unlimited one wrote has none.
+    str(pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax-lru"))
 if _cache_dir:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_cache_dir, "launched")
   # Only programs that take 0.2 s or more to compile: op-by-op (eager) programs compile in
