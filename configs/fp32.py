@@ -9,6 +9,7 @@ configs/base.py.
 PRECISION = {
     "name": "fp32",  # label in the precision table and logs
     "format": "none",  # linear layers unquantized (or a lowrl.quant format: nvfp4, mxfp8_e4m3, ...)
+    "act_format": "",  # activations: '' = quantized like the weights; 'none' = weight-only
     "compute_dtype": "float32",  # activations, attention, KV cache and GEMMs in FP32
     "backward": "high_precision",  # high_precision | dequantized | quantized
     "grad_format": "",  # gradient quantizer when backward=quantized ('' = format)
@@ -23,6 +24,7 @@ PRECISION = {
     "lm_head_dtype": "float32",  # GEMM dtype of the unquantized LM head
     "high_precision_paths": "",  # regex of further matmuls kept unquantized ('' = none)
     "gemm": "emulated",  # forward GEMMs: emulated | native (FP8 formats: float8 GEMM operands)
+    "weight_scales": "fused",  # q/k/v, gate/up: one per-tensor weight scale | per_linear
 }
 
 

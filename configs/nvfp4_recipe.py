@@ -9,6 +9,7 @@ configs/base.py.
 PRECISION = {
     "name": "nvfp4_recipe",  # label in the precision table and logs
     "format": "nvfp4",  # every linear layer (but the LM head and the tail) in NVFP4
+    "act_format": "",  # activations: '' = quantized like the weights; 'none' = weight-only
     "compute_dtype": "bfloat16",  # activations, attention, KV cache, unquantized GEMMs
     "backward": "dequantized",  # gradients through the dequantized operands
     "grad_format": "",  # gradient quantizer when backward=quantized ('' = format)
@@ -23,6 +24,7 @@ PRECISION = {
     "lm_head_dtype": "float32",  # GEMM dtype of the unquantized LM head
     "high_precision_paths": "",  # regex of further matmuls kept unquantized ('' = none)
     "gemm": "emulated",  # forward GEMMs: emulated | native (FP8 formats: float8 GEMM operands)
+    "weight_scales": "fused",  # q/k/v, gate/up: one per-tensor weight scale | per_linear
 }
 
 

@@ -11,10 +11,14 @@ checkpoint (`model.hf_checkpoint` in the config), its tokenizer.json, tokenizer_
 generation_config.json (and chat_template.jinja) are copied beside the weights; the built-in
 character tokenizer has no Hugging Face form and nothing is written for it (the log says so).
 
---rollout_format=nvfp4|mxfp8 instead writes the block linears quantized in NVIDIA ModelOpt's
-layout (lowrl/checkpoints/hf_quantized.py; vLLM: quantization="modelopt_fp4" / "modelopt_mxfp8").
-NVFP4's static activation scales are calibrated on the run's calibration batch (train prompts +
-reference answers) in the trainer's precision, as the loop calibrates its sampler.
+--rollout_format=nvfp4|nvfp4_w4a16|mxfp8 instead writes the block linears quantized in NVIDIA
+ModelOpt's layout (lowrl/checkpoints/hf_quantized.py; vLLM: quantization="modelopt_fp4" /
+"modelopt_mxfp8"; docs/export.md): with the run's sampler weight quantizers when its recipe
+quantizes weights in that format (4/6, 16x16 blocks, unquantized tail layers listed in `ignore`,
+fused q/k/v and gate/up with one shared global scale), so the file holds the sampler's weights bit
+for bit, else with the format's default quantizer. NVFP4's static activation scales are calibrated
+on the run's calibration batch (train prompts + reference answers) in the trainer's precision, as
+the loop calibrates its sampler; nvfp4_w4a16 (ModelOpt "W4A16_NVFP4") has none.
 
 The export runs on the host CPU (JAX_PLATFORMS=cpu unless set): it restores only the `params`
 subtree and needs no accelerator. Bad input (no checkpoint, unknown step, non-empty --out
@@ -39,7 +43,7 @@ from absl import app, flags  # noqa: E402
 from lowrl import user_cache  # noqa: E402
 from lowrl.checkpoints import hf, hf_quantized  # noqa: E402
 from lowrl.models import layout, transformer  # noqa: E402
-from lowrl.training import loop, run_config  # noqa: E402
+from lowrl.training import loop, run_config, schema  # noqa: E402
 from lowrl.training.checkpointing import verify_manifest  # noqa: E402
 
 # Files of a source checkpoint that describe its tokenizer and generation defaults.
@@ -72,7 +76,34 @@ def run_config_of(workdir: str) -> ml_collections.ConfigDict:
       saved = json.load(f)["config"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
       raise ExportError(f"{path} is not a lowrl run config ({e}).") from None
-  return ml_collections.ConfigDict(_tuples(saved))
+  return _with_new_knobs(ml_collections.ConfigDict(_tuples(saved)))
+
+
+# Precision knobs added after runs were saved, with the value such a run was trained under.
+_PRECISION_BEFORE = {"act_format": "", "weight_scales": "per_linear"}
+
+
+def _with_new_knobs(saved: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A saved run config with the knobs added since filled in: precision's with the behaviour the
+  run had (`_PRECISION_BEFORE`: it quantized each linear with its own scale), the rest with the
+  schema's defaults (knobs that don't change the weights)."""
+  if "precision" in saved:
+    for k, v in _PRECISION_BEFORE.items():
+      if k not in saved.precision:
+        saved.precision[k] = v
+  out = schema.TRAIN.defaults(precision=saved.precision)
+
+  def merge(dst, src):
+    for k, v in src.items():
+      if isinstance(v, ml_collections.ConfigDict) and k in dst and isinstance(
+          dst[k], ml_collections.ConfigDict):
+        merge(dst[k], v)
+      else:
+        dst[k] = v
+
+  with out.unlocked():
+    merge(out, saved)
+  return out
 
 
 def _source_checkpoint(cfg: ml_collections.ConfigDict) -> str | None:
@@ -165,11 +196,20 @@ def export(workdir: str, out: str, *, step: int | None = None, rollout_format: s
     raise ExportError(f"The run's source checkpoint {source} has no tokenizer.json to export; "
                       "restore it there.")
   extra = hf.read_hf_config(source) if source else None
+  if rollout_format:  # checked before anything is written
+    try:
+      hf_quantized.export_policy(setup.model_cfg, rollout_format, setup.sampler_policy)
+    except ValueError as e:
+      raise ExportError(str(e)) from None
   os.makedirs(out, exist_ok=True)
   if rollout_format:
     amax = _calibrated_amax(setup, params) if rollout_format == "nvfp4" else None
-    hf_quantized.save_quantized_checkpoint(out, setup.model_cfg, params, rollout_format,
-                                           act_amax=amax, dtype=dtype, extra_config=extra)
+    try:
+      hf_quantized.save_quantized_checkpoint(out, setup.model_cfg, params, rollout_format,
+                                             act_amax=amax, policy=setup.sampler_policy,
+                                             dtype=dtype, extra_config=extra)
+    except ValueError as e:
+      raise ExportError(str(e)) from None
   else:
     hf.save_hf_checkpoint(out, setup.model_cfg, params, dtype=dtype, extra_config=extra)
   copied = []
@@ -188,8 +228,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "The training run directory to e
 _OUT = flags.DEFINE_string("out", None, "Output directory of the Hugging Face checkpoint.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the newest).")
 _ROLLOUT = flags.DEFINE_enum("rollout_format", "", ["", *hf_quantized.ROLLOUT_FORMATS],
-                             "Write the block linears quantized in ModelOpt's NVFP4 / MXFP8 "
-                             "layout (empty: unquantized).")
+                             "Write the block linears quantized in ModelOpt's NVFP4 / "
+                             "W4A16_NVFP4 / MXFP8 layout (empty: unquantized).")
 _DTYPE = flags.DEFINE_enum("dtype", "", list(_DTYPES), "dtype of the written (unquantized) "
                            "tensors; empty keeps the run's parameter dtype.")
 _COMPILE_CACHE = user_cache.define_compile_cache_flag()

@@ -11,8 +11,11 @@ Progress (step, reward, mismatch, ETA) goes to stdout; TensorBoard logs to <work
 per-step metrics to <workdir>/metrics.jsonl, the summary to <workdir>/summary.json, the resolved
 config to <workdir>/config.json. Re-running with the same --workdir resumes from the newest intact
 checkpoint (refused if the config changed, unless --allow_config_change); a finished run prints
-its summary and exits (--reevaluate evaluates it again). A config error is one line on stderr and
-exit status 2.
+its summary and exits (--reevaluate evaluates it again). Exit status: 0 done; 2 a config or workdir problem
+found before compiling (one line on stderr: a bad flag, a damaged bookkeeping file, another run
+holding the workdir, no write access or space); 1 a failure mid-run (a damaged checkpoint, a
+full disk, repeated non-finite updates); 75 stopped by SIGTERM/SIGINT after checkpointing (re-run
+to resume); 128+N a second signal N (docs/integrity.md).
 
 Several processes (one per host, or per GPU): run the same command on each, with
   --coordinator_address=HOST0:PORT --num_processes=N --process_id=I   (explicit), or
@@ -21,13 +24,16 @@ Several processes (one per host, or per GPU): run the same command on each, with
 and a --workdir every process can reach. The mesh (--config.mesh.shape/axes/rules) spans all
 processes' devices; see docs/sharding.md.
 """
+import os
 import sys
 
 from absl import app, flags, logging
 
 from lowrl import distributed
-from lowrl.training import cli, loop, run_config, schema
+from lowrl.training import cli, loop, preemption, run_config, schema
 from lowrl.training.checkpointing import CheckpointError
+from lowrl.training.disk import DiskFullError
+from lowrl.training.run_logs import WorkdirError
 
 _FLAGS = cli.define_run_flags("default.py", "/tmp/lowrl_run",
                                "Run directory (checkpoints, logs).")
@@ -61,13 +67,23 @@ def main(argv):
       local_device_ids=None if _LOCAL_DEVICES.value is None else
       [int(i) for i in _LOCAL_DEVICES.value])
   try:
-    loop.run(cfg, _FLAGS.workdir.value, log=lambda s: print(s, flush=True), allow_config_change=_ALLOW_CHANGE.value,
-             reevaluate=_REEVALUATE.value)
-  except run_config.ConfigError as e:  # raised before any compile
+    loop.run(cfg, _FLAGS.workdir.value, log=lambda s: print(s, flush=True),
+             allow_config_change=_ALLOW_CHANGE.value, reevaluate=_REEVALUATE.value)
+  except (run_config.ConfigError, WorkdirError) as e:  # raised before any compile
     cli.fail(str(e))
-  except (CheckpointError, loop.NonFiniteError) as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    sys.exit(1)
+  except preemption.Preempted as e:
+    _exit(f"[signal] {e}", preemption.EXIT_PREEMPTED)
+  except (CheckpointError, loop.NonFiniteError, DiskFullError) as e:
+    _exit(f"error: {e}", 1)
+
+
+def _exit(line: str, status: int) -> None:
+  """Prints `line` and exits at once: orbax's and TensorBoard's background threads are done
+  (the loop waited for them), and an interpreter shutdown with them still registered prints
+  tracebacks of its own (e.g. a full disk's, ending in `sys.meta_path is None`)."""
+  print(line, file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  os._exit(status)
 
 
 def run_main():

@@ -34,7 +34,10 @@ Memory terms (bytes per device; c = bytes of the compute dtype):
   backward (Korthikanti et al. 2022, arXiv 2205.05198, counts the same way), per token per layer:
     c x (4 D + 3 q + 3 kv + 3 F)    block input, attn-norm output, q/k/v projections, roped q/k,
                                     attention output, mid residual, mlp-norm output, gate, up,
-                                    SwiGLU product (q = H hd, kv = K hd, F = d_ff)
+                                    SwiGLU product (q = H hd, kv = K hd, F = d_ff; a mixture
+                                    of experts: F = k moe_d_ff + shared_expert_d_ff, plus
+                                    c 2 k D for the gathered expert inputs and outputs and
+                                    4 E for the FP32 router logits)
   plus per sequence per layer the attention probabilities H x T x T, once in FP32 (the softmax's
   saved output) and once in the compute dtype (the AV matmul's input): (4 + c) H T^2.
   attention="chunked" saves no scores (each query chunk is rematerialised in the backward): one
@@ -59,7 +62,8 @@ FLOPs per RL step (global, model FLOPs as in PaLM's MFU, Chowdhery et al. 2022 a
 Chinchilla, Hoffmann et al. 2022 appendix F): a forward over a sequence of T tokens costs
     F(T) = 2 N_mm T + 4 L q T^2
 N_mm = the weights of every matmul (decoder blocks' linear layers + LM head, from
-`lowrl.models.layout.matmuls`; the embedding gather and norms are not matmuls), the attention
+`lowrl.models.layout.matmuls`; the embedding gather and norms are not matmuls; of a mixture of
+experts only the k routed experts each token reaches, plus router and shared expert), the attention
 term = QK^T and AV over all T x T pairs (4 q FLOPs per query-key pair per layer; causal masking
 is not subtracted, as in PaLM; softmax, norms and elementwise ops are ignored). Backward = 2 x
 forward. With P = seq_len - max_new_tokens prompt and N = max_new_tokens completion columns:
@@ -82,6 +86,7 @@ side, and the rows' padding.
 from __future__ import annotations
 
 import dataclasses
+import os
 import textwrap
 
 from typing import Mapping
@@ -179,8 +184,11 @@ def _check_int(flag: str, value, minimum: int) -> None:
 
 
 def matmul_weights(model_cfg: ModelConfig) -> int:
-  """N_mm: the weights every matmul of one forward reads (decoder blocks + LM head)."""
-  return sum(m.in_features * m.out_features for m in layout.matmuls(model_cfg))
+  """N_mm: the weights one token's forward multiplies (decoder blocks + LM head); of a
+  mixture of experts the router, the k routed experts a token reaches and the shared expert."""
+  k = model_cfg.n_experts_per_tok
+  return sum(m.in_features * m.out_features * (k if m.n_experts else 1)
+             for m in layout.matmuls(model_cfg))
 
 
 def forward_flops(model_cfg: ModelConfig, tokens: int) -> int:
@@ -265,6 +273,9 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
   q = _split(cfg.q_dim, cfg.n_heads, model)
   kv = _split(cfg.kv_dim, cfg.n_kv_heads, model)
   f = _split(cfg.d_ff, cfg.d_ff, model)
+  if cfg.is_moe:  # per token: k routed experts' hidden widths + the shared expert's
+    f = (cfg.n_experts_per_tok * _split(cfg.moe_d_ff, cfg.moe_d_ff, model)
+         + _split(cfg.shared_expert_d_ff, cfg.shared_expert_d_ff, model))
   heads = _split(cfg.n_heads, cfg.n_heads, model)
   vocab = _split(cfg.vocab_size, cfg.vocab_size, model)
 
@@ -275,6 +286,8 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
   seqs = _cdiv(micro_batch, data)
   tokens = seqs * T
   layer_per_token = c * (4 * d + 3 * q + 3 * kv + 3 * f)
+  if cfg.is_moe:  # the k gathered expert inputs and outputs, the FP32 router logits
+    layer_per_token += c * 2 * cfg.n_experts_per_tok * d + 4 * cfg.n_experts
   chunked = attention == "chunked"
   # Query rows whose scores are live at once: T (materialized) or one chunk.
   score_rows = min(cfg.attention_chunk, T) if chunked else T
@@ -298,7 +311,12 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
   n_head = cfg.d_model * cfg.vocab_size
   n_blocks = n_mm - n_head
   key_sum = decode_steps * prompt + decode_steps * (decode_steps + 1) // 2  # sum_j (P + j)
-  decode_hbm = (decode_steps * _cdiv(n_mm * c, model)
+  n_read = n_mm
+  if cfg.is_moe:  # a decode step's rows together reach up to E experts, each read once
+    per_expert = sum(m.in_features * m.out_features for m in layout.matmuls(cfg) if m.n_experts)
+    n_read += (min(cfg.n_experts, rows * cfg.n_experts_per_tok)
+               - cfg.n_experts_per_tok) * per_expert
+  decode_hbm = (decode_steps * _cdiv(n_read * c, model)
                 + rows * 2 * L * kv_heads * cfg.head_dim * kv_bytes * key_sum)
 
   attn = 4 * L * cfg.q_dim
@@ -364,7 +382,7 @@ def _terms(est: MemoryEstimate) -> list[tuple[str, str, int]]:
 
 
 def check_fits(est: MemoryEstimate, hbm_bytes: float, headroom: float = 0.9,
-               hints: Mapping[str, str] | None = None) -> None:
+               hints: Mapping[str, str] | None = None, what: str = "HBM") -> None:
   """Raises ValueError naming the knobs to change when est.total > headroom x hbm_bytes.
 
   The message lists the largest terms first, each with the knobs that shrink it: `hints`, keyed
@@ -382,7 +400,7 @@ def check_fits(est: MemoryEstimate, hbm_bytes: float, headroom: float = 0.9,
   big = sorted((t for t in _terms(est) if t[2] > 0), key=lambda t: -t[2])[:4]
   text = "; ".join(f"{name} {b / GB:.1f} GB ({hints[key]})" for key, name, b in big)
   raise ValueError(f"per-device memory estimate {est.total / GB:.1f} GB exceeds {headroom:g} x "
-                   f"{hbm_bytes / GB:.1f} GB of HBM; largest terms: {text}; params, grads, "
+                   f"{hbm_bytes / GB:.1f} GB of {what}; largest terms: {text}; params, grads, "
                    f"optimizer and reference also shrink with {hints['devices']}.")
 
 
@@ -390,8 +408,8 @@ def device_memory(name: str) -> tuple[float | None, str]:
   """(bytes of one device's memory, where that number comes from) of a `hardware` knob value.
 
   A preset (HARDWARE_CHOICES): its HBM. "none": (None, ...): no fit check. "auto": the first
-  device's `memory_stats()["bytes_limit"]` where the backend reports one (GPU, TPU); None on CPU
-  (host memory, no per-device limit) and where it reports none.
+  device's `memory_stats()["bytes_limit"]` where the backend reports one (GPU, TPU); on CPU the
+  host's RAM (`host_memory`) shared by the local CPU devices; None where a backend reports none.
   """
   if name not in HARDWARE_CHOICES:
     raise ValueError(f"hardware={name!r}; use one of {HARDWARE_CHOICES}.")
@@ -401,11 +419,28 @@ def device_memory(name: str) -> tuple[float | None, str]:
     return HARDWARE[name].hbm_bytes, f"{name} HBM"
   device = jax.devices()[0]
   if device.platform == "cpu":
-    return None, "no limit (hardware=auto on CPU)"
+    ram, source = host_memory()
+    n = jax.local_device_count()
+    return ram / n, f"{source} {ram / GB:.1f} GB / {n} CPU device(s)"
   stats = device.memory_stats() or {}
   if "bytes_limit" not in stats:
     return None, f"no limit ({device.device_kind} reports no memory_stats bytes_limit)"
   return float(stats["bytes_limit"]), f"{device.device_kind} memory_stats bytes_limit"
+
+
+def host_memory() -> tuple[float, str]:
+  """(bytes, what they are) of the RAM this process may use: the machine's physical memory, or
+  the cgroup (container) limit where that is smaller."""
+  ram, source = float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")), "host RAM"
+  for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    try:
+      with open(path) as f:
+        limit = f.read().strip()
+    except OSError:
+      continue
+    if limit.isdigit() and float(limit) < ram:
+      ram, source = float(limit), "cgroup memory limit"
+  return ram, source
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,22 @@ from lowrl.quant.config import (BACKWARD_MODES, COMPUTE_DTYPES, FORMATS, GEMMS, 
 FORMAT_NONE = "none"
 STOCHASTIC_ROUNDING_MODES = ("none", "grad", "all")
 # The named recipes; the values of each are data in configs/<name>.py (`recipe`).
-RECIPES = ("fp32", "bf16", "fp16", "mxfp8", "nvfp4_naive", "nvfp4_recipe")
+RECIPES = ("fp32", "bf16", "fp16", "mxfp8", "nvfp4_naive", "nvfp4_recipe", "nvfp4_moe_experts",
+           "nvfp4_w4a16")
+# Mixture-of-experts matmuls by name (regexes over full paths, lowrl/models/layout.py): the routed
+# experts' stacked kernels, the shared expert's MLP, and the routers (the top-k router and the
+# shared expert's sigmoid gate). Routers are never quantized by `format`: make_policy gives them
+# an FP32 GEMM (BF16: name them in `high_precision_paths`; quantized: `prepend_rules`).
+ROUTED_EXPERTS = r"layers_\d+/mlp/experts/.*"
+SHARED_EXPERT = r"layers_\d+/mlp/shared_expert/.*"
+ROUTER = r"layers_\d+/mlp/(router|shared_expert_gate)"
+# Per-tensor weight scales of the matmuls an engine fuses (`models.layout.FUSED_GROUPS`): "fused"
+# = one scale from the group's joint amax (what vLLM's fused linear reads), "per_linear" = each
+# weight its own.
+WEIGHT_SCALES = ("fused", "per_linear")
+# Activation formats: "" = the weight format (W4A4, W8A8, ...); "none" = activations stay in the
+# compute dtype (weight-only quantization, e.g. W4A16).
+ACT_FORMATS = ("", FORMAT_NONE)
 # What the attention's KV cache stores (lowrl.models.kv_cache): the compute dtype, FP8 E4M3 with
 # static per-tensor or per-head scales, or NVFP4 blocks along head_dim.
 KV_CACHE_MODES = ("none", "fp8_per_tensor", "fp8_per_head", "nvfp4")
@@ -77,6 +92,10 @@ class PrecisionPolicy:
     compute_dtype: dtype of activations, attention math and the KV cache ("float32",
       "bfloat16" or "float16").
     name: the recipe name, for logs.
+    weight_scales: "fused" (default): the weights of matmuls an inference engine fuses
+      (`models.layout.FUSED_GROUPS`: q/k/v, gate/up) whose quantizers are equal and have a
+      per-tensor scale (FP8, NVFP4) take one per-tensor scale from their joint amax, so the
+      engine's fused linear holds the values the policy computes; "per_linear": each its own.
     kv_cache: what the KV cache stores, one of KV_CACHE_MODES ("none": compute_dtype); a
       quantized cache reads static K/V scales (lowrl.models.kv_cache).
   """
@@ -84,11 +103,14 @@ class PrecisionPolicy:
   rules: tuple[tuple[str, QDotConfig], ...]
   compute_dtype: str = "float32"
   name: str = ""
+  weight_scales: str = "fused"
   kv_cache: str = "none"
 
   def __post_init__(self):
     if self.compute_dtype not in COMPUTE_DTYPES:
       raise ValueError(f"compute_dtype={self.compute_dtype!r}; use one of {COMPUTE_DTYPES}.")
+    if self.weight_scales not in WEIGHT_SCALES:
+      raise ValueError(f"weight_scales={self.weight_scales!r}; use one of {WEIGHT_SCALES}.")
     if self.kv_cache not in KV_CACHE_MODES:
       raise ValueError(f"kv_cache={self.kv_cache!r}: use one of {', '.join(KV_CACHE_MODES)} "
                        "(--config.sampler_precision.kv_cache).")
@@ -173,6 +195,8 @@ def activation_scaling(cfg: QDotConfig) -> str:
 KNOBS = {
     "name": "label of the recipe in the precision table and logs (the values are the other knobs)",
     "format": "'none' or a lowrl.quant format (nvfp4, mxfp8_e4m3, ...) for the linear layers",
+    "act_format": "activations: '' = quantized with `format`; 'none' = weight-only (activations in "
+                  "compute_dtype, e.g. W4A16)",
     "compute_dtype": "activations / attention / KV cache / unquantized GEMM dtype",
     "backward": "high_precision | dequantized | quantized (QDotConfig.backward)",
     "grad_format": "gradient quantizer format when backward=quantized ('' = same as format)",
@@ -189,6 +213,8 @@ KNOBS = {
     "high_precision_paths": "regex (fullmatch) of further matmul paths kept unquantized, '' = none",
     "gemm": "emulated (dequantized operands in compute_dtype) | native (FP8 formats: the codes as "
             "float8 GEMM operands, what XLA lowers to cuBLASLt FP8 GEMMs; forward only)",
+    "weight_scales": "fused (q/k/v and gate/up share one per-tensor weight scale, as inference "
+                     "engines fuse them) | per_linear",
 }
 
 
@@ -216,6 +242,20 @@ def _check_config(c: ml_collections.ConfigDict) -> None:
     raise ValueError(f"precision.compute_dtype={c.compute_dtype!r}; use one of {COMPUTE_DTYPES}.")
   if c.gemm not in GEMMS:
     raise ValueError(f"precision.gemm={c.gemm!r}; use one of {GEMMS}.")
+  if c.act_format not in ACT_FORMATS:
+    raise ValueError(f"precision.act_format={c.act_format!r}; use '' (activations in "
+                     "precision.format) or 'none' (weight-only).")
+  if c.weight_scales not in WEIGHT_SCALES:
+    raise ValueError(f"precision.weight_scales={c.weight_scales!r}; use one of {WEIGHT_SCALES}.")
+  if c.act_format == FORMAT_NONE:
+    if c.act_per_token:
+      raise ValueError("precision.act_per_token=True scales quantized activations, but "
+                       "precision.act_format='none' leaves them unquantized; set "
+                       "precision.act_per_token=False or precision.act_format=''.")
+    if c.gemm == "native":
+      raise ValueError("precision.gemm=native multiplies two FP8 operands, but "
+                       "precision.act_format='none' leaves the activations unquantized; set "
+                       "precision.gemm=emulated.")
   if c.gemm == "native" and c.format not in NATIVE_FORMATS:
     raise ValueError(f"precision.gemm=native needs an FP8 precision.format {NATIVE_FORMATS} (got "
                      f"{c.format!r}); set precision.gemm=emulated.")
@@ -270,8 +310,9 @@ def _check_config(c: ml_collections.ConfigDict) -> None:
 def _quantized_qdot(c: ml_collections.ConfigDict) -> QDotConfig:
   nvfp4 = FORMATS[c.format][1] == "nvfp4"
   sr_fwd = c.stochastic_rounding == "all"
-  lhs = QuantConfig(c.format, scale_rounding=c.scale_rounding, stochastic_rounding=sr_fwd,
-                    per_token=nvfp4 and c.act_per_token, four_over_six=nvfp4 and c.four_over_six)
+  lhs = None if c.act_format == FORMAT_NONE else QuantConfig(
+      c.format, scale_rounding=c.scale_rounding, stochastic_rounding=sr_fwd,
+      per_token=nvfp4 and c.act_per_token, four_over_six=nvfp4 and c.four_over_six)
   rhs = QuantConfig(c.format, scale_rounding=c.scale_rounding, stochastic_rounding=sr_fwd,
                     block_2d=nvfp4 and c.weight_block_2d, four_over_six=nvfp4 and c.four_over_six)
   grad = None
@@ -314,8 +355,18 @@ def make_policy(config: ml_collections.ConfigDict,
     rules.append((c.high_precision_paths, plain))
   head = quant if c.quantize_lm_head else QDotConfig(compute_dtype=c.lm_head_dtype)
   rules.append((_alternation([_head(matmuls).full_path]), head))
+  if any(re.fullmatch(ROUTER, m.full_path) for m in matmuls):  # MoE models only
+    rules.append((ROUTER, QDotConfig(compute_dtype="float32")))
   rules.append((".*", quant))
-  return PrecisionPolicy(rules=tuple(rules), compute_dtype=c.compute_dtype, name=c.name)
+  return PrecisionPolicy(rules=tuple(rules), compute_dtype=c.compute_dtype, name=c.name,
+                         weight_scales=c.weight_scales)
+
+
+def prepend_rules(policy: PrecisionPolicy, rules: Sequence[tuple[str, QDotConfig]],
+                  name: str | None = None) -> PrecisionPolicy:
+  """`policy` with `rules` matched first (e.g. a quantized router: ((ROUTER, qdot_config),))."""
+  return PrecisionPolicy(rules=tuple(rules) + policy.rules, compute_dtype=policy.compute_dtype,
+                         name=policy.name if name is None else name)
 
 
 def policy_for(name: str, matmuls: Sequence[MatmulSite], **overrides) -> PrecisionPolicy:

@@ -63,8 +63,24 @@ DEFAULT_RULES: Rules = (
     (r".*/mlp/down_proj/kernel", (MODEL, DATA)),
     (r"embed/embedding", (MODEL, DATA)),  # [V, D]: vocab-parallel
     (r"lm_head/kernel", (DATA, MODEL)),  # [D, V]: vocab-parallel logits
+    # Mixture of experts (dense models have none of these paths): the shared expert like the
+    # MLP; stacked routed experts [E, in, out] with E whole on every device (expert parallel:
+    # `expert_parallel_rules`) and in/out as the MLP's; routers replicated (catch-all).
+    (r".*/mlp/shared_expert/(gate|up)_proj/kernel", (DATA, MODEL)),
+    (r".*/mlp/shared_expert/down_proj/kernel", (MODEL, DATA)),
+    (r".*/mlp/experts/(gate|up)_proj/kernel", (None, DATA, MODEL)),
+    (r".*/mlp/experts/down_proj/kernel", (None, MODEL, DATA)),
     (r".*", ()),  # norms, q/k norms: replicated
 )
+EXPERT = "expert"
+
+
+def expert_parallel_rules(expert_axis: str = EXPERT, rules: Rules = DEFAULT_RULES) -> Rules:
+  """`rules` with the routed experts' E dimension split over `expert_axis` (expert parallel:
+  each device of that axis holds E / size experts whole; their in/out dims as in `rules`).
+  The mesh must name `expert_axis`, e.g. mesh.axes=("data", "expert", "model")."""
+  return ((r".*/mlp/experts/(gate|up)_proj/kernel", (expert_axis, DATA, MODEL)),
+          (r".*/mlp/experts/down_proj/kernel", (expert_axis, MODEL, DATA))) + tuple(rules)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -434,8 +450,8 @@ def check_quant_blocks(policy: precision.PrecisionPolicy, model_cfg: ModelConfig
     if not cfg.quantized:
       continue
     keys, c_axis, shape = m.param_keys, m.contract_axis, m.weight_shape
-    spec = tuple(plan.matmul_spec(m)) + (None,) * 2
-    o_axis = 1 - c_axis
+    spec = tuple(plan.matmul_spec(m)) + (None,) * len(shape)
+    o_axis = m.out_axis  # stacked experts [E, in, out]: blocks never run along E
     contracting = (shape[c_axis], spec[c_axis])
     output = (shape[o_axis], spec[o_axis])
     # Activations are split over the batch axes along B, so only the other (tensor) axes of the

@@ -12,6 +12,7 @@ import os
 import pathlib
 
 import multiprocess  # noqa: E402  (tests/ is on the path: pyproject's pythonpath)
+import run_count  # noqa: E402
 
 for _flag in multiprocess.xla_flags(8).split():
   if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
@@ -26,9 +27,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # child compiled is not compiled again by the next. It is kept apart from the test workers' because
 # children run other XLA clients (1 device, or 2 processes of 4) and JAX's cache key leaves the
 # fake device count out: no executable crosses between differently configured clients.
+_CACHE_MAX_BYTES = 16 << 30
 _cache_dir = os.environ.get(
     "LOWRL_TEST_JAX_CACHE",
-    str(pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax"))
+    # "jax-lru": a folder of its own for the size-limited (locked) cache, whose eviction reads an
+    # access-time file beside every entry; a cache the unlimited one wrote has none.
+    str(pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax-lru"))
 # The binaries' user cache (lowrl.user_cache: their shared mid-trained bases; the compilation cache
 # is the one above) also stays in the pytest cache folder, out of the user's ~/.cache. A stored base
 # is keyed by lowrl's sources and the XLA flags too, so a later run never reuses a stale one.
@@ -43,6 +47,13 @@ if _cache_dir:
   # concurrently, for nothing.
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
   os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+  # Processes share each cache folder, and JAX's default (no size limit) reads and writes entries
+  # without any lock, writing in place (jax/_src/lru_cache.py, LRUCache.put: `exists()`, then
+  # `write_bytes`): a worker can read an entry another is still writing, and two writers of one
+  # key truncate each other's file (zlib's checks catch a torn entry in Python, so JAX recompiles;
+  # docs/integrity.md). A size limit turns on JAX's own file lock (filelock) around every read
+  # and write; 16 GiB is never reached by the suite, so nothing is evicted.
+  os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(_CACHE_MAX_BYTES)
 
 import jax  # noqa: E402
 
@@ -50,6 +61,7 @@ if _cache_dir:  # the workers' own cache (the variables above are what launched 
   jax.config.update("jax_compilation_cache_dir", os.path.join(_cache_dir, "workers"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  jax.config.update("jax_compilation_cache_max_size", _CACHE_MAX_BYTES)
 
 from hypothesis import settings  # noqa: E402
 
@@ -66,6 +78,7 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 # otherwise leaves one worker running it alone at the end. A file missing here runs after these,
 # in its usual order.
 _FILE_SECONDS = {
+    "tests/training/test_resume_kill.py": 215,  # measured with -n 0 at load 14 on 2 cores
     "tests/models/test_model_scan.py": 179,
     "tests/training/test_training.py": 169,
     "tests/models/test_model_chunked.py": 156,
@@ -77,7 +90,6 @@ _FILE_SECONDS = {
     "tests/experiments/test_ablate.py": 85,
     "tests/sampling/test_sampler.py": 84,
     "tests/test_partitioner.py": 73,
-    "tests/training/test_resume_kill.py": 61,
     "tests/training/test_async_loop.py": 61,
     "tests/quant/test_qdot.py": 45,
     "tests/training/test_micro_batches.py": 43,
@@ -93,3 +105,8 @@ def pytest_collection_modifyitems(config, items):
   """Reorders test files longest first (a stable sort: tests in a file keep their order)."""
   del config
   items.sort(key=lambda item: -_FILE_SECONDS.get(item.nodeid.split("::", 1)[0], 0.0))
+
+
+def pytest_configure(config):
+  """A run in which collected tests never ran (a crashed worker) fails, naming them."""
+  run_count.register(config)

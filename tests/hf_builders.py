@@ -55,6 +55,27 @@ HF_CONFIGS = {
 STORAGE = {"qwen2": ("bfloat16", None), "qwen3": ("float32", 3), "llama": ("float32", None)}
 FAMILIES = tuple(HF_CONFIGS)
 
+# Mixture-of-experts families, shaped like Qwen3-30B-A3B / Qwen1.5-MoE-A2.7B's config.json
+# (transformers' Qwen3MoeConfig / Qwen2MoeConfig fields), shrunk: 4 experts, top-2, d = 32.
+MOE_CONFIGS = {
+    "qwen3_moe": {
+        **HF_CONFIGS["qwen3"], "architectures": ["Qwen3MoeForCausalLM"], "model_type":
+        "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "output_router_logits": False, "router_aux_loss_coef": 0.001,
+        "vocab_size": 64, "tie_word_embeddings": False,
+    },
+    "qwen2_moe": {
+        **HF_CONFIGS["qwen2"], "architectures": ["Qwen2MoeForCausalLM"], "model_type":
+        "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "norm_topk_prob": False,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
+        "router_aux_loss_coef": 0.001, "vocab_size": 64,
+    },
+}
+MOE_STORAGE = {"qwen3_moe": ("float32", 2), "qwen2_moe": ("float32", None)}
+MOE_FAMILIES = tuple(MOE_CONFIGS)
+
 
 def hf_tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
   """Every tensor name -> shape of a checkpoint for config `c`, as transformers saves it."""
@@ -68,13 +89,27 @@ def hf_tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
         p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
         p + "self_attn.q_proj.weight": (h * hd, d), p + "self_attn.k_proj.weight": (k * hd, d),
         p + "self_attn.v_proj.weight": (k * hd, d), p + "self_attn.o_proj.weight": (d, h * hd),
-        p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
-        p + "mlp.down_proj.weight": (d, f),
     })
-    if c["model_type"] == "qwen2":
+    if "num_experts" not in c:
+      shapes.update({p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
+                     p + "mlp.down_proj.weight": (d, f)})
+    else:  # transformers' Qwen3MoeSparseMoeBlock / Qwen2MoeSparseMoeBlock
+      fe = c["moe_intermediate_size"]
+      shapes[p + "mlp.gate.weight"] = (c["num_experts"], d)
+      for e in range(c["num_experts"]):
+        q = f"{p}mlp.experts.{e}."
+        shapes.update({q + "gate_proj.weight": (fe, d), q + "up_proj.weight": (fe, d),
+                       q + "down_proj.weight": (d, fe)})
+      if c.get("shared_expert_intermediate_size"):
+        fs = c["shared_expert_intermediate_size"]
+        shapes.update({p + "mlp.shared_expert.gate_proj.weight": (fs, d),
+                       p + "mlp.shared_expert.up_proj.weight": (fs, d),
+                       p + "mlp.shared_expert.down_proj.weight": (d, fs),
+                       p + "mlp.shared_expert_gate.weight": (1, d)})
+    if c["model_type"] in ("qwen2", "qwen2_moe"):
       shapes.update({p + "self_attn.q_proj.bias": (h * hd,), p + "self_attn.k_proj.bias": (k * hd,),
                      p + "self_attn.v_proj.bias": (k * hd,)})
-    if c["model_type"] == "qwen3":
+    if c["model_type"] in ("qwen3", "qwen3_moe"):
       shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
   if not c["tie_word_embeddings"]:
     shapes["lm_head.weight"] = (v, d)
@@ -114,8 +149,8 @@ def build_tokenizer(specials: list[str]) -> tokenizers.Tokenizer:
 
 def write_checkpoint(root, family: str, seed: int = 0) -> tuple[str, dict[str, np.ndarray]]:
   """Writes a tiny HF checkpoint directory; returns (dir, raw tensors)."""
-  c = HF_CONFIGS[family]
-  dtype, shards = STORAGE[family]
+  c = {**HF_CONFIGS, **MOE_CONFIGS}[family]
+  dtype, shards = {**STORAGE, **MOE_STORAGE}[family]
   tensors = random_tensors(c, dtype, seed)
   path = os.path.join(root, family)
   os.makedirs(path)

@@ -276,8 +276,10 @@ def test_binary_qwen3_8b_on_8_h100(capsys):
 def test_device_memory():
   assert memory.device_memory("h100_sxm")[0] == 80e9
   assert memory.device_memory("none")[0] is None
-  # The tests' fake devices are CPUs: auto means no per-device limit.
-  assert memory.device_memory("auto")[0] is None
+  # The tests' fake devices are CPUs: auto means the host's RAM, shared by them.
+  ram, source = memory.host_memory()
+  assert ram > 0 and source in ("host RAM", "cgroup memory limit")
+  assert memory.device_memory("auto")[0] == ram / jax.local_device_count()
   with pytest.raises(ValueError, match="hardware='tpu'; use one of"):
     memory.device_memory("tpu")
 
@@ -291,3 +293,22 @@ def test_check_fits_takes_a_binarys_flag_names():
   assert "shrink with --config.devices" in str(e.value)
   with pytest.raises(ValueError, match="hints lacks the keys"):
     memory.check_fits(big, 80e9, hints={"params": "x"})
+
+
+def test_moe_params_flops_and_decode_reads_by_hand():
+  """A mixture of experts: the state counts every expert (the param tree), the FLOPs the k
+  experts a token reaches plus the router, the decode's weight reads every expert its rows reach."""
+  moe = tiny.MOE  # D=32, E=4, k=2, expert F=32, shared F=16, untied head V=64
+  shapes = transformer.param_shapes(moe)
+  assert moe.num_params() == sum(x.size for x in jax.tree.leaves(shapes))
+  d, L = moe.d_model, moe.n_layers
+  attn = d * moe.q_dim + 2 * d * moe.kv_dim + moe.q_dim * d
+  per_token = attn + d * 4 + 2 * 3 * d * 32 + 3 * d * 16 + d  # router, 2 experts, shared + gate
+  assert memory.matmul_weights(moe) == L * per_token + d * moe.vocab_size
+  est = memory.estimate(moe, batch=4, micro_batch=4, seq_len=16, max_new_tokens=8)
+  # 4 rows x top-2 reach all 4 experts: each decode step reads all of them.
+  every_expert = L * (attn + d * 4 + 4 * 3 * d * 32 + 3 * d * 16 + d) + d * moe.vocab_size
+  kv = 2 * L * 4 * moe.n_kv_heads * moe.head_dim * 2 * sum(8 + j for j in range(1, 8))
+  assert est.decode_hbm_bytes == 7 * every_expert * 2 + kv
+  qwen = preset("qwen3_30b_a3b")
+  assert round(qwen.num_params() / 1e9, 1) == 30.5  # Qwen3-30B-A3B: 30.5B total

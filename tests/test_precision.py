@@ -27,6 +27,11 @@ EXPECTED = {
     "nvfp4_recipe": {(0, 1, 2, 3, 4, 5, 6): ("nvfp4", "dequantized", _RECIPE_OPTS),
                      (7,): ("bfloat16", "-", ""),
                      "lm_head": ("float32", "-", "")},
+    # A dense model has no routed experts: nothing quantized.
+    "nvfp4_moe_experts": {tuple(range(8)): ("bfloat16", "-", ""),
+                          "lm_head": ("float32", "-", "")},
+    "nvfp4_w4a16": {tuple(range(8)): ("bfloat16/nvfp4", "dequantized", "gemm=bfloat16"),
+                    "lm_head": ("float32", "-", "")},
 }
 
 
@@ -60,6 +65,12 @@ def test_recipe_quantizers_are_the_documented_ones():
   naive = precision.policy_for("nvfp4_naive", layout.matmuls(CFG8)).qdot_config("layers_3/attn/o_proj")
   assert naive == QDotConfig(lhs=QuantConfig("nvfp4"), rhs=QuantConfig("nvfp4"),
                              backward="high_precision", compute_dtype="bfloat16")
+  w4a16 = precision.policy_for("nvfp4_w4a16", layout.matmuls(CFG8))
+  assert w4a16.qdot_config("layers_7/attn/k_proj") == QDotConfig(
+      lhs=None, rhs=QuantConfig("nvfp4"), backward="dequantized", compute_dtype="bfloat16")
+  assert w4a16.weight_scales == "fused"
+  assert precision.policy_for("nvfp4_recipe", layout.matmuls(CFG8),
+                              weight_scales="per_linear").weight_scales == "per_linear"
   mx = precision.policy_for("mxfp8", layout.matmuls(CFG8)).qdot_config("layers_5/attn/q_proj")
   assert mx.lhs == mx.rhs == QuantConfig("mxfp8_e4m3", scale_rounding="rceil")
   assert mx.compute_dtype == "bfloat16"
@@ -142,6 +153,8 @@ def test_policy_is_hashable_and_a_jit_static_argument():
     ("grad_format", "int4", "precision.grad_format"),
     ("high_precision_paths", "layers_(", "high_precision_paths"),
     ("lm_head_dtype", "int8", "precision.lm_head_dtype"),
+    ("act_format", "nvfp4", "precision.act_format"),
+    ("weight_scales", "shared", "precision.weight_scales"),
 ])
 def test_bad_values_name_the_flag(knob, value, match):
   with pytest.raises(ValueError, match=match):
@@ -155,6 +168,12 @@ def test_inconsistent_knobs_name_the_fix():
     precision.policy_for("nvfp4_recipe", layout.matmuls(CFG8), format="mxfp8_e4m3", act_per_token=False)
   with pytest.raises(ValueError, match="needs a quantized format"):
     precision.policy_for("bf16", layout.matmuls(CFG8), backward="dequantized")
+  with pytest.raises(ValueError, match="act_per_token=False or precision.act_format"):
+    precision.policy_for("nvfp4_recipe", layout.matmuls(CFG8), act_format="none")
+  with pytest.raises(ValueError, match="precision.gemm=emulated"):
+    precision.policy_for("mxfp8", layout.matmuls(CFG8), act_format="none", gemm="native")
+  with pytest.raises(ValueError, match="weight_scales"):
+    precision.PrecisionPolicy(rules=(), weight_scales="shared")
   with pytest.raises(ValueError, match="Unknown precision recipe"):
     precision.recipe("nvfp4")
   with pytest.raises(ValueError, match="Unknown precision knob"):
@@ -183,3 +202,39 @@ def test_block_sizes_checked_against_the_model():
                                head_dim=16, d_ff=64))
   # Unquantized recipes accept any width.
   check("bf16", odd)
+
+
+MOE = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                  d_ff=64, n_experts=4, n_experts_per_tok=2, moe_d_ff=32, shared_expert_d_ff=16)
+
+
+@pytest.mark.parametrize("name, expert_fmt, router, shared", [
+    ("nvfp4_moe_experts", "nvfp4", "bfloat16", "bfloat16"),
+    ("nvfp4_recipe", "nvfp4", "float32", "nvfp4"),  # layer 0; layer 1 is the BF16 tail
+    ("bf16", "bfloat16", "float32", "bfloat16"),
+])
+def test_moe_matmuls_by_name(name, expert_fmt, router, shared):
+  ms = layout.matmuls(MOE)
+  rows = {(r.layer, r.path): r for r in
+          precision.assignment_table(precision.policy_for(name, ms), ms)}
+  assert {p for _, p in rows} >= set(layout.MOE_MATMULS)
+  for path in layout.EXPERT_MATMULS:
+    assert rows[0, path].fmt == expert_fmt
+  assert rows[0, layout.ROUTER].fmt == rows[0, "mlp/shared_expert_gate"].fmt == router
+  assert rows[0, "mlp/shared_expert/up_proj"].fmt == shared
+  assert rows[None, "lm_head"].fmt == "float32"
+  if name == "nvfp4_moe_experts":
+    assert {r.fmt for r in rows.values() if r.path not in layout.EXPERT_MATMULS} <= {
+        "bfloat16", "float32"}
+
+
+def test_router_quantized_only_when_asked():
+  ms = layout.matmuls(MOE)
+  policy = precision.policy_for("nvfp4_naive", ms)
+  assert not policy.qdot_config("layers_1/mlp/router").quantized
+  asked = precision.prepend_rules(
+      policy, ((precision.ROUTER, policy.qdot_config("layers_1/mlp/experts/up_proj")),))
+  assert asked.qdot_config("layers_1/mlp/router").quantized
+  # Dense models get no router rule: their policies are what they were.
+  dense = precision.policy_for("nvfp4_recipe", layout.matmuls(CFG8))
+  assert all(pattern != precision.ROUTER for pattern, _ in dense.rules)

@@ -32,6 +32,10 @@ DEEP = ModelConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=4, n_kv_heads=
 # Widths that split over a (4, 2) / (2, 4) mesh: 8 heads, 4 kv heads, d_ff 128.
 SHARDABLE = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4,
                         head_dim=8, d_ff=128, max_seq_len=64)
+# Mixture of experts: 4 experts, top-2, renormalised, with a Qwen2-MoE shared expert.
+MOE = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                  d_ff=64, n_experts=4, n_experts_per_tok=2, moe_d_ff=32, norm_topk_prob=True,
+                  shared_expert_d_ff=16, max_seq_len=64)
 
 
 def loop_config(recipe: str = "fp32", base_dir: str | None = None, *, steps: int = 4,

@@ -27,6 +27,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from lowrl.checkpoints import hf_moe
 from lowrl.models import layout
 from lowrl.models.config import ModelConfig
 
@@ -35,11 +36,12 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3") + hf_moe.MOE_MODEL_TYPES
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    **hf_moe.ARCHITECTURES,
 }
 _LOAD_DTYPES = ("float32", "bfloat16")
 _DTYPES_BY_NAME = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -52,6 +54,7 @@ _HF_DEFAULTS = {
     "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None},
     "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
     "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+    **hf_moe.HF_DEFAULTS,
 }
 # Buffers some old exports carry that hold no learned state (recomputed from the config).
 _IGNORED_TENSOR_RE = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
@@ -64,10 +67,14 @@ class _TensorSpec:
   path: tuple[str, ...]
   hf_shape: tuple[int, ...]
   transpose: bool  # HF Linear weight [out, in] <-> lowrl kernel [in, out]
+  expert: int | None = None  # the slice [expert] of a stacked expert kernel [E, in, out]
 
 
 def _linear_specs(m: layout.Matmul) -> list[_TensorSpec]:
   """The weight (and bias) of a matmul that owns its kernel; HF Linear stores it [out, in]."""
+  if m.n_experts:  # one HF tensor per expert
+    return [_TensorSpec(name, m.param_keys, (m.out_features, m.in_features), True, e)
+            for e, name in enumerate(hf_moe.expert_tensor_names(m))]
   transpose = m.contract_axis == 0  # lowrl [in, out] -> HF [out, in]
   hf_shape = m.weight_shape[::-1] if transpose else m.weight_shape
   specs = [_TensorSpec(f"{m.hf_name}.weight", m.param_keys, hf_shape, transpose)]
@@ -87,7 +94,7 @@ def _norm_specs(cfg: ModelConfig, m: layout.Matmul) -> list[_TensorSpec]:
   hf, ours = f"model.layers.{m.layer}", layout.layer_key(m.layer)
   if m.path == layout.BLOCK_MATMULS[0]:  # q_proj
     return norm(f"{hf}.input_layernorm.weight", (ours, "attn_norm"), cfg.d_model)
-  if m.path == "mlp/gate_proj":
+  if m.path == layout.block_paths(cfg)[4]:  # the MLP's first matmul
     specs = []
     if cfg.qk_norm:
       specs += norm(f"{hf}.self_attn.q_norm.weight", (ours, "attn", "q_norm"), cfg.head_dim)
@@ -160,6 +167,7 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
   if hf.get("quantization_config") is not None:
     raise ValueError("config.json has a quantization_config: quantized checkpoints are not "
                      "supported. Load the unquantized (BF16/FP32) checkpoint instead.")
+  hf_moe.moe_fields_from_hf(hf, model_type)  # MoE fields checked before the others
   required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "vocab_size")
   missing = [k for k in required if k not in hf]
@@ -182,7 +190,8 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
 
   # Qwen2 always has q/k/v biases (and never an o_proj bias); Llama and Qwen3 put
   # `attention_bias` on all four projections, and lowrl has no o_proj bias.
-  if model_type == "qwen2":
+  family = hf_moe.base_family(model_type)
+  if family == "qwen2":
     qkv_bias = True
   else:
     if hf.get("attention_bias", False):
@@ -213,11 +222,12 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
       d_ff=int(hf["intermediate_size"]),
       rope_theta=rope_theta,
       rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      qk_norm=model_type == "qwen3",
+      qk_norm=family == "qwen3",
       qkv_bias=qkv_bias,
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       max_seq_len=int(hf.get("max_position_embeddings", defaults["max_position_embeddings"])),
       rope_llama3_scaling=_llama3_scaling(scaling),
+      **hf_moe.moe_fields_from_hf(hf, model_type),
   )
 
 
@@ -226,6 +236,8 @@ def infer_model_type(cfg: ModelConfig) -> str:
   if cfg.qk_norm and cfg.qkv_bias:
     raise ValueError("ModelConfig has both qk_norm and qkv_bias; no supported Hugging Face "
                      "family (llama, qwen2, qwen3) has both.")
+  if cfg.is_moe:
+    return hf_moe.infer_moe_model_type(cfg)
   return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
 
 
@@ -246,7 +258,9 @@ def hf_config_from_model(cfg: ModelConfig, model_type: str | None = None,
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise ValueError(f"model_type {model_type!r} is not supported; use one of "
                      f"{SUPPORTED_MODEL_TYPES}.")
-  want_bias, want_norm = model_type == "qwen2", model_type == "qwen3"
+  family = hf_moe.base_family(model_type)
+  want_bias, want_norm = family == "qwen2", family == "qwen3"
+  moe_fields = hf_moe.hf_moe_fields(cfg, model_type)
   if cfg.qkv_bias != want_bias or cfg.qk_norm != want_norm:
     raise ValueError(
         f"model_type {model_type!r} has qkv_bias={want_bias}, qk_norm={want_norm}, but the "
@@ -269,13 +283,14 @@ def hf_config_from_model(cfg: ModelConfig, model_type: str | None = None,
       max_position_embeddings=cfg.max_seq_len,
       rms_norm_eps=cfg.rms_eps,
       tie_word_embeddings=cfg.tie_embeddings,
+      **moe_fields,
   )
   # Qwen2 configs usually carry no head_dim (older transformers ignore it there); write it only
   # when it differs from the hidden_size // num_attention_heads default or the original has it.
-  if (model_type != "qwen2" or "head_dim" in out
+  if (family != "qwen2" or "head_dim" in out
       or cfg.head_dim * cfg.n_heads != cfg.d_model):
     out["head_dim"] = cfg.head_dim
-  if model_type != "qwen2":
+  if family != "qwen2":
     out["attention_bias"] = False
   if model_type == "llama":
     out["mlp_bias"] = False
@@ -445,6 +460,14 @@ def _slice_reader(fh, spec: _TensorSpec, target: np.dtype):
   return read
 
 
+def _stacked_reader(readers):
+  """index -> the slice of a stacked [E, ...] kernel, each expert's part read from its tensor."""
+  def read(index: tuple[slice, ...]) -> np.ndarray:
+    index = tuple(index) or (slice(None),)
+    return np.stack([readers[e](index[1:]) for e in range(len(readers))[index[0]]])
+  return read
+
+
 def load_hf_params(path: str | os.PathLike, model_cfg: ModelConfig, *, dtype: Any = jnp.float32,
                    shardings: Any = None) -> dict:
   """The params of checkpoint `path` for `model_cfg` (its architecture must be the checkpoint's).
@@ -469,9 +492,16 @@ def load_hf_params(path: str | os.PathLike, model_cfg: ModelConfig, *, dtype: An
   params: dict = {}
   with contextlib.ExitStack() as stack:
     handles = {f: stack.enter_context(_open(f)) for f in sorted(set(files[n] for n in specs))}
-    for name, spec in specs.items():
-      read = _slice_reader(handles[files[name]], spec, target)
+    groups: dict[tuple[str, ...], list[_TensorSpec]] = {}
+    for spec in specs.values():  # a stacked expert kernel: its E tensors in expert order
+      groups.setdefault(spec.path, []).append(spec)
+    for group in groups.values():
+      spec = group[0]
+      readers = [_slice_reader(handles[files[s.hf_name]], s, target) for s in group]
       shape = spec.hf_shape[::-1] if spec.transpose else spec.hf_shape
+      read = readers[0]
+      if spec.expert is not None:
+        shape, read = (len(readers),) + shape, _stacked_reader(readers)
       if shardings is None:
         value = jnp.asarray(read(()))
       else:
@@ -543,6 +573,11 @@ def save_hf_checkpoint(path: str | os.PathLike, model_cfg: ModelConfig, params: 
     except (KeyError, TypeError) as e:
       raise ValueError(f"params lacks {'/'.join(spec.path)} (for {spec.hf_name}), which the "
                        "ModelConfig requires.") from e
+    if spec.expert is not None:
+      if np.ndim(value) != 3 or np.shape(value)[0] <= spec.expert:
+        raise ValueError(f"params {'/'.join(spec.path)} has shape {np.shape(value)}; the "
+                         f"ModelConfig needs stacked experts [E, in, out] for {spec.hf_name}.")
+      value = value[spec.expert]
     array = np.asarray(jax.device_get(value))
     if target is not None:
       array = array.astype(target)

@@ -5,6 +5,7 @@ same interface and does nothing: use it in tests and on non-zero processes (`cre
 """
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -62,10 +63,23 @@ class MetricWriter:
     """Directory the event files go to."""
     return self._writer.logdir
 
+  def _writing(self) -> bool:
+    """Whether tensorboardX's writer thread still runs. It ends on a failed write (e.g. a full
+    disk), and its bounded queue then blocks the next event (or the close) forever."""
+    event_writer = getattr(self._writer.file_writer, "event_writer", None)
+    worker = getattr(event_writer, "_worker", None)
+    return worker is None or worker.is_alive()
+
+  def _check_writing(self) -> None:
+    if not self._writing():
+      raise OSError(errno.EIO, f"TensorBoard's event writer for {self._logdir} stopped after a "
+                               "failed write (e.g. a full disk)")
+
   def scalars(self, step: int, values: Mapping[str, Any]) -> None:
     """One scalar per tag; each value must hold exactly one number."""
     step = int(step)
     for name, value in values.items():
+      self._check_writing()
       self._writer.add_scalar(name, _to_float(name, value), global_step=step)
 
   def histograms(self, step: int, arrays: Mapping[str, Any]) -> None:
@@ -74,6 +88,7 @@ class MetricWriter:
     Non-finite entries are dropped (tensorboardX can't bin them; log a NaN count as a scalar if it
     matters); an array with no finite entry is skipped.
     """
+    self._check_writing()
     step = int(step)
     for name, arr in arrays.items():
       values = np.asarray(arr, dtype=np.float64).reshape(-1)
@@ -83,6 +98,7 @@ class MetricWriter:
 
   def texts(self, step: int, texts: Mapping[str, str]) -> None:
     """One (markdown) text per tag."""
+    self._check_writing()
     step = int(step)
     for name, text in texts.items():
       if not isinstance(text, str):
@@ -114,12 +130,14 @@ class MetricWriter:
     are not yet in it, so a kill right after a checkpoint could lose them. Closing joins the
     thread after it has written every queued event.
     """
+    self._check_writing()
     self._writer.close()
     self._writer = self._open(purge_step=None)
 
   def close(self) -> None:
-    """Flush and close the event file."""
-    self._writer.close()
+    """Flush and close the event file (after a failed write there is nothing left to flush)."""
+    if self._writing():
+      self._writer.close()
 
   def __enter__(self) -> MetricWriter:
     return self

@@ -32,6 +32,13 @@ class ModelConfig:
       checked, never allocated).
     rope_llama3_scaling: (factor, low_freq_factor, high_freq_factor,
       original_max_position_embeddings) as in Llama 3.x `rope_scaling`, or None.
+    n_experts: routed experts E of every block's mixture-of-experts MLP (lowrl/models/moe.py);
+      0 = the dense SwiGLU MLP of width d_ff (d_ff is then unused by the blocks).
+    n_experts_per_tok: experts k each token is routed to (top-k of the router's softmax).
+    moe_d_ff: hidden width of each routed expert (transformers' moe_intermediate_size).
+    norm_topk_prob: renormalise the k selected probabilities to sum to 1 (Qwen3-MoE: true).
+    shared_expert_d_ff: width of the Qwen2-MoE shared expert (gated by a sigmoid of its own
+      D -> 1 projection); 0 = none (Qwen3-MoE).
 
   Execution knobs (how the forward runs, not what it computes; none changes the param tree):
     scan_layers: run the decoder blocks as `jax.lax.scan`s over their params stacked inside the
@@ -60,6 +67,11 @@ class ModelConfig:
   tie_embeddings: bool = False
   max_seq_len: int = 2048
   rope_llama3_scaling: tuple[float, float, float, int] | None = None
+  n_experts: int = 0
+  n_experts_per_tok: int = 0
+  moe_d_ff: int = 0
+  norm_topk_prob: bool = False
+  shared_expert_d_ff: int = 0
   scan_layers: bool = False
   remat: str = "none"
   attention: str = "materialized"
@@ -82,6 +94,18 @@ class ModelConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"ModelConfig.{name} must be an int >= {minimum}, got {value!r}.")
+    for name in ("n_experts", "n_experts_per_tok", "moe_d_ff", "shared_expert_d_ff"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"ModelConfig.{name} must be an int >= 0, got {value!r}.")
+    if self.n_experts and not (0 < self.n_experts_per_tok <= self.n_experts and self.moe_d_ff):
+      raise ValueError(f"ModelConfig: n_experts={self.n_experts} needs 1 <= n_experts_per_tok "
+                       f"<= n_experts (got {self.n_experts_per_tok}) and moe_d_ff > 0 (got "
+                       f"{self.moe_d_ff}).")
+    if not self.n_experts and (self.n_experts_per_tok or self.moe_d_ff or self.shared_expert_d_ff
+                               or self.norm_topk_prob):
+      raise ValueError("ModelConfig: n_experts_per_tok / moe_d_ff / shared_expert_d_ff / "
+                       "norm_topk_prob describe a mixture-of-experts MLP; set n_experts > 0.")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}; "
                        "grouped-query attention shares each kv head among n_heads // n_kv_heads "
@@ -115,15 +139,29 @@ class ModelConfig:
     """K * hd: width of each of the k and v projection outputs."""
     return self.n_kv_heads * self.head_dim
 
+  @property
+  def is_moe(self) -> bool:
+    """True when the blocks' MLPs are mixtures of experts."""
+    return self.n_experts > 0
+
+  def mlp_params(self, active: bool = False) -> int:
+    """Parameters of one block's MLP; `active`: only those a token uses (k routed experts)."""
+    d = self.d_model
+    if not self.is_moe:
+      return 3 * d * self.d_ff
+    experts = self.n_experts_per_tok if active else self.n_experts
+    shared = 3 * d * self.shared_expert_d_ff + (d if self.shared_expert_d_ff else 0)
+    return d * self.n_experts + experts * 3 * d * self.moe_d_ff + shared
+
   def num_params(self, include_embedding: bool = True) -> int:
     """Number of parameters in the tree `init_params` builds."""
-    d, f, v = self.d_model, self.d_ff, self.vocab_size
+    d, v = self.d_model, self.vocab_size
     attn = d * self.q_dim + 2 * d * self.kv_dim + self.q_dim * d
     if self.qkv_bias:
       attn += self.q_dim + 2 * self.kv_dim
     if self.qk_norm:
       attn += 2 * self.head_dim
-    per_layer = attn + 3 * d * f + 2 * d
+    per_layer = attn + self.mlp_params() + 2 * d
     total = self.n_layers * per_layer + d  # + final norm
     if include_embedding:
       total += v * d
@@ -152,6 +190,13 @@ _PRESETS: dict[str, ModelConfig] = {
     "qwen3_8b": ModelConfig(vocab_size=151936, d_model=4096, n_layers=36, n_heads=32,
                             n_kv_heads=8, head_dim=128, d_ff=12288, rope_theta=1e6, rms_eps=1e-6,
                             qk_norm=True, tie_embeddings=False, max_seq_len=40960),
+    # Qwen/Qwen3-30B-A3B config.json: 48 layers, 32/4 heads of 128, 128 experts of width 768,
+    # top-8 renormalised, untied embeddings.
+    "qwen3_30b_a3b": ModelConfig(vocab_size=151936, d_model=2048, n_layers=48, n_heads=32,
+                                 n_kv_heads=4, head_dim=128, d_ff=6144, rope_theta=1e6,
+                                 rms_eps=1e-6, qk_norm=True, tie_embeddings=False,
+                                 max_seq_len=40960, n_experts=128, n_experts_per_tok=8,
+                                 moe_d_ff=768, norm_topk_prob=True),
     "qwen2_5_0_5b": ModelConfig(vocab_size=151936, d_model=896, n_layers=24, n_heads=14,
                                 n_kv_heads=2, head_dim=64, d_ff=4864, rope_theta=1e6,
                                 rms_eps=1e-6, qkv_bias=True, tie_embeddings=True,

@@ -1,7 +1,8 @@
 """Random initialisation of the parameter tree: the values `transformer.init_params` returns.
 
 Every random leaf (kernels, the embedding) is a slice of ONE standard-normal draw over all of
-them, in the tree's flattening order, times fan_in^-1/2 (embedding: D^-1/2); norm scales are 1,
+them, in the tree's flattening order, times fan_in^-1/2 (embedding: D^-1/2; a kernel [in, out] or
+stacked experts [E, in, out]: in); norm scales are 1,
 biases 0. Two programs compute that draw:
 
 * "fused" (the values every run so far has used): one jitted program that draws and slices. Its
@@ -58,7 +59,7 @@ def _leaves(shapes: Params) -> _Leaves:
   names = tuple(jax.tree_util.keystr(path, simple=True, separator="/") for path, _ in flat)
   leaf_shapes = tuple(tuple(leaf.shape) for _, leaf in flat)
   random = tuple(i for i, n in enumerate(names) if n.endswith(("kernel", "embedding")))
-  scales = tuple((leaf_shapes[i][1] if names[i].endswith("embedding") else leaf_shapes[i][0])
+  scales = tuple((leaf_shapes[i][1] if names[i].endswith("embedding") else leaf_shapes[i][-2])
                  ** -0.5 for i in random)
   return _Leaves(treedef, names, leaf_shapes, random, scales)
 

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrl.models import init, kv_cache, layout
+from lowrl.models import fused_scales, init, kv_cache, layout, moe
 from lowrl.models.config import ModelConfig
 from lowrl.models.layout import BLOCK_MATMULS, LM_HEAD
 from lowrl.models.row_sharding import constrain_rows, constrain_unsplit
@@ -59,7 +59,7 @@ _CALIB = "act_amax"
 # finite softmax instead of NaN.
 _NEG_INF = -1e30
 # Quant-key streams: fold_in(key, layer) then fold_in(., path id); the LM head uses layer n_layers.
-_PATH_IDS = {p: i for i, p in enumerate(BLOCK_MATMULS + (LM_HEAD,))}
+_PATH_IDS = layout.PATH_IDS
 
 
 def _fold(key: jax.Array | None, data: int) -> jax.Array | None:
@@ -117,13 +117,15 @@ class RMSNorm(nn.Module):
 
 def _qdot(module: nn.Module, x: jax.Array, w: jax.Array, contract_w: int,
           policy: PrecisionPolicy, layer: int | None, path: str, quant_key: jax.Array | None,
-          act_amax: ActAmax | None, record_name: str) -> jax.Array:
+          act_amax: ActAmax | None, record_name: str, rhs_amax: jax.Array | None = None
+          ) -> jax.Array:
   """x[..., in] . w over x's last axis and w's axis `contract_w`, through the policy's quantizer.
 
   A matmul whose activation scale spans the whole tensor takes its amax from `act_amax` (static,
   calibrated; keyed by `path`, the layer's own paths) when given, else from the data. Under a
   calibration apply (`_CALIB` mutable) the per-token max |x| is recorded in `module`'s scope as
-  `record_name`. Returns FP32.
+  `record_name`. `rhs_amax`: the weight's static per-tensor amax (its fused group's,
+  `fused_scales`), or None. Returns FP32.
   """
   cfg = policy.qdot_config(layout.matmul_path(layer, path))
   if module.is_mutable_collection(_CALIB):
@@ -133,7 +135,8 @@ def _qdot(module: nn.Module, x: jax.Array, w: jax.Array, contract_w: int,
     lhs_amax = act_amax[path]  # completeness checked in Transformer
   dims = (((x.ndim - 1,), (contract_w,)), ((), ()))
   return quantized_dot_general(x, w, dims, cfg, key=_fold(quant_key, _PATH_IDS[path]),
-                               preferred_element_type=jnp.float32, lhs_amax=lhs_amax)
+                               preferred_element_type=jnp.float32, lhs_amax=lhs_amax,
+                               rhs_amax=rhs_amax)
 
 
 class QDense(nn.Module):
@@ -152,16 +155,31 @@ class QDense(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, quant_key: jax.Array | None,
-               act_amax: ActAmax | None = None) -> jax.Array:
+               act_amax: ActAmax | None = None, rhs_amax: jax.Array | None = None) -> jax.Array:
     # Initializers here only give shapes: `init_params` draws the values.
     kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
                         self.param_dtype)
     y = _qdot(self, x, kernel, 0, self.policy, self.layer, self.matmul, quant_key, act_amax,
-              "amax")
+              "amax", rhs_amax)
     if self.use_bias:
       bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
       y = y + bias.astype(jnp.float32)
     return y.astype(self.out_dtype or self.policy.dtype)
+
+
+def _fused_amax(module: nn.Module, policy: PrecisionPolicy, layer: int, scope: str
+                ) -> dict[str, jax.Array]:
+  """The shared weight amaxes (`fused_scales.weight_amax`) of `module`'s fused kernels, read from
+  its bound params (`scope`: "attn" or "mlp"); {} while initializing (no values yet)."""
+  groups = [g for g in fused_scales.shared_groups(policy, layer) if g[0].startswith(scope + "/")]
+  if module.is_initializing() or not groups:
+    return {}
+  out = {}
+  for g in groups:
+    amax = fused_scales.joint_amax(
+        fused_scales.layer_kernels({scope: module.variables["params"]}, g), g)
+    out.update({p: amax for p in g})
+  return out
 
 
 class Embedder(nn.Module):
@@ -243,12 +261,13 @@ class Attention(nn.Module):
     h, k, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     dense = functools.partial(QDense, layer=self.layer, policy=self.policy,
                               param_dtype=self.param_dtype)
+    w_amax = _fused_amax(self, self.policy, self.layer, "attn")
     q_BTNH = dense(h * hd, "attn/q_proj", use_bias=cfg.qkv_bias, name="q_proj")(
-        x_BTD, quant_key, act_amax).reshape(batch, steps, h, hd)
+        x_BTD, quant_key, act_amax, w_amax.get("attn/q_proj")).reshape(batch, steps, h, hd)
     k_BTKH = dense(k * hd, "attn/k_proj", use_bias=cfg.qkv_bias, name="k_proj")(
-        x_BTD, quant_key, act_amax).reshape(batch, steps, k, hd)
+        x_BTD, quant_key, act_amax, w_amax.get("attn/k_proj")).reshape(batch, steps, k, hd)
     v_BTKH = dense(k * hd, "attn/v_proj", use_bias=cfg.qkv_bias, name="v_proj")(
-        x_BTD, quant_key, act_amax).reshape(batch, steps, k, hd)
+        x_BTD, quant_key, act_amax, w_amax.get("attn/v_proj")).reshape(batch, steps, k, hd)
     if cfg.qk_norm:
       q_BTNH = RMSNorm(cfg.rms_eps, self.param_dtype, name="q_norm")(q_BTNH)
       k_BTKH = RMSNorm(cfg.rms_eps, self.param_dtype, name="k_norm")(k_BTKH)
@@ -300,8 +319,11 @@ class Mlp(nn.Module):
   def __call__(self, x_BTD, quant_key, act_amax):
     dense = functools.partial(QDense, layer=self.layer, policy=self.policy,
                               param_dtype=self.param_dtype)
-    gate_BTF = dense(self.cfg.d_ff, "mlp/gate_proj", name="gate_proj")(x_BTD, quant_key, act_amax)
-    up_BTF = dense(self.cfg.d_ff, "mlp/up_proj", name="up_proj")(x_BTD, quant_key, act_amax)
+    w_amax = _fused_amax(self, self.policy, self.layer, "mlp")
+    gate_BTF = dense(self.cfg.d_ff, "mlp/gate_proj", name="gate_proj")(
+        x_BTD, quant_key, act_amax, w_amax.get("mlp/gate_proj"))
+    up_BTF = dense(self.cfg.d_ff, "mlp/up_proj", name="up_proj")(
+        x_BTD, quant_key, act_amax, w_amax.get("mlp/up_proj"))
     # SiLU in FP32: its output feeds a (possibly quantized) GEMM, round once.
     h_BTF = (jax.nn.silu(gate_BTF.astype(jnp.float32)) * up_BTF.astype(jnp.float32))
     return dense(self.cfg.d_model, "mlp/down_proj", name="down_proj")(
@@ -330,7 +352,8 @@ class Block(nn.Module):
         h, positions_BT, cache_layer, cache_index, key_mask_BS, layer_key, act_amax)
     x_BTD = x_BTD + attn_BTD
     h = RMSNorm(self.cfg.rms_eps, self.param_dtype, name="mlp_norm")(x_BTD)
-    x_BTD = x_BTD + Mlp(**kw, name="mlp")(h, layer_key, act_amax)
+    mlp = functools.partial(moe.MoeMlp, dense=QDense) if self.cfg.is_moe else Mlp
+    x_BTD = x_BTD + mlp(**kw, name="mlp")(h, layer_key, act_amax)
     return x_BTD, new_cache
 
 
@@ -340,8 +363,8 @@ def _remat_policy(model_cfg: ModelConfig):
           "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[model_cfg.remat]
 
 
-def _block_signature(policy: PrecisionPolicy, layer: int) -> tuple:
-  return tuple(policy.qdot_config(layout.matmul_path(layer, p)) for p in BLOCK_MATMULS)
+def _block_signature(policy: PrecisionPolicy, layer: int, paths: tuple[str, ...]) -> tuple:
+  return tuple(policy.qdot_config(layout.matmul_path(layer, p)) for p in paths)
 
 
 def layer_groups(model_cfg: ModelConfig, policy: PrecisionPolicy) -> tuple[tuple[int, int], ...]:
@@ -349,7 +372,9 @@ def layer_groups(model_cfg: ModelConfig, policy: PrecisionPolicy) -> tuple[tuple
   layers one scan can cover (e.g. the quantized prefix and the BF16 suffix of nvfp4_recipe)."""
   groups, start = [], 0
   for i in range(1, model_cfg.n_layers + 1):
-    if i == model_cfg.n_layers or _block_signature(policy, i) != _block_signature(policy, start):
+    paths = layout.block_paths(model_cfg)
+    if (i == model_cfg.n_layers
+        or _block_signature(policy, i, paths) != _block_signature(policy, start, paths)):
       groups.append((start, i))
       start = i
   return tuple(groups)

@@ -6,6 +6,7 @@ weights.py        rollout weights: weight quantizers applied ahead of time, pack
 generate.py       the prefill + while_loop decode program; generate, generate_in_jit
 rescore.py        exact-mode scoring (the trainer's score): rescore
 rollout.py        Sampler: KV cache kept between calls, packed weights, exact mode
+refit.py          RolloutWeights held between weight syncs; the bitwise refit check
 """
 from lowrl.sampling.act_scales import check_row_local
 from lowrl.sampling.distributions import (SamplingConfig, sample_token, sampling_logits,

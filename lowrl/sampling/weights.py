@@ -2,7 +2,9 @@
 kernels held packed (E2M1 codes two per byte + scales) between sampler calls.
 
 Both are exact: `quantize_weights` and `unpack_params` give `fake_quant(W)` bit for bit, the value
-the forward's own weight quantizer computes, and `prequantized_policy` then skips that quantizer.
+the forward's own weight quantizer computes (with the fused groups' shared per-tensor amax,
+`lowrl.models.fused_scales`, as the forward takes it), and `prequantized_policy` then skips that
+quantizer.
 This module knows the model's layout (which kernels, which contracting axis) and the precision
 policy (which quantizer); the format-level packing (`PackedWeight`, `pack_qtensor`) lives with the
 quantizers in `lowrl.quant.packing`, which sits below both.
@@ -18,10 +20,12 @@ import jax
 import jax.numpy as jnp
 
 from lowrl.models import layout
+from lowrl.models.fused_scales import weight_amaxes
 from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
 from lowrl.quant.config import QuantConfig
 from lowrl.quant.packing import PackedWeight, pack_qtensor
+from lowrl.quant.grouped_qdot import fake_quant_experts
 from lowrl.quant.quantize import fake_quant, quantize
 
 Params = Any
@@ -78,10 +82,17 @@ def quantize_weights(params: Params, model_cfg: ModelConfig, policy: PrecisionPo
   its loop does not re-quantize every weight at every step. Traceable.
   """
   out = params
+  amaxes = weight_amaxes(params, model_cfg, policy)
   for m in _kernels(model_cfg):
     q = _weight_quantizer(policy, m)
     if q is not None:
-      out = _set(out, m.param_keys, fake_quant(layout.get_param(params, m.param_keys), q))
+      # Stacked experts: each expert alone (its own global scale), as the grouped GEMM does.
+      if m.n_experts:
+        w_q = fake_quant_experts(layout.get_param(params, m.param_keys), q)
+      else:
+        w_q = fake_quant(layout.get_param(params, m.param_keys), q,
+                         tensor_amax=amaxes.get(m.full_path))
+      out = _set(out, m.param_keys, w_q)
   return out, prequantized_policy(policy, model_cfg)
 
 
@@ -91,6 +102,20 @@ def quantize_weights(params: Params, model_cfg: ModelConfig, policy: PrecisionPo
 
 def _is_packed(x) -> bool:
   return isinstance(x, PackedWeight)
+
+
+def check_packable(model_cfg: ModelConfig, policy: PrecisionPolicy) -> None:
+  """ValueError unless every weight quantizer of `policy` can be applied ahead of time."""
+  for m in _kernels(model_cfg):
+    rhs = policy.qdot_config(m.full_path).rhs
+    if rhs is not None and m.n_experts:
+      raise ValueError(f"{m.full_path}: packed rollout weights of stacked experts (one global "
+                       "scale per expert) are not implemented; run the sampler on the master "
+                       "weights (unpacked).")
+    if rhs is not None and rhs.stochastic_rounding:
+      raise ValueError(f"{m.full_path}: stochastically rounded weights are re-drawn every "
+                       "forward and cannot be packed; use precision.stochastic_rounding=grad or "
+                       "none for a packed sampler.")
 
 
 def pack_params(params: Params, model_cfg: ModelConfig, policy: PrecisionPolicy,
@@ -106,12 +131,7 @@ def pack_params(params: Params, model_cfg: ModelConfig, policy: PrecisionPolicy,
   Raises:
     ValueError: a stochastically rounded weight quantizer (re-drawn every forward).
   """
-  for m in _kernels(model_cfg):
-    rhs = policy.qdot_config(m.full_path).rhs
-    if rhs is not None and rhs.stochastic_rounding:
-      raise ValueError(f"{m.full_path}: stochastically rounded weights are re-drawn every "
-                       "forward and cannot be packed; use precision.stochastic_rounding=grad or "
-                       "none for a packed sampler.")
+  check_packable(model_cfg, policy)
   return _pack(params, model_cfg=model_cfg, policy=policy,
                other_dtype=None if other_dtype is None else jnp.dtype(other_dtype))
 
@@ -120,11 +140,13 @@ def pack_params(params: Params, model_cfg: ModelConfig, policy: PrecisionPolicy,
 def _pack(params, *, model_cfg, policy, other_dtype):
   # One program for all kernels (eager quantize calls would compile once per kernel shape).
   out = params if other_dtype is None else jax.tree.map(lambda x: x.astype(other_dtype), params)
+  amaxes = weight_amaxes(params, model_cfg, policy)
   for m in _kernels(model_cfg):
     q = _weight_quantizer(policy, m)
     if q is not None:
-      out = _set(out, m.param_keys, pack_qtensor(quantize(layout.get_param(params, m.param_keys),
-                                                          q)))
+      w = layout.get_param(params, m.param_keys)
+      out = _set(out, m.param_keys,
+                 pack_qtensor(quantize(w, q, tensor_amax=amaxes.get(m.full_path))))
   return out
 
 

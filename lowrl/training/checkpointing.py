@@ -5,18 +5,22 @@ record (step, data position, anything else JSON-able). Restoring takes an abstra
 (`jax.ShapeDtypeStruct`s with shardings), so a state saved on one mesh restores onto another.
 
 Integrity: orbax keeps no checksums (flipped array bytes restore silently as wrong values), so
-after a save completes, process 0 writes `<step>/lowrl_manifest.json` with the SHA-256 of every
-file of the step; a restore checks it first. Rotation (`max_to_keep`) is ours, not orbax's: an
+each step holds `<step>/lowrl_manifest.json`, the SHA-256 of every file of the step but orbax's
+own bookkeeping (`_CHECKPOINT_METADATA`, `commit_success.txt`, which orbax rewrites after the
+commit); a restore checks it first. An asynchronous save on one process writes it from orbax's
+post-finalization callback, into the step's tmp directory before orbax renames it into place: the
+manifest and the checkpoint appear together. Otherwise (a synchronous save, several processes)
+process 0 writes it right after the save completes; a step found without one (killed in that
+gap, or saved before checksums) is restored only if its recorded step matches and its values are
+finite, and the restore says so in one line. Rotation (`max_to_keep`) is ours, not orbax's: an
 older checkpoint is deleted only once `max_to_keep` newer ones verify, so a damaged newer one
 never rotates the last intact one away. A damaged checkpoint is moved (never deleted) to
 `<directory>.damaged/`, and `restore_newest_intact` falls back to the next older one.
 
 Asynchronous saves (`async_save=True`, the training loop's): `save` returns once orbax has the
 arrays on the host, and the files are written while training continues. The save is finalized
-(waited for, then its manifest written and the rotation run) at the next `save`, `wait` or
-restore. A kill before orbax commits leaves only its tmp directory (never restorable, removed at
-the next start); between orbax's commit and the manifest the step is complete but unverified,
-as with a synchronous save killed at that point.
+(waited for, the rotation run) at the next `save`, `wait` or restore. A kill before orbax
+commits leaves only its tmp directory (never restorable, removed at the next start).
 """
 from __future__ import annotations
 
@@ -35,6 +39,9 @@ from lowrl.training.optimizer import tree_all_finite
 
 MANIFEST = "lowrl_manifest.json"
 _TMP_MARK = ".orbax-checkpoint-tmp"
+# Files the digests leave out: the manifest, and orbax's bookkeeping, which orbax rewrites (step
+# metadata) or adds (commit marker) after its post-finalization callback (measured, orbax 0.12).
+_UNDIGESTED = (MANIFEST, MANIFEST + ".tmp", "_CHECKPOINT_METADATA", "commit_success.txt")
 
 
 class CheckpointError(RuntimeError):
@@ -71,7 +78,7 @@ def _file_digests(step_dir: str) -> dict[str, str]:
     for name in sorted(files):
       path = os.path.join(root, name)
       rel = os.path.relpath(path, step_dir)
-      if rel in (MANIFEST, MANIFEST + ".tmp"):
+      if name in _UNDIGESTED:
         continue
       h = hashlib.sha256()
       with open(path, "rb") as f:
@@ -107,6 +114,8 @@ def verify_manifest(step_dir: str) -> str | None:
   except (ValueError, KeyError, TypeError) as e:
     return f"{MANIFEST} is unreadable ({e})"
   actual = _file_digests(step_dir)
+  expected = {p: d for p, d in expected.items()  # older manifests listed orbax's bookkeeping
+              if os.path.basename(p) not in _UNDIGESTED}
   bad = sorted(p for p in expected if actual.get(p) != expected[p])
   extra = sorted(set(actual) - set(expected))
   if bad or extra:
@@ -115,6 +124,25 @@ def verify_manifest(step_dir: str) -> str | None:
     more = len(bad) + len(extra) - len(what)
     return "checksum mismatch: " + ", ".join(what) + (f" (+{more} more)" if more > 0 else "")
   return None
+
+
+def _meta_problem(meta: dict[str, Any], step: int) -> str | None:
+  """What is wrong with a restored record of `step` (another step's files moved in), or None."""
+  recorded = meta.get("step")
+  if recorded is not None and recorded != step:
+    return f"its record says step {recorded}: another step's files"
+  return None
+
+
+def read_meta(step_dir: str) -> dict[str, Any] | None:
+  """The JSON record of a step read straight from its files (no restore, nothing compiled);
+  None when it is missing or unreadable (the restore then reports the damage)."""
+  try:
+    with open(os.path.join(step_dir, "meta", "metadata")) as f:
+      meta = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return meta if isinstance(meta, dict) else None
 
 
 class Checkpointer:
@@ -132,14 +160,26 @@ class Checkpointer:
     # restorable), the caller may report them.
     self.unfinished = (sorted(d for d in os.listdir(self.directory) if _TMP_MARK in d)
                        if os.path.isdir(self.directory) else [])
+    self.async_save = async_save
+    self._pending: int | None = None  # a saved step not finalized yet (rotation, manifest)
+    # One process: the manifest goes into the tmp directory before orbax commits it. (With
+    # several, each writes its own shards: process 0 writes it after the collective wait.)
+    in_commit = async_save and jax.process_count() == 1
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None,  # rotation is ours (`_rotate`): only verified checkpoints count
         save_interval_steps=every, cleanup_tmp_directories=True,
-        enable_async_checkpointing=async_save)
-    self.async_save = async_save
-    self._pending: int | None = None  # a saved step not finalized yet (manifest, rotation)
+        enable_async_checkpointing=async_save,
+        async_options=(ocp.AsyncOptions(post_finalization_callback=self._manifest_before_commit)
+                       if in_commit else None))
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=("state", "meta"))
+
+  def _manifest_before_commit(self) -> None:
+    """orbax's post-finalization callback: the pending step's files are complete in its tmp
+    directory, which orbax renames into place next."""
+    tmp = os.path.join(self.directory, f"{self._pending}{_TMP_MARK}")
+    if self._pending is not None and os.path.isdir(tmp):
+      write_manifest(tmp)
 
   def latest_step(self) -> int | None:
     self.finalize()
@@ -165,22 +205,31 @@ class Checkpointer:
       raise CheckpointError(f"Refusing to checkpoint step {step}: the state has non-finite "
                             f"values. {self.last_good_hint()}")
     self.finalize()  # one save in flight at a time
-    saved = self._manager.save(
-        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                      meta=ocp.args.JsonSave(meta)), force=True)
-    if saved:
-      self._pending = step
-      if not self.async_save:
-        self.finalize()
+    self._pending = step  # before the save: its callback may run before `save` returns
+    try:
+      saved = self._manager.save(
+          step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                        meta=ocp.args.JsonSave(meta)), force=True)
+    except BaseException:
+      self._pending = None
+      raise
+    if not saved:
+      self._pending = None
+    elif not self.async_save:
+      self.finalize()
     return saved
 
   def finalize(self) -> None:
     """Waits for the save in flight, if any, then writes its manifest and rotates."""
     if self._pending is None:
       return
-    step, self._pending = self._pending, None
-    self._manager.wait_until_finished()
-    if distributed.is_primary():
+    step = self._pending
+    try:
+      self._manager.wait_until_finished()
+    finally:
+      self._pending = None  # a failed save (e.g. a full disk) is not finalized twice
+    if distributed.is_primary() and not os.path.exists(os.path.join(self.step_dir(step),
+                                                                    MANIFEST)):
       write_manifest(self.step_dir(step))
     _barrier(f"lowrl_manifest_{step}")
     self._rotate()  # every process: orbax's delete is collective
@@ -256,12 +305,17 @@ class Checkpointer:
             raise
           problem = f"unreadable: {str(e.__cause__ or e)[:200]}"
         else:
-          if all_finite(state):
+          problem = _meta_problem(meta, step) or (
+              None if all_finite(state) else "restored state has non-finite values")
+          if problem is None:
             for bad_step, why in damaged:
               log(f"[checkpoint] step {bad_step} is damaged ({why}); moved to "
                   f"{self._quarantine(bad_step)} (not deleted); falling back to step {step}.")
+            if not os.path.exists(os.path.join(self.step_dir(step), MANIFEST)):
+              log(f"[checkpoint] step {step} has no {MANIFEST} (saved before checksums, or "
+                  "killed before it was written): restored without a checksum check; its "
+                  "recorded step matches and its values are finite.")
             return state, meta, step
-          problem = "restored state has non-finite values"
       damaged.append((step, problem))
     if damaged:
       lines = "; ".join(f"step {s}: {why}" for s, why in damaged)

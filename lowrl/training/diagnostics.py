@@ -8,8 +8,10 @@ import jax.numpy as jnp
 
 from lowrl import precision
 from lowrl.models import layout
+from lowrl.models.fused_scales import weight_amaxes
 from lowrl.models.config import ModelConfig
 from lowrl.quant import fake_quant
+from lowrl.quant.grouped_qdot import fake_quant_experts
 
 
 def weight_quant_errors(params, model_cfg: ModelConfig,
@@ -21,13 +23,15 @@ def weight_quant_errors(params, model_cfg: ModelConfig,
   deterministic grid; SR adds zero-mean noise on top).
   """
   out = {}
+  amaxes = weight_amaxes(params, model_cfg, policy)
   for m, w in layout.iter_weights(params, model_cfg):
     q = policy.qdot_config(m.full_path).rhs
     if q is None:
       continue
     q = dataclasses.replace(q, axis=m.contract_axis, stochastic_rounding=False)
     w32 = w.astype(jnp.float32)
-    err = fake_quant(w32, q) - w32
+    err = (fake_quant_experts(w32, q) if m.n_experts else
+           fake_quant(w32, q, tensor_amax=amaxes.get(m.full_path))) - w32
     out[m.full_path] = jnp.sqrt(jnp.sum(err**2) / jnp.maximum(
         jnp.sum(w32**2), 1e-30))
   return out

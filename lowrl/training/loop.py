@@ -21,6 +21,7 @@ step and a resumed run sees exactly the prompts an uninterrupted one would.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -38,14 +39,15 @@ from lowrl.metrics.writer import create_writer
 from lowrl.models import kv_cache, layout, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.rl.mismatch import mismatch_metrics
-from lowrl.sampling import SampleOutput, Sampler, SamplingConfig, rescore
+from lowrl.sampling import SampleOutput, Sampler, SamplingConfig, refit, rescore
 from lowrl.sampling.act_scales import calibration_paths
 from lowrl.tasks.base import Task
 from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
 from lowrl.tasks.registry import make_task
-from lowrl.training import (base_store, diagnostics, optimizer, probes, run_config, run_logs,
-                            schema, sft, storage)
-from lowrl.training.checkpointing import Checkpointer, verify_manifest
+from lowrl.training import (base_store, diagnostics, disk, optimizer, preemption, probes,
+                            run_config, run_logs, schema, sft, storage)
+from lowrl.training.checkpointing import Checkpointer, read_meta
+from lowrl.training.workdir_lock import WorkdirLock
 from lowrl.training.evaluation import eval_metrics
 from lowrl.training.kv_share import kv_share_metrics
 from lowrl.training.loss_scaling import loss_scaled
@@ -113,7 +115,8 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   budget = memory.device_memory(cfg.hardware)
   if budget[0] is not None:
     try:
-      memory.check_fits(est, budget[0], hints=MEMORY_HINTS)
+      memory.check_fits(est, budget[0], hints=MEMORY_HINTS,
+                        what="host RAM" if budget[1].startswith(("host", "cgroup")) else "HBM")
     except ValueError as e:
       raise ValueError(f"--config.hardware={cfg.hardware} ({budget[1]}): {e}") from None
   return Setup(cfg, task, model_cfg, trainer_policy, sampler_policy, sampling, eval_sampling,
@@ -327,6 +330,10 @@ class Trainer:
     self._calibrate = jax.jit(transformer.calibrate_act_amax,
                               static_argnames=("model_cfg", "policy", "paths"))
     self.calib_tokens, self.calib_mask = self._calibration_batch(repl)
+    # The sampler's weights between syncs (packed, + static scales) and the refit check.
+    self.refit = refit.Refitter(setup.model_cfg, setup.sampler_policy,
+                                lambda p: self.act_amax(p, setup.sampler_policy),
+                                check_every=cfg.refit_check_every, log=log)
     # Gradient bias vs FP32 and update erasure (diagnostics.every): programs of their own (the
     # FP32 gradient's and the erasure's are the same for every recipe: the compile cache shares
     # them between runs).
@@ -491,21 +498,25 @@ class Trainer:
   # -- one step ---------------------------------------------------------------------------------
 
   def rollout(self, sampler_params, params, step: int, key: jax.Array,
-              stale: bool) -> tuple[Rollout, dict[str, Any]]:
+              stale: bool, sampler_version: int | None = None) -> tuple[Rollout, dict[str, Any]]:
     """Samples the step's batch with `sampler_params` (in the sampler's precision) and scores it.
 
     The trainer scores the sampled tokens with the current `params` in the trainer's precision
     (pi_old) and, when the sampler's version is `stale`, with the sampler's weights in the
-    trainer's precision, for the drift decomposition. Returns (the step's Rollout, host info:
-    rewards, completions, examples).
+    trainer's precision, for the drift decomposition. The sampler generates from the
+    `RolloutWeights` of `sampler_version` (`self.refit`: re-quantized when the version changes,
+    i.e. at each weight sync; None = every call). Returns (the step's Rollout, host info:
+    rewards, completions, examples, refit metrics).
     """
     examples, tokens_BP, mask_BP = self.prompts(step)
     k_sample, k_quant = jax.random.split(key)
     # Exact mode re-scores in the sampler's precision with the same key it sampled with.
     sampler_qk = _quant_key(self.setup.sampler_policy, k_quant)
-    act_amax = self.act_amax(sampler_params, self.setup.sampler_policy)
-    out = self.sampler(sampler_params, tokens_BP, mask_BP, k_sample, quant_key=sampler_qk,
-                       trainer_quant_key=sampler_qk, act_amax=act_amax)
+    held, refit_metrics = self.refit(sampler_params, sampler_version)
+    act_amax = held.act_amax  # + a quantized KV cache's K/V amaxes
+    out = self.sampler(held.weights, tokens_BP, mask_BP, k_sample, quant_key=sampler_qk,
+                       trainer_params=sampler_params, trainer_quant_key=sampler_qk,
+                       act_amax=act_amax)
     logp_now_BT = (out.logprobs if self.sampler_scored_pi_old(sampler_params, params, stale)
                    else self.score(params, self.setup.trainer_policy, out, k_quant))
     logp_stale_BT = (self.score(sampler_params, self.setup.trainer_policy, out, k_quant) if stale
@@ -514,6 +525,7 @@ class Trainer:
     rollout = self.plan.put(Rollout(out, jnp.asarray(rewards), logp_now_BT, logp_stale_BT),
                             self.plan.batch)
     return rollout, {"rewards": rewards, "completions": completions, "examples": examples,
+                     "refit": refit_metrics,
                      "kv": kv_share_metrics(  # {} without a quantized KV cache
                          out, sampler_params, model_cfg=self.setup.model_cfg,
                          policy=self.setup.sampler_policy, config=self.setup.sampling,
@@ -548,7 +560,7 @@ class Trainer:
     return {**metrics, "update_erasure": erasure(params, g_q, opt_state, k_opt)}
 
   def rl_step(self, sampler_params, params, opt_state, ref_params, step: int, key: jax.Array,
-              stale: bool, probe: bool = False
+              stale: bool, probe: bool = False, sampler_version: int | None = None
               ) -> tuple[Any, Any, dict[str, jax.Array], dict[str, Any]]:
     """One RL step: rollout, then the jitted step (donates `params` and `opt_state`).
 
@@ -558,27 +570,18 @@ class Trainer:
     host info of the rollout).
     """
     k_roll, k_upd = jax.random.split(key)
-    rollout, info = self.rollout(sampler_params, params, step, k_roll, stale=stale)
+    rollout, info = self.rollout(sampler_params, params, step, k_roll, stale=stale,
+                                 sampler_version=sampler_version)
     probe_metrics = {}
     if probe and self._probe_fns is not None:
       probe_metrics = self.probe(params, opt_state, ref_params, rollout,
                                  jax.random.fold_in(key, _PROBE_STREAM))
     params, opt_state, metrics = self.step(params, opt_state, ref_params, rollout, k_upd)
-    return params, opt_state, {**metrics, **probe_metrics, **info["kv"]}, info
+    return params, opt_state, {**metrics, **probe_metrics, **info["kv"], **info["refit"]}, info
 
 
 class NonFiniteError(RuntimeError):
   """Training produced non-finite updates for `max_skipped_steps` steps in a row."""
-
-
-def _finished_summary(workdir: str, ckpt: Checkpointer, steps: int) -> dict[str, Any] | None:
-  """The summary of a run that already finished in `workdir` (its last checkpoint is the end)."""
-  path = os.path.join(workdir, run_logs.SUMMARY)
-  if (ckpt.latest_step() != steps or not os.path.exists(path)
-      or verify_manifest(ckpt.step_dir(steps)) is not None):  # a damaged end: resume instead
-    return None
-  with open(path) as f:
-    return json.load(f)
 
 
 def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print, *,
@@ -596,13 +599,42 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print, *,
   primary = distributed.is_primary()  # only process 0 logs and writes files (orbax: all save)
   if not primary:
     log = lambda _: None  # noqa: E731
+  if not reevaluate and not disk.writable(workdir):  # a finished run is still shown
+    summary = run_logs.finished_summary(workdir, cfg.rl.steps)
+    if summary is not None:
+      return _show_finished(summary, workdir, cfg, log)
+  stale = setup.schedule.lag > 0 or setup.schedule.sync_every > 1
+  disk.check_workdir(workdir, disk.needed_bytes(
+      cfg, setup.model_cfg.num_params(), os.path.join(workdir, "checkpoints"),
+      keep_reference=uses_reference(cfg), versions=setup.schedule.max_versions if stale else 0))
+  with (WorkdirLock(workdir, log) if primary else contextlib.nullcontext()), \
+      preemption.stop_on_signals() as stop, disk.one_line_when_full():
+    try:
+      return _run_in_workdir(setup, workdir, log, stop, allow_config_change=allow_config_change,
+                             reevaluate=reevaluate)
+    except Exception as e:
+      if not disk.is_disk_full(e, workdir):
+        raise
+      raise disk.DiskFullError(disk.full_message(workdir, os.path.join(workdir, "checkpoints"))
+                               ) from None
+
+
+def _show_finished(summary: dict[str, Any], workdir: str, cfg: ml_collections.ConfigDict,
+                   log: Log) -> dict[str, Any]:
+  log(f"[done] {workdir} holds a finished run ({cfg.rl.steps} steps); nothing to do "
+      "(--reevaluate evaluates it again).")
+  log(json.dumps(summary, indent=2))
+  return summary
+
+
+def _run_in_workdir(setup: Setup, workdir: str, log: Log, stop: preemption.StopFlag, *,
+                    allow_config_change: bool, reevaluate: bool) -> dict[str, Any]:
+  """`run` once the workdir is checked and locked."""
+  cfg, primary = setup.cfg, distributed.is_primary()
   ckpt, resuming = _open_workdir(cfg, workdir, log, allow_config_change)
-  summary = _finished_summary(workdir, ckpt, cfg.rl.steps)
+  summary = run_logs.finished_summary(workdir, cfg.rl.steps)
   if summary is not None and not reevaluate:
-    log(f"[done] {workdir} holds a finished run ({cfg.rl.steps} steps); nothing to do "
-        "(--reevaluate evaluates it again).")
-    log(json.dumps(summary, indent=2))
-    return summary
+    return _show_finished(summary, workdir, cfg, log)
   _log_setup(setup, workdir, log)
 
   t0 = time.time()
@@ -620,7 +652,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print, *,
   writer = create_writer(tb_dir, enabled=primary, purge_step=start + 1 if start else None)
   try:
     summary = _train(setup, trainer, ckpt, writer, workdir, start, state, versions, log,
-                     reevaluate=reevaluate and start == cfg.rl.steps)
+                     reevaluate=reevaluate and start == cfg.rl.steps, stop=stop)
   finally:
     writer.close()  # flushes: points logged before an error are kept
     ckpt.wait()  # a save still in flight is completed and verified, also after an error
@@ -645,15 +677,21 @@ def _open_workdir(cfg: ml_collections.ConfigDict, workdir: str, log: Log,
   # Asynchronous: a save's files are written while the next steps train.
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint_every,
                       async_save=True)
-  resuming = bool(ckpt.all_steps())
+  steps = ckpt.all_steps()
+  resuming = bool(steps)
+  if resuming and primary:  # damaged bookkeeping: one line, before anything is compiled
+    run_logs.check_resumable(workdir)
   if ckpt.unfinished:
     log(f"[checkpoint] removed unfinished saves {ckpt.unfinished} (never restorable)")
   if not resuming and primary and run_logs.has_logs(workdir):
     dest = run_logs.move_aside(workdir)
     log(f"[warn] {workdir} has logs of an earlier attempt but no finished checkpoint: they were "
         f"moved to {dest}; starting from step 0.")
+  newest = read_meta(ckpt.step_dir(steps[-1])) if steps else None
   changes = run_config.check_or_write(workdir, cfg, resuming=resuming,
-                                      allow_change=allow_config_change, write=primary)
+                                      allow_change=allow_config_change, write=primary,
+                                      checkpoint_fingerprint=(newest or {}).get(
+                                          "config_fingerprint"))
   log("[config]\n" + run_config.describe(cfg))
   for c in changes:
     log(f"[config] changed since the last start (--allow_config_change): {c}")
@@ -718,8 +756,7 @@ def _eval_start(setup: Setup, trainer: Trainer, writer, workdir: str, start: int
   cfg = setup.cfg
   primary = distributed.is_primary()
   if start:
-    with open(os.path.join(workdir, run_logs.EVAL_START)) as f:
-      eval_start = json.load(f)
+    eval_start = run_logs.read_json(workdir, run_logs.EVAL_START, run_logs.EVAL_START_FIX)
     if primary:
       run_logs.trim_metrics(workdir, start)
     return eval_start
@@ -745,8 +782,11 @@ def _log_order(metrics: dict[str, Any]) -> dict[str, Any]:
 
 def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: str, start: int,
            state: dict[str, Any], versions: VersionBuffer, log: Log, *,
-           reevaluate: bool) -> dict[str, Any]:
-  """The RL steps from `start`, then the final evaluation; returns the summary (no wall time)."""
+           reevaluate: bool, stop: preemption.StopFlag | None = None) -> dict[str, Any]:
+  """The RL steps from `start`, then the final evaluation; returns the summary (no wall time).
+
+  When `stop` is set (SIGTERM/SIGINT) the step in progress finishes, is checkpointed and waited
+  for, the logs are flushed, and preemption.Preempted is raised."""
   cfg, rl = setup.cfg, setup.cfg.rl
   primary = distributed.is_primary()
   use_ref = uses_reference(cfg)
@@ -764,6 +804,9 @@ def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: 
   versions.put(start, copy(params))
   eta = run_logs.Eta(rl.steps)
   skipped_in_a_row = 0
+  fp = run_config.fingerprint(cfg)
+  if preemption.agreed(stop):  # signalled while the base trained or the programs compiled
+    raise preemption.Preempted(stop.signame or "a signal", None, workdir)
   for step in range(start, rl.steps):
     sv = setup.schedule.sampler_version(step)
     every = cfg.diagnostics.every
@@ -771,7 +814,8 @@ def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: 
                                                  opt_state, storage.use(ref_params),
                                                  step, jax.random.fold_in(base_key, step),
                                                  stale=sv != step,
-                                                 probe=bool(every) and step % every == 0)
+                                                 probe=bool(every) and step % every == 0,
+                                                 sampler_version=sv)
     versions.put(step + 1, copy(params))
     versions.evict_before(step + 1)
     if use_ref and rl.ref_reset_every and (step + 1) % rl.ref_reset_every == 0:
@@ -800,7 +844,13 @@ def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: 
     # The newest version is `params` itself: only older ones are saved separately.
     state = _state(params, opt_state, jax.random.key_data(base_key), ref_params,
                    {str(v): versions.get(v) for v in versions.versions() if v != done})
-    ckpt.save(done, state, {"data_position": done, "step": done}, force=done == rl.steps)
+    stopping = preemption.agreed(stop)
+    ckpt.save(done, state, {"data_position": done, "step": done, "config_fingerprint": fp},
+              force=done == rl.steps or stopping)
+    if stopping:
+      ckpt.wait()
+      writer.flush()
+      raise preemption.Preempted(stop.signame or "a signal", done, workdir)
   ckpt.wait()
 
   ev_end = trainer.evaluate(params, eval_key)

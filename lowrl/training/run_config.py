@@ -18,12 +18,14 @@ from typing import Any
 import ml_collections
 
 from lowrl.training import schema
+from lowrl.training.run_logs import WorkdirError
 from lowrl.training.schema import flatten  # noqa: F401 (run_config.flatten, for callers)
 
 CONFIG_FILE = "config.json"
 # Knobs that change what is logged, not what is trained: a resume may change them freely.
 # Keys that change no result (`hardware` only selects the memory budget build() checks against).
-COSMETIC_KEYS = ("log_every", "num_text_samples", "checkpoint_every", "eval_every", "hardware")
+COSMETIC_KEYS = ("log_every", "num_text_samples", "checkpoint_every", "eval_every", "hardware",
+                 "refit_check_every")
 
 
 class ConfigError(ValueError):
@@ -69,18 +71,31 @@ def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def check_or_write(workdir: str, cfg: ml_collections.ConfigDict, *, resuming: bool,
-                   allow_change: bool, write: bool = True) -> list[str]:
+                   allow_change: bool, write: bool = True,
+                   checkpoint_fingerprint: str | None = None) -> list[str]:
   """Compares `cfg` with the workdir's saved config when resuming, then (re)writes it.
 
   Returns the changed keys (empty when unchanged or fresh). Raises ConfigChangedError if a
-  resume changes a non-cosmetic key and `allow_change` is False.
+  resume changes a non-cosmetic key, or resumes a checkpoint saved under a fingerprint the
+  workdir never accepted (`checkpoint_fingerprint`, from the checkpoint's own record: checked
+  also when config.json is gone), and `allow_change` is False. An unreadable config.json raises
+  WorkdirError (nothing is overwritten).
   """
   path = os.path.join(workdir, CONFIG_FILE)
-  new = to_json(cfg)
+  new, fp = to_json(cfg), fingerprint(cfg)
   changes: list[str] = []
+  accepted: list[str] = []  # every fingerprint the run has been continued under
   if resuming and os.path.exists(path):
-    with open(path) as f:
-      old = json.load(f)["config"]
+    try:
+      with open(path) as f:
+        saved = json.load(f)
+      old = saved["config"]
+      accepted = list(saved.get("accepted_fingerprints", [saved.get("fingerprint")]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise WorkdirError(
+          f"{path} is unreadable ({type(e).__name__}: {str(e)[:120]}); restore it, or move it "
+          "aside to resume under this config (the checkpoint's config fingerprint is then "
+          "checked instead).") from None
     changes = changed_keys(old, new)
     if changes and not allow_change:
       shown = "; ".join(changes[:8]) + (f" (+{len(changes) - 8} more)" if len(changes) > 8 else "")
@@ -88,10 +103,20 @@ def check_or_write(workdir: str, cfg: ml_collections.ConfigDict, *, resuming: bo
           f"{workdir} holds a run with a different config ({shown}). Resume with the saved "
           f"config ({path}), use a new --workdir, or pass --allow_config_change to continue "
           "under the new one.")
+  if (resuming and checkpoint_fingerprint and checkpoint_fingerprint not in accepted + [fp]
+      and not allow_change):
+    where = "is missing" if not os.path.exists(path) else "does not list it"
+    raise ConfigChangedError(
+        f"{workdir}'s newest checkpoint was saved under config fingerprint "
+        f"{checkpoint_fingerprint}, this config's is {fp} ({path} {where}). Resume with the "
+        "config it was saved with, use a new --workdir, or pass --allow_config_change to "
+        "continue under this one.")
   if write:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-      json.dump({"fingerprint": fingerprint(cfg), "config": new}, f, indent=2, sort_keys=True)
+      json.dump({"fingerprint": fp, "config": new,
+                 "accepted_fingerprints": list(dict.fromkeys(accepted + [fp]))},
+                f, indent=2, sort_keys=True)
     os.replace(tmp, path)
   return changes
 

@@ -13,11 +13,21 @@ import shutil
 import time
 from typing import Any, Callable
 
+from lowrl.training.checkpointing import MANIFEST, read_meta, verify_manifest
+
 METRICS = "metrics.jsonl"
 EVAL_START = "eval_start.json"
 SUMMARY = "summary.json"
 TB_DIR = "tb"
+EVAL_START_FIX = ("it holds the step-0 evaluation a resume reports: restore it, or start afresh in "
+                  "a new --workdir.")
 _LOG_FILES = (METRICS, EVAL_START, SUMMARY, TB_DIR, "config.json")
+
+
+class WorkdirError(RuntimeError):
+  """The workdir cannot be used as it is (a damaged bookkeeping file, another run holding it,
+  no write access or space); raised before anything is compiled, the message names the fix and
+  nothing was overwritten."""
 
 
 def metrics_line(step: int, metrics: dict[str, float]) -> str:
@@ -29,12 +39,51 @@ def metrics_line(step: int, metrics: dict[str, float]) -> str:
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
-  """The complete lines of metrics.jsonl (a line cut short by a kill is dropped)."""
+  """The complete lines of metrics.jsonl (a line cut short by a kill is dropped); WorkdirError
+  naming the line for one that is not a JSON object with a step, or whose step does not
+  increase."""
   path = os.path.join(workdir, METRICS)
   if not os.path.exists(path):
     return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.endswith("\n")]
+  out = []
+  with open(path, errors="replace") as f:
+    for n, line in enumerate(f, 1):
+      if not line.endswith("\n"):
+        continue
+      try:
+        m = json.loads(line)
+        int(m["step"])
+      except (ValueError, KeyError, TypeError):
+        raise WorkdirError(
+            f"{path} line {n} is not a metrics line ({line.strip()[:60]!r}); delete that line "
+            "(the lines after the resumed checkpoint are rewritten), or start afresh in a new "
+            "--workdir.") from None
+      if out and m["step"] <= out[-1]["step"]:  # two writers, or pasted lines
+        raise WorkdirError(
+            f"{path} line {n} is step {m['step']} after step {out[-1]['step']} (steps must "
+            "increase); delete the repeated lines, or start afresh in a new --workdir.")
+      out.append(m)
+  return out
+
+
+def read_json(workdir: str, name: str, fix: str) -> Any:
+  """A JSON bookkeeping file of the workdir; WorkdirError naming it and `fix` if it is missing
+  or unreadable (the file is left as it is)."""
+  path = os.path.join(workdir, name)
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    problem = "is missing"
+  except (OSError, ValueError) as e:
+    problem = f"is unreadable ({type(e).__name__}: {str(e)[:80]})"
+  raise WorkdirError(f"{path} {problem}; {fix}")
+
+
+def check_resumable(workdir: str) -> None:
+  """The files a resume reads, checked before anything is compiled (WorkdirError if damaged)."""
+  read_metrics(workdir)
+  read_json(workdir, EVAL_START, EVAL_START_FIX)
 
 
 def trim_metrics(workdir: str, last_step: int) -> None:
@@ -77,6 +126,29 @@ def write_json(workdir: str, name: str, obj: Any) -> None:
   with open(path + ".tmp", "w") as f:
     json.dump(obj, f, indent=2)
   os.replace(path + ".tmp", path)
+
+
+def finished_summary(workdir: str, steps: int) -> dict[str, Any] | None:
+  """The summary of a run of `steps` steps that already finished in `workdir` (its newest
+  checkpoint is the verified end, summary.json is there); reads only, so it also works in a
+  read-only workdir. WorkdirError for a summary.json that cannot be read."""
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  done = [int(d) for d in os.listdir(ckpt_dir) if d.isdigit()] if os.path.isdir(ckpt_dir) else []
+  if not done or max(done) != steps or not os.path.exists(os.path.join(workdir, SUMMARY)):
+    return None
+  end = os.path.join(ckpt_dir, str(steps))
+  problem = verify_manifest(end)
+  # A damaged end resumes; one without a manifest (saved before checksums) counts as finished
+  # when its record says it is the end (else every re-run would evaluate it again).
+  if problem is not None and not (problem.startswith(f"no {MANIFEST}")
+                                  and (read_meta(end) or {}).get("step") == steps):
+    return None
+  fix = "move it aside and re-run: the final evaluation of the finished run runs again and " \
+        "rewrites it."
+  summary = read_json(workdir, SUMMARY, fix)
+  if not isinstance(summary, dict) or "eval_end" not in summary:
+    raise WorkdirError(f"{os.path.join(workdir, SUMMARY)} is not a run summary; {fix}")
+  return summary
 
 
 class Eta:

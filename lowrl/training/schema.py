@@ -434,6 +434,12 @@ MODEL = Section("model", (
     Knob("rope_theta", 10000.0, "rotary embedding base"),
     Knob("qk_norm", False, "RMSNorm on q and k per head (Qwen3)"),
     Knob("tie_embeddings", True, "LM head = embedding transpose"),
+    Knob("n_experts", 0, "mixture-of-experts MLP: routed experts per block (0 = the dense "
+         "SwiGLU of width d_ff; lowrl/models/moe.py)"),
+    Knob("n_experts_per_tok", 0, "experts each token is routed to (top-k), with n_experts"),
+    Knob("moe_d_ff", 0, "hidden width of each routed expert, with n_experts"),
+    Knob("norm_topk_prob", False, "renormalise the k selected router probabilities (Qwen3-MoE)"),
+    Knob("shared_expert_d_ff", 0, "Qwen2-MoE shared expert width (0 = none), with n_experts"),
     # Memory/compile knobs at real sizes (lowrl.models.config.ModelConfig); none changes a bit.
     Knob("scan_layers", False, "layers as lax.scans (compile size independent of depth)"),
     Knob("remat", "none", "per-layer rematerialisation: none | full | dots"),
@@ -446,7 +452,8 @@ MODEL = Section("model", (
 
 # The architecture knobs of MODEL: a checkpoint's config.json sets them instead.
 _ARCHITECTURE = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "rope_theta",
-                 "qk_norm", "tie_embeddings")
+                 "qk_norm", "tie_embeddings", "n_experts", "n_experts_per_tok", "moe_d_ff",
+                 "norm_topk_prob", "shared_expert_d_ff")
 PARAM_DTYPES = ("float32", "bfloat16")
 
 
@@ -516,7 +523,10 @@ TRAIN = Schema((
              "calibrated at every weight sync, the trainer scores with unquantized K/V "
              "(docs/sampling.md)", OneOf(precision.KV_CACHE_MODES)),)),
     Section("", (Knob("sampler_exact", True, "sampler logprobs from the trainer's forward "
-                      "(bit-identical when same recipe)"),)),
+                      "(bit-identical when same recipe)"),
+                 Knob("refit_check_every", 1, "weight syncs between refit checks (the sampler's "
+                      "quantized weights and scales vs a fresh quantization of the trainer's, "
+                      "bit for bit; metric refit/mismatched_tensors); 0 = off", NON_NEGATIVE))),
     TRAIN_SFT,
     TRAIN_RL,
     TRAIN_OPTIMIZER,

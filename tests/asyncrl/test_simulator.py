@@ -490,3 +490,15 @@ def test_simulator_supports_kl_dynamic_sampling_and_top_k():
   c.rl.overlong_buffer = c.task.length + 1
   with pytest.raises(ValueError, match="rl.overlong_buffer"):
     simulator.build(c)
+
+
+def test_tiny_moe_option_builds():
+  """The model section's MoE knobs give the simulator a mixture-of-experts policy (the run itself
+  compiles for minutes: experiments/moe_routing_flips.py measures the routing)."""
+  c = tiny_config("nvfp4_moe_experts")
+  c.model.update(d_model=32, n_experts=4, n_experts_per_tok=2, moe_d_ff=16, norm_topk_prob=True)
+  setup = simulator.build(c)
+  assert setup.model_cfg.is_moe and setup.model_cfg.n_experts == 4
+  c.model.moe_d_ff = 0
+  with pytest.raises(ValueError, match="moe_d_ff"):
+    simulator.build(c)

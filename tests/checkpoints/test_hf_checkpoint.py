@@ -55,9 +55,16 @@ def _inv_freq(c: dict, apply_scaling: bool = True) -> np.ndarray:
   return np.where(medium, smoothed, scaled)
 
 
+def swiglu(x, linear, name, t=None, c=None):
+  """transformers' LlamaMLP / Qwen2MLP: down(silu(gate(x)) * up(x))."""
+  gate = linear(x, name + ".gate_proj")
+  return linear(gate / (1 + np.exp(-gate)) * linear(x, name + ".up_proj"), name + ".down_proj")
+
+
 def hf_reference_logits(t: dict[str, np.ndarray], c: dict, ids: np.ndarray,
-                        apply_rope_scaling: bool = True) -> np.ndarray:
-  """Logits [B, T, V] of the HF model `c` with raw HF tensors `t`, in FP64."""
+                        apply_rope_scaling: bool = True, mlp=None) -> np.ndarray:
+  """Logits [B, T, V] of the HF model `c` with raw HF tensors `t`, in FP64; `mlp(x, linear,
+  "model.layers.N.mlp", t, c)` replaces the SwiGLU MLP (the MoE tests' sparse blocks)."""
   t = {k: v.astype(np.float64) for k, v in t.items()}
   eps = c["rms_norm_eps"]
   h_, k_ = c["num_attention_heads"], c["num_key_value_heads"]
@@ -91,8 +98,7 @@ def hf_reference_logits(t: dict[str, np.ndarray], c: dict, ids: np.ndarray,
     attn = (probs @ v).transpose(0, 2, 1, 3).reshape(b, s, h_ * hd)
     h = h + linear(attn, p + "self_attn.o_proj")
     x = _rms_norm(h, t[p + "post_attention_layernorm.weight"], eps)
-    gate = linear(x, p + "mlp.gate_proj")
-    h = h + linear(gate / (1 + np.exp(-gate)) * linear(x, p + "mlp.up_proj"), p + "mlp.down_proj")
+    h = h + (mlp or swiglu)(x, linear, p + "mlp", t, c)
   h = _rms_norm(h, t["model.norm.weight"], eps)
   head = t["model.embed_tokens.weight"] if c["tie_word_embeddings"] else t["lm_head.weight"]
   return h @ head.T

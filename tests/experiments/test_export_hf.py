@@ -20,6 +20,7 @@ from lowrl.checkpoints import hf_quantized, load_hf_checkpoint
 from lowrl.models import layout, transformer
 from lowrl.quant.config import QuantConfig
 from lowrl.quant.quantize import fake_quant
+from lowrl.sampling import weights
 from lowrl.training import loop
 
 STEPS = 2
@@ -100,8 +101,9 @@ def _decode_mxfp8(t):
   return t["weight"].astype(np.float32) * block
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
-def test_rollout_layout_round_trip(run, tmp_path, fmt):
+@pytest.mark.parametrize("fmt,algo", [("nvfp4", "NVFP4"), ("nvfp4_w4a16", "W4A16_NVFP4"),
+                                      ("mxfp8", "MXFP8")])
+def test_rollout_layout_round_trip(run, tmp_path, fmt, algo):
   workdir, model_cfg = run
   out = tmp_path / fmt
   export_hf.export(workdir, str(out), rollout_format=fmt, log=lambda _: None)
@@ -109,25 +111,33 @@ def test_rollout_layout_round_trip(run, tmp_path, fmt):
   params = _saved_params(workdir, STEPS)
   config = json.loads((out / "config.json").read_text())
   assert config["quantization_config"] == {
-      "quant_method": "modelopt", "quant_algo": fmt.upper(), "group_size": 16 if fmt == "nvfp4" else 32,
+      "quant_method": "modelopt", "quant_algo": algo, "group_size": 32 if fmt == "mxfp8" else 16,
       "kv_cache_quant_algo": None, "ignore": ["lm_head"]}
   modelopt = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
-  assert modelopt["quant_algo"] == fmt.upper() and modelopt["exclude_modules"] == ["lm_head"]
-  # The sampler's weight quantizer: the [in, out] kernel blocked along its contracting axis 0.
-  wcfg = QuantConfig("nvfp4" if fmt == "nvfp4" else "mxfp8_e4m3", axis=0)
+  assert modelopt["quant_algo"] == algo and modelopt["exclude_modules"] == ["lm_head"]
+  # The fp32 run's sampler quantizes nothing: the format's default weight quantizer, applied as a
+  # sampler applies it (the [in, out] kernel blocked along its contracting axis 0; NVFP4's fused
+  # q/k/v and gate/up with their joint amax, tests/checkpoints/test_hf_quantized_fused.py).
+  policy = hf_quantized.export_policy(model_cfg, fmt, None)
+  assert policy.qdot_config("layers_0/attn/q_proj").rhs == QuantConfig(
+      "mxfp8_e4m3" if fmt == "mxfp8" else "nvfp4")
+  sampler_params, _ = weights.quantize_weights(jax.tree.map(jnp.asarray, params), model_cfg,
+                                               policy)
   for m in layout.matmuls(model_cfg):
     if m.layer is None:
       continue
     t = {k.removeprefix(m.hf_name + "."): v for k, v in tensors.items()
          if k.startswith(m.hf_name + ".")}
-    kernel = layout.get_param(params, m.param_keys)
-    want = np.asarray(fake_quant(jnp.asarray(kernel), wcfg)).T
-    if fmt == "nvfp4":
+    want = np.asarray(layout.get_param(sampler_params, m.param_keys)).T
+    if fmt != "mxfp8":
       assert t["weight"].dtype == np.uint8 and t["weight"].shape == (m.out_features, m.in_features // 2)
       assert t["weight_scale"].dtype == ml_dtypes.float8_e4m3fn
       assert t["weight_scale"].shape == (m.out_features, m.in_features // 16)
-      assert t["weight_scale_2"].shape == () and t["input_scale"].shape == ()
-      assert t["input_scale"] > 0
+      assert t["weight_scale_2"].shape == (1,)
+      if fmt == "nvfp4":
+        assert t["input_scale"].shape == (1,) and t["input_scale"] > 0
+      else:  # weight-only: activations unquantized, no input scale
+        assert "input_scale" not in t
       got = _decode_nvfp4(t)
     else:
       assert t["weight"].dtype == ml_dtypes.float8_e4m3fn and t["weight_scale"].dtype == np.uint8
@@ -147,7 +157,7 @@ def test_nvfp4_input_scale_and_nibble_order():
   w[0, :2] = [6.0, -0.5]
   t = hf_quantized.quantize_linear(w, "nvfp4", input_amax=2688.0)
   assert t["weight"][0, 0] == 0x97 and not t["weight"][0, 1:].any()
-  assert t["input_scale"] == np.float32(1.0)  # amax / (6 * 448)
+  assert t["input_scale"] == np.float32(1.0) and t["input_scale"].shape == (1,)  # amax / 2688
   assert t["weight_scale"][0, 0] == 448 and t["weight_scale_2"] == np.float32(6.0 / 2688.0)
   # (outer = RNE(6/2688) is inexact, so the decoded 6 is 6 * 448 * outer, as fake_quant's.)
   np.testing.assert_array_equal(_decode_nvfp4(t), fake_quant(jnp.asarray(w), QuantConfig("nvfp4")))
@@ -168,3 +178,21 @@ def test_copy_tokenizer_files(tmp_path):
   os.remove(src / "tokenizer.json")
   with pytest.raises(export_hf.ExportError, match="no tokenizer.json"):
     export_hf.copy_tokenizer_files(str(src), str(out))
+
+
+def test_a_run_saved_before_newer_knobs_exports_as_it_ran(run, tmp_path):
+  """A config.json without the knobs added since (precision.act_format / weight_scales,
+  refit_check_every) reads back with the behaviour the run had: one scale per linear."""
+  import shutil
+  workdir, _ = run
+  old = tmp_path / "old"
+  shutil.copytree(workdir, old)
+  saved = json.loads((old / "config.json").read_text())
+  for k in ("act_format", "weight_scales"):
+    del saved["config"]["precision"][k]
+  del saved["config"]["refit_check_every"]
+  (old / "config.json").write_text(json.dumps(saved))
+  cfg = export_hf.run_config_of(str(old))
+  assert cfg.precision.weight_scales == "per_linear" and cfg.precision.act_format == ""
+  assert cfg.refit_check_every == 1
+  export_hf.export(str(old), str(tmp_path / "out"), log=lambda _: None)

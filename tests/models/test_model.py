@@ -342,10 +342,11 @@ def test_every_linear_layer_goes_through_qdot_with_the_policy_config(monkeypatch
   calls = []
   real = transformer.quantized_dot_general
 
-  def spy(lhs, rhs, dims, qcfg, key=None, preferred_element_type=None, lhs_amax=None):
-    calls.append((qcfg, lhs.dtype, rhs.shape))
+  def spy(lhs, rhs, dims, qcfg, key=None, preferred_element_type=None, lhs_amax=None,
+          rhs_amax=None):
+    calls.append((qcfg, lhs.dtype, rhs.shape, rhs_amax is not None))
     return real(lhs, rhs, dims, qcfg, key=key, preferred_element_type=preferred_element_type,
-                lhs_amax=lhs_amax)
+                lhs_amax=lhs_amax, rhs_amax=rhs_amax)
 
   params = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.key(0)))
   monkeypatch.setattr(transformer, "quantized_dot_general", spy)
@@ -358,6 +359,11 @@ def test_every_linear_layer_goes_through_qdot_with_the_policy_config(monkeypatch
   # the [V, D] embedding.
   assert {c[1] for c in calls[:-1]} == {jnp.dtype(jnp.bfloat16)}
   assert calls[-1][1] == jnp.float32 and calls[-1][2] == (64, 32)
+  # q/k/v and gate/up of the NVFP4 layers take their fused group's static weight amax (one
+  # per-tensor scale, lowrl.models.fused_scales); o/down, the BF16 tail and the head their own.
+  fused = {p for g in layout.FUSED_GROUPS for p in g}
+  assert [c[3] for c in calls] == [m.path in fused and policy.qdot_config(m.full_path).rhs
+                                   is not None for m in layout.matmuls(cfg)]
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp16", "mxfp8", "nvfp4_recipe"])

@@ -94,6 +94,23 @@ DISCRETE = ("reward/mean", "reward/pass_rate", "response_length", "groups_kept",
             "sampler_version_lag", "versions_held", "skipped_updates")
 
 
+def assert_same_run(mesh: list[dict], one: list[dict]) -> None:
+  """The metrics of a run on a mesh and on one device: discrete ones equal, the rest close."""
+  for a, b in zip(mesh, one):
+    assert a.keys() == b.keys()
+    for k in a:
+      if k in DISCRETE:
+        assert a[k] == b[k], k
+      else:
+        # Tolerance: the mesh reassociates FP32 sums (matmul contractions split over "data" and
+        # "model", cross-device reductions of the loss and gradient norms) of at most ~100
+        # terms, each within gamma_100 ~ 6e-6 relative of the exact sum; through 2 layers, the
+        # softmax, the loss and 2 Adam steps that stays below 1e-4 relative; abs 1e-6 for values
+        # near 0 (the same bound tests/test_distributed.py uses for reordered sums). Not
+        # bit-exact: the split contractions round differently.
+        assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+
+
 def _max_abs_diff(a, b) -> float:
   """max |a - b| with b cast to a's dtype, on the host (as jax ops: ~60 tiny eager programs)."""
   a = np.asarray(a)
@@ -126,19 +143,7 @@ def test_two_rl_steps_from_checkpoint_on_a_mesh_and_for_qwen3_on_one_device(file
     one = _metrics(tmp_path / "one")
     assert [m["step"] for m in one] == [1, 2]
     assert any(m["grad_norm"] > 0 for m in one)
-    for a, b in zip(mesh, one):
-      assert a.keys() == b.keys()
-      for k in a:
-        if k in DISCRETE:
-          assert a[k] == b[k], k
-        else:
-          # Tolerance: the mesh reassociates FP32 sums (matmul contractions split over "data" and
-          # "model", cross-device reductions of the loss and gradient norms) of at most ~100
-          # terms, each within gamma_100 ~ 6e-6 relative of the exact sum; through 2 layers, the
-          # softmax, the loss and 2 Adam steps that stays below 1e-4 relative; abs 1e-6 for values
-          # near 0 (the same bound tests/test_distributed.py uses for reordered sums). Not
-          # bit-exact: the split contractions round differently.
-          assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+    assert_same_run(mesh, one)
     for key in ("greedy", "pass_at_1"):  # evaluation rewards: discrete
       assert mesh_summary["eval_end"][key] == one_summary["eval_end"][key]
 

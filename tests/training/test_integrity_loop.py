@@ -1,15 +1,18 @@
 """Run integrity end to end in `loop.run` on a tiny config: a crash with a damaged newest checkpoint
 then a resume (fallback, one TensorBoard point per step), a finished run re-run, a changed config,
-repeated skipped updates, and an earlier attempt's logs with only unfinished checkpoints."""
+repeated skipped updates, an earlier attempt's logs with only unfinished checkpoints, damaged or
+missing bookkeeping files, a read-only workdir holding a finished run."""
 import json
 import os
+import shutil
 
 import ml_collections
 import pytest
+import small_fs
 import tiny
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lowrl.training import loop, run_config
+from lowrl.training import loop, run_config, run_logs
 from lowrl.training.checkpointing import Checkpointer, verify_manifest
 
 STEPS = 4
@@ -160,3 +163,82 @@ def test_reevaluate_on_request_adds_no_point(resumed_run, base_dir):
   assert any(m.startswith("[eval] held-out") for m in logs)
   assert _scalar_steps(workdir, "eval/pass_at_1") == [0, STEPS]
   assert _metric_steps(workdir) == list(range(1, STEPS + 1))
+
+
+def _damaged_copy(resumed_run, tmp_path, name: str, content: bytes | None) -> str:
+  """A copy of the finished run's workdir with `name` replaced by `content` (None: deleted)."""
+  workdir = str(tmp_path / "copy")
+  shutil.copytree(resumed_run[0], workdir)
+  path = os.path.join(workdir, name)
+  if content is None:
+    os.remove(path)
+  else:
+    with open(path, "wb") as f:
+      f.write(content)
+  return workdir
+
+
+def _snapshot(workdir: str) -> dict[str, bytes]:
+  out = {}
+  for root, _, files in os.walk(workdir):
+    for f in files:
+      if f != ".lowrl.lock":
+        out[os.path.relpath(os.path.join(root, f), workdir)] = open(os.path.join(root, f),
+                                                                    "rb").read()
+  return out
+
+
+@pytest.mark.parametrize("name, content, summary, fix", [
+    ("config.json", b'{"fingerprint": "ab', False, "restore it, or move it aside"),
+    ("metrics.jsonl", b'{"step": 1, "reward/mean": 0.5}\ngarbage\n', False, "delete that line"),
+    ("metrics.jsonl", b'{"step": 1}\n{"step": 2}\n{"step": 1}\n', False,
+     "delete the repeated lines"),
+    ("eval_start.json", None, False, "restore it, or start afresh"),
+    ("summary.json", b"\x00\x01", True, "move it aside and re-run"),
+])
+def test_damaged_bookkeeping_file_is_one_line_naming_it_and_nothing_is_overwritten(
+    resumed_run, base_dir, tmp_path, name, content, summary, fix):
+  workdir = _damaged_copy(resumed_run, tmp_path, name, content)
+  if not summary:  # the resume path (a finished run's summary would be returned first)
+    os.remove(os.path.join(workdir, "summary.json"))
+  before = _snapshot(workdir)
+  with pytest.raises(run_logs.WorkdirError) as e:
+    loop.run(tiny_config(base_dir), workdir, log=lambda _: None)
+  msg = str(e.value)
+  assert msg.startswith(os.path.join(workdir, name)) and fix in msg and "\n" not in msg, msg
+  assert _snapshot(workdir) == before
+
+
+def test_a_changed_config_is_refused_from_the_checkpoints_fingerprint_without_config_json(
+    resumed_run, base_dir, tmp_path):
+  workdir = _damaged_copy(resumed_run, tmp_path, "config.json", None)
+  os.remove(os.path.join(workdir, "summary.json"))
+  cfg = tiny_config(base_dir)
+  cfg.optimizer.lr = 1e-3
+  with pytest.raises(run_config.ConfigChangedError, match="newest checkpoint was saved under "
+                     "config fingerprint .*/config.json is missing"):
+    loop.run(cfg, workdir, log=lambda _: None)
+
+
+def test_a_finished_run_in_a_read_only_workdir_prints_its_summary(resumed_run, base_dir,
+                                                                  tmp_path):
+  with small_fs.tmpfs(str(tmp_path / "ro"), "8m") as mnt:
+    workdir = os.path.join(mnt, "run")
+    shutil.copytree(resumed_run[0], workdir)
+    small_fs.remount_read_only(mnt)
+    logs: list[str] = []
+    with open(os.path.join(workdir, "summary.json")) as f:
+      expected = json.load(f)
+    summary = loop.run(tiny_config(base_dir), workdir, log=logs.append)
+  assert summary == expected
+  assert any(m.startswith("[done]") for m in logs)
+
+
+def test_a_finished_run_whose_end_has_no_manifest_is_not_evaluated_again(resumed_run, base_dir,
+                                                                          tmp_path):
+  workdir = _damaged_copy(resumed_run, tmp_path, f"checkpoints/{STEPS}/lowrl_manifest.json", None)
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  logs: list[str] = []
+  assert loop.run(tiny_config(base_dir), workdir, log=logs.append) == summary
+  assert any(m.startswith("[done]") for m in logs) and not any("[eval]" in m for m in logs)

@@ -48,13 +48,27 @@ def test_a_config_that_cannot_fit_is_refused_before_any_compile(tmp_path):
   assert "\n" not in msg
   assert compiles.count == 0
   assert not (tmp_path / "run").exists()  # refused before the workdir is touched
-  # The same config with remat and more minibatches fits; hardware=none / auto on CPU: no check.
+  # The same config with remat and more minibatches fits; hardware=none: no check.
   cfg.model.remat, cfg.rl.num_minibatches = "full", 64
   loop.build(cfg)
   cfg.model.remat, cfg.rl.num_minibatches = "none", 1
-  for name in ("none", "auto"):
-    cfg.hardware = name
-    assert loop.build(cfg).device_memory[0] is None
+  cfg.hardware = "none"
+  assert loop.build(cfg).device_memory[0] is None
+
+
+def test_on_cpu_the_estimate_is_checked_against_the_hosts_ram(tmp_path):
+  # The tiny model with 100,000-token completions: a KV cache and activations of thousands of GB,
+  # refused in one line before the base is trained or anything compiled (hardware=auto, the
+  # default, is the host's RAM on CPU).
+  cfg = _cfg(max_new_tokens=100_000)
+  cfg.sft.steps = 5
+  assert cfg.hardware == memory.AUTO
+  with _Compiles() as compiles, pytest.raises(run_config.ConfigError) as e:
+    loop.run(cfg, str(tmp_path / "run"))
+  msg = str(e.value)
+  assert msg.startswith("--config.hardware=auto (") and "of host RAM" in msg, msg
+  assert "\n" not in msg and compiles.count == 0
+  assert not (tmp_path / "run").exists()
 
 
 def test_the_estimate_is_the_runs_and_is_printed():

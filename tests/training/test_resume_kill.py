@@ -1,4 +1,7 @@
-"""A training run SIGKILLed mid-way and resumed from its workdir equals an uninterrupted run."""
+"""A training run interrupted from outside resumes to exactly the uninterrupted result: SIGKILL,
+SIGTERM (checkpoints the step, exits 75), SIGINT twice (exits at once, 130), a second process on
+the same workdir (refused in one line naming the holder), a disk that fills up mid-run (stops in
+one line keeping the intact checkpoints). Real processes, real signals, a real small filesystem."""
 import json
 import os
 import signal
@@ -10,7 +13,10 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import multiprocess
+import small_fs
 import tiny
+from lowrl.training import preemption
+from lowrl.training.checkpointing import verify_manifest
 
 REPO = str(tiny.REPO)
 STEPS = 6
@@ -24,17 +30,17 @@ FLAGS = [
 ]
 
 
-def _train(workdir: str) -> subprocess.Popen:
+def _train(workdir: str, *extra: str) -> subprocess.Popen:
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
              XLA_FLAGS=multiprocess.xla_flags(1))
   return subprocess.Popen([sys.executable, "-m", "experiments.train", f"--workdir={workdir}",
-                           *FLAGS], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                           *FLAGS, *extra], cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
 
 
-def _finish(proc: subprocess.Popen) -> str:
+def _finish(proc: subprocess.Popen, status: int = 0) -> str:
   out = proc.communicate(timeout=600)[0]
-  assert proc.returncode == 0, out[-3000:]
+  assert proc.returncode == status, out[-3000:]
   return out
 
 
@@ -43,16 +49,39 @@ def _metrics(workdir: str) -> list[dict]:
     return [json.loads(line) for line in f]
 
 
-@pytest.mark.slow
-def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
-  full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
-  _finish(_train(full))
-
-  proc = _train(killed)
-  first_ckpt = os.path.join(killed, "checkpoints", "2")
+def _wait_for(path: str, proc: subprocess.Popen) -> None:
   deadline = time.time() + 600
-  while not os.path.isdir(first_ckpt) and proc.poll() is None and time.time() < deadline:
+  while not os.path.exists(path) and proc.poll() is None and time.time() < deadline:
     time.sleep(0.05)
+  assert proc.poll() is None, "the run finished (or died) before the fault: " + proc.stdout.read()
+
+
+def _at_checkpoint_2(workdir: str, *extra: str) -> subprocess.Popen:
+  """A run started in `workdir`, once its step-2 checkpoint is committed (it trains on)."""
+  proc = _train(workdir, *extra)
+  _wait_for(os.path.join(workdir, "checkpoints", "2"), proc)
+  return proc
+
+
+def _same_result(workdir: str, full: str) -> None:
+  assert _metrics(workdir) == _metrics(full)
+  with open(os.path.join(full, "summary.json")) as f, open(os.path.join(workdir,
+                                                                         "summary.json")) as g:
+    assert json.load(f)["eval_end"] == json.load(g)["eval_end"]
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+  """The uninterrupted run every interrupted one is compared with."""
+  workdir = str(tmp_path_factory.mktemp("full"))
+  _finish(_train(workdir))
+  return workdir
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, full):
+  killed = str(tmp_path / "killed")
+  proc = _at_checkpoint_2(killed)
   proc.send_signal(signal.SIGKILL)
   proc.communicate()
   assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
@@ -61,12 +90,78 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
 
   out = _finish(_train(killed))
   assert "[resume] from step" in out
-  assert _metrics(killed) == _metrics(full)
-  with open(os.path.join(full, "summary.json")) as f, open(os.path.join(killed,
-                                                                         "summary.json")) as g:
-    assert json.load(f)["eval_end"] == json.load(g)["eval_end"]
+  assert "[lock] took over the lock of a run that is no longer running (pid" in out
+  _same_result(killed, full)
   # TensorBoard: one point per step (those flushed before the kill were replaced on resume).
   acc = EventAccumulator(os.path.join(killed, "tb"), size_guidance={"scalars": 0})
   acc.Reload()
   assert [e.step for e in acc.Scalars("reward/mean")] == list(range(1, STEPS + 1))
   assert [e.step for e in acc.Scalars("eval/pass_at_1")] == [0, STEPS]
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_the_step_and_a_second_process_is_refused(tmp_path, full):
+  workdir = str(tmp_path / "term")
+  proc = _train(workdir)
+  _wait_for(os.path.join(workdir, "eval_start.json"), proc)  # the live run holds the workdir
+  second = _train(workdir)
+  out2 = _finish(second, status=2)
+  assert f"in use by another run (pid {proc.pid} on host" in out2, out2
+  assert "Traceback" not in out2
+  _wait_for(os.path.join(workdir, "checkpoints", "2"), proc)
+  proc.send_signal(signal.SIGTERM)
+  out = _finish(proc, status=preemption.EXIT_PREEMPTED)
+  assert "Traceback" not in out
+  stopped = [line for line in out.splitlines() if line.startswith("[signal] stopped on SIGTERM")]
+  assert len(stopped) == 1, out[-2000:]
+  step = int(stopped[0].split("checkpointed step ")[1].split()[0])
+  assert 2 <= step < STEPS
+  # The step it stopped at is saved (whatever checkpoint_every says) and verified.
+  assert verify_manifest(os.path.join(workdir, "checkpoints", str(step))) is None
+  assert max(m["step"] for m in _metrics(workdir)) == step  # every finished step logged
+  out = _finish(_train(workdir))
+  assert f"[resume] from step {step}" in out
+  _same_result(workdir, full)
+
+
+@pytest.mark.slow
+def test_a_second_sigint_exits_at_once_keeping_the_checkpoints(tmp_path):
+  workdir = str(tmp_path / "int")
+  proc = _at_checkpoint_2(workdir)
+  proc.send_signal(signal.SIGINT)
+  time.sleep(0.2)  # the first is handled (the run finishes its step), then the second
+  proc.send_signal(signal.SIGINT)
+  out = _finish(proc, status=128 + signal.SIGINT)
+  assert "second SIGINT: exiting now" in out and "Traceback" not in out, out[-2000:]
+  # What was committed is intact (resuming from it is the kill -9 test's case).
+  steps = [d for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit()]
+  assert "2" in steps
+  assert all(verify_manifest(os.path.join(workdir, "checkpoints", s)) is None for s in steps)
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_mid_run_stops_in_one_line_keeping_the_checkpoints(tmp_path, full):
+  base = os.path.join(full, "base")  # the uninterrupted run's base, off the small disk
+  with small_fs.tmpfs(str(tmp_path / "disk"), "3m") as disk:
+    workdir = os.path.join(disk, "run")
+    proc = _at_checkpoint_2(workdir, f"--config.sft.base_dir={base}")
+    filler = os.path.join(disk, "filler")
+    try:  # another process takes the rest of the disk (unless the run has filled it already)
+      with open(filler, "wb") as f:
+        while True:
+          f.write(b"\0" * 4096)
+          f.flush()
+    except OSError:
+      pass
+    out = _finish(proc, status=1)
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "is full" in errors[0], out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    kept = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
+    assert kept and all(verify_manifest(os.path.join(workdir, "checkpoints", str(s))) is None
+                        for s in kept)
+    assert f"steps {kept}" in errors[0]
+    if os.path.exists(filler):
+      os.remove(filler)
+    _finish(_train(workdir, f"--config.sft.base_dir={base}"))
+    _same_result(workdir, full)

@@ -1,0 +1,80 @@
+"""Routing of mixture-of-experts models: record a forward's expert choices, replay them, compare.
+
+Routing replay ("R3"): the sampler's per-token expert choices (`record_routing` on the sampled
+sequences under the sampler's policy and weights; in exact mode that forward routes as the
+decode did) are given to the trainer's forward (`token_logprobs_replayed`), which then sends
+every token to those experts while taking the combine weights from its own router's softmax, so
+the router keeps its gradient (lowrl/models/moe.py). `routing_flips` measures how often the
+trainer's own top-k set differs from the sampler's: the routing mismatch replay removes.
+
+Routing trees: {"layers_i": expert ids [B, T, k] int32} for every MoE layer. Unrolled layers
+only (`model_cfg.scan_layers=False`): a scanned forward does not see the replay collection.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from lowrl.models import layout, moe, transformer
+from lowrl.models.config import ModelConfig
+from lowrl.precision import PrecisionPolicy
+
+Routing = Mapping[str, jax.Array]
+
+
+def _check(model_cfg: ModelConfig) -> None:
+  if not model_cfg.is_moe:
+    raise ValueError("routing record/replay needs a mixture-of-experts model (n_experts > 0).")
+  if model_cfg.scan_layers:
+    raise ValueError("routing record/replay runs the layers unrolled; set model.scan_layers=False.")
+
+
+def _apply(params, tokens_BT, model_cfg, policy, mask_BT, quant_key, replay, record):
+  transformer._check_key(policy, quant_key)
+  mask_BT, positions_BT = transformer._inputs(tokens_BT, mask_BT, None)
+  variables = {"params": params}
+  if replay is not None:
+    missing = [layout.layer_key(i) for i in range(model_cfg.n_layers)
+               if layout.layer_key(i) not in replay]
+    if missing:
+      raise ValueError(f"replay routing lacks layers {missing}; record it with record_routing.")
+    variables[moe.REPLAY] = {k: {"mlp": {moe.EXPERT_IDS: v}} for k, v in replay.items()}
+  out = transformer.Transformer(model_cfg, policy).apply(
+      variables, tokens_BT, positions_BT, mask_BT, quant_key=quant_key,
+      mutable=[moe.ROUTING] if record else False)
+  if not record:
+    return out[0], None
+  (logits_BTV, _), state = out
+  routing = {k: v["mlp"][moe.EXPERT_IDS][0] for k, v in state[moe.ROUTING].items()}
+  return logits_BTV, routing
+
+
+def record_routing(params: Any, tokens_BT: jax.Array, model_cfg: ModelConfig,
+                   policy: PrecisionPolicy, *, mask_BT: jax.Array | None = None,
+                   quant_key: jax.Array | None = None,
+                   replay: Routing | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """(FP32 logits [B, T, V], the routing this forward used); with `replay` it uses that one."""
+  _check(model_cfg)
+  return _apply(params, tokens_BT, model_cfg, policy, mask_BT, quant_key, replay, True)
+
+
+def token_logprobs_replayed(params: Any, tokens_BT: jax.Array, model_cfg: ModelConfig,
+                            policy: PrecisionPolicy, replay: Routing | None, *,
+                            mask_BT: jax.Array | None = None,
+                            quant_key: jax.Array | None = None) -> jax.Array:
+  """`transformer.token_logprobs` with the experts of `replay` (None: the model's own top-k)."""
+  _check(model_cfg)
+  if model_cfg.logprob_chunk:
+    raise ValueError("token_logprobs_replayed computes the full LM head; set "
+                     "model.logprob_chunk=0.")
+  logits_BTV, _ = _apply(params, tokens_BT, model_cfg, policy, mask_BT, quant_key, replay, False)
+  return transformer.logprobs_from_logits(logits_BTV, tokens_BT, mask_BT)[0]
+
+
+def routing_flips(a: Routing, b: Routing, mask_BT: jax.Array | None = None) -> dict[str, jax.Array]:
+  """{"layers_i": fraction of tokens whose expert set differs, ..., "mean": over layers}."""
+  out = {k: moe.routing_flip_fraction(a[k], b[k], mask_BT) for k in sorted(a)}
+  out["mean"] = jnp.mean(jnp.stack(list(out.values())))
+  return out

@@ -1,0 +1,125 @@
+"""The refit check: a sampler's held weights, scales and static activation scales against a fresh
+quantization of the trainer's weights, bit for bit; one corrupted scale is one mismatching tensor
+and a warning line; the loop logs the count at each weight sync."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tiny
+from lowrl import precision
+from lowrl.models import layout, transformer
+from lowrl.quant.packing import PackedWeight
+from lowrl.sampling import refit
+from lowrl.training import loop
+
+TINY = tiny.TINY
+NAIVE = precision.policy_for("nvfp4_naive", layout.matmuls(TINY))  # tensor-scaled activations
+AMAX_PATHS = NAIVE.act_paths(layout.matmuls(TINY), "tensor")
+
+
+def _params(seed=0):
+  return transformer.init_params(TINY, jax.random.key(seed))
+
+
+def _act_amax(params):
+  tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+  return transformer.calibrate_act_amax(params, tokens, TINY, NAIVE, AMAX_PATHS)
+
+
+def _bump_first_scale(packed):
+  """The packed tree with the first E4M3 block scale of layer 0's k_proj one code higher."""
+  pw = packed["layers_0"]["attn"]["k_proj"]["kernel"]
+  bits = jax.lax.bitcast_convert_type(pw.scale, jnp.uint8)
+  scale = jax.lax.bitcast_convert_type(bits.at[0, 0].add(1), pw.scale.dtype)
+  bad = dataclasses.replace(pw, scale=scale)
+  return {**packed, "layers_0": {**packed["layers_0"], "attn": {
+      **packed["layers_0"]["attn"], "k_proj": {"kernel": bad}}}}
+
+
+@pytest.fixture(scope="module")
+def refitter():
+  return refit.Refitter(TINY, NAIVE, _act_amax, log=lambda _: None)
+
+
+def test_fresh_weights_pass_and_one_corrupted_scale_is_one_tensor(refitter):
+  params = _params()
+  held = refitter.quantize(params)
+  assert isinstance(held.weights["layers_0"]["attn"]["k_proj"]["kernel"], PackedWeight)
+  assert set(held.act_amax) == set(AMAX_PATHS)
+  names = refit.tensor_names(held)
+  flags = np.asarray(refitter.check(held, params))
+  assert flags.shape == (len(names),) and not flags.any()
+  bad = np.asarray(refitter.check(held._replace(weights=_bump_first_scale(held.weights)), params))
+  assert bad.sum() == 1
+  assert names[int(np.argmax(bad))].startswith("weights/layers_0/attn/k_proj/kernel")
+  # A stale activation scale, and weights of another version, are caught too.
+  stale = dict(held.act_amax, **{AMAX_PATHS[0]: held.act_amax[AMAX_PATHS[0]] * 1.001})
+  assert np.asarray(refitter.check(held._replace(act_amax=stale), params)).sum() == 1
+  assert np.asarray(refitter.check(held, _params(1))).sum() > 1
+
+
+def test_mismatches_compare_bits():
+  nan, zero = jnp.array([jnp.nan, 0.0]), jnp.array([jnp.nan, -0.0])
+  held = refit.RolloutWeights({"w": nan}, kv_scales={"k": jnp.ones(2)})
+  assert not np.asarray(refit.mismatches(held, held)).any()  # NaN is its own bits
+  assert np.asarray(refit.mismatches(held._replace(weights={"w": zero}), held)).tolist() == [
+      True, False]
+  # A tensor the fresh side lacks (e.g. KV scales it did not calibrate) counts.
+  assert np.asarray(refit.mismatches(held, held._replace(kv_scales=None))).sum() >= 1
+
+
+def test_refitter_syncs_on_a_new_version_and_checks_every_n():
+  logs = []
+  r = refit.Refitter(TINY, NAIVE, _act_amax, check_every=2, log=logs.append)
+  params = _params()
+  held, m = r(params, 0)
+  assert m == {"refit/mismatched_tensors": 0.0} and r.syncs == 1
+  # Same version: no sync, no check, the latest check's count again.
+  assert r(params, 0) == (held, m) and r.syncs == 1
+  assert r(params, 1)[1] == m and r.syncs == 2  # second sync: not checked (every 2)
+  pack = r._pack
+  r._pack = lambda p: _bump_first_scale(pack(p))  # a broken sync
+  _, m = r(params, 2)
+  assert m == {"refit/mismatched_tensors": 1.0}
+  assert len(logs) == 1 and logs[0].startswith("[warn] refit check: 1 sampler tensor(s)")
+  assert "layers_0/attn/k_proj" in logs[0]
+  off = refit.Refitter(TINY, NAIVE, _act_amax, check_every=0)
+  assert off(params, 0)[1] == {}
+
+
+def test_loop_rollout_logs_the_check_and_samples_the_held_weights():
+  c = tiny.loop_config("nvfp4_naive")
+  c.mesh.rules = ()
+  c.model.n_layers = 1  # (fewer programs to compile; nothing here depends on the depth)
+  c.rl.update(dict(num_prompts=2, group_size=4, max_new_tokens=2))
+  logs = []
+  trainer = loop.Trainer(loop.build(c), log=logs.append)
+  params = transformer.init_params(trainer.setup.model_cfg, jax.random.key(0))
+  _, info = trainer.rollout(params, params, 0, jax.random.key(1), stale=False, sampler_version=0)
+  assert info["refit"] == {"refit/mismatched_tensors": 0.0} and not logs
+  pack = trainer.refit._pack
+  trainer.refit._pack = lambda p: _bump_first_scale(pack(p))
+  _, info = trainer.rollout(params, params, 1, jax.random.key(1), stale=False, sampler_version=1)
+  assert info["refit"] == {"refit/mismatched_tensors": 1.0}
+  assert any(line.startswith("[warn] refit check") for line in logs)
+
+
+def test_kv_cache_calibration_is_checked_with_the_activation_scales():
+  """A quantized KV cache's static K/V amaxes travel in the held act_amax (as the loop's
+  calibration returns them, lowrl.sampling.act_scales.calibration_paths): a stale one counts."""
+  from lowrl.sampling.act_scales import calibration_paths
+  policy = dataclasses.replace(NAIVE, kv_cache="fp8_per_tensor")
+  paths = calibration_paths(policy, TINY)
+  kv = [p for p in paths if p not in AMAX_PATHS]
+  assert kv
+  tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+  r = refit.Refitter(TINY, policy, lambda p: transformer.calibrate_act_amax(
+      p, tokens, TINY, NAIVE, paths), log=lambda _: None)
+  params = _params()
+  held = r.quantize(params)
+  assert not np.asarray(r.check(held, params)).any()
+  stale = dict(held.act_amax, **{kv[0]: held.act_amax[kv[0]] * 2.0})
+  assert np.asarray(r.check(held._replace(act_amax=stale), params)).sum() == 1
