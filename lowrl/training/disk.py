@@ -109,27 +109,38 @@ def _mb(n: float) -> str:
   return f"{n / 2**20:.1f} MiB"
 
 
+def _abandoned_loop(exc: BaseException) -> bool:
+  """Whether `exc` is a late result's delivery to an event loop already closed: orbax runs a save
+  in a fresh loop whose file writes are `asyncio.to_thread` jobs; when one write fails (a full
+  disk) the save fails and the loop is closed while the other jobs still run. Each job that ends
+  then, racing the close (asyncio.futures checks `is_closed()`, then calls
+  `call_soon_threadsafe`), raises this in its done-callback, and concurrent.futures logs it with
+  a traceback. It says nothing of its own: the save's failure is reported where it is waited for."""
+  return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
 class _DropDiskFull(logging.Filter):
   """Drops log records of failed writes for lack of space (orbax logs each of its background
-  threads' with a traceback)."""
+  threads' with a traceback), and of late results sent to a failed save's closed event loop."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     exc = record.exc_info[1] if record.exc_info else None
     return not (any(s in record.getMessage() for s in _NO_SPACE)
-                or (exc is not None and is_disk_full(exc)))
+                or (exc is not None and (is_disk_full(exc) or _abandoned_loop(exc))))
 
 
 @contextlib.contextmanager
 def one_line_when_full() -> Iterator[None]:
   """For the block: background threads' reports of a full disk (log records, uncaught thread
-  exceptions) are dropped; the loop reports it once (DiskFullError). Other errors pass."""
+  exceptions) and of a failed save's closed event loop are dropped; the loop reports the full
+  disk once (DiskFullError). Other errors pass."""
   handlers, drop = logging.getLogger().handlers, _DropDiskFull()
   for h in handlers:
     h.addFilter(drop)
   previous = threading.excepthook
 
   def hook(args):
-    if not is_disk_full(args.exc_value):
+    if not (is_disk_full(args.exc_value) or _abandoned_loop(args.exc_value)):
       previous(args)
 
   threading.excepthook = hook
