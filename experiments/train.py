@@ -30,9 +30,8 @@ import sys
 from absl import app, flags, logging
 
 from lowrl import distributed
-from lowrl.training import cli, loop, preemption, run_config, schema
+from lowrl.training import cli, disk, loop, preemption, run_config, schema
 from lowrl.training.checkpointing import CheckpointError
-from lowrl.training.disk import DiskFullError
 from lowrl.training.run_logs import WorkdirError
 
 _FLAGS = cli.define_run_flags("default.py", "/tmp/lowrl_run",
@@ -66,15 +65,18 @@ def main(argv):
       _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, auto=_DISTRIBUTED.value,
       local_device_ids=None if _LOCAL_DEVICES.value is None else
       [int(i) for i in _LOCAL_DEVICES.value])
-  try:
-    loop.run(cfg, _FLAGS.workdir.value, log=lambda s: print(s, flush=True),
-             allow_config_change=_ALLOW_CHANGE.value, reevaluate=_REEVALUATE.value)
-  except (run_config.ConfigError, WorkdirError) as e:  # raised before any compile
-    cli.fail(str(e))
-  except preemption.Preempted as e:
-    _exit(f"[signal] {e}", preemption.EXIT_PREEMPTED)
-  except (CheckpointError, loop.NonFiniteError, DiskFullError) as e:
-    _exit(f"error: {e}", 1)
+  # The run drops background threads' reports of a full disk (it says so once); they are dropped
+  # here too until the process exits: a failed save's writes still in flight end after the run.
+  with disk.one_line_when_full():
+    try:
+      loop.run(cfg, _FLAGS.workdir.value, log=lambda s: print(s, flush=True),
+               allow_config_change=_ALLOW_CHANGE.value, reevaluate=_REEVALUATE.value)
+    except (run_config.ConfigError, WorkdirError) as e:  # raised before any compile
+      cli.fail(str(e))
+    except preemption.Preempted as e:
+      _exit(f"[signal] {e}", preemption.EXIT_PREEMPTED)
+    except (CheckpointError, loop.NonFiniteError, disk.DiskFullError) as e:
+      _exit(f"error: {e}", 1)
 
 
 def _exit(line: str, status: int) -> None:

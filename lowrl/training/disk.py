@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -109,33 +110,53 @@ def _mb(n: float) -> str:
   return f"{n / 2**20:.1f} MiB"
 
 
+def _abandoned_loop(exc: BaseException) -> bool:
+  """Whether `exc` is a late result's delivery to an event loop already closed: orbax runs a save
+  in a fresh loop awaiting tensorstore writes (and `asyncio.to_thread` jobs); when one write
+  fails (a full disk) the save fails and its loop is closed while the other writes still run.
+  Each that ends then calls the closed loop's `call_soon_threadsafe` from its done-callback:
+  tensorstore reports the RuntimeError through `sys.unraisablehook` (a bare traceback),
+  concurrent.futures through logging. It says nothing of its own: the save's failure is reported
+  where it is waited for."""
+  return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
+def _dropped(exc: BaseException | None) -> bool:
+  """Whether a background report of `exc` is dropped during a run (the loop reports it once)."""
+  return exc is not None and (is_disk_full(exc) or _abandoned_loop(exc))
+
+
 class _DropDiskFull(logging.Filter):
   """Drops log records of failed writes for lack of space (orbax logs each of its background
-  threads' with a traceback)."""
+  threads' with a traceback), and of late results sent to a failed save's closed event loop."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    exc = record.exc_info[1] if record.exc_info else None
     return not (any(s in record.getMessage() for s in _NO_SPACE)
-                or (exc is not None and is_disk_full(exc)))
+                or _dropped(record.exc_info[1] if record.exc_info else None))
 
 
 @contextlib.contextmanager
 def one_line_when_full() -> Iterator[None]:
   """For the block: background threads' reports of a full disk (log records, uncaught thread
-  exceptions) are dropped; the loop reports it once (DiskFullError). Other errors pass."""
+  exceptions, unraisable exceptions) and of a failed save's closed event loop are dropped; the
+  loop reports the full disk once (DiskFullError). Other errors pass."""
   handlers, drop = logging.getLogger().handlers, _DropDiskFull()
   for h in handlers:
     h.addFilter(drop)
-  previous = threading.excepthook
+  previous, previous_unraisable = threading.excepthook, sys.unraisablehook
 
   def hook(args):
-    if not is_disk_full(args.exc_value):
+    if not _dropped(args.exc_value):
       previous(args)
 
-  threading.excepthook = hook
+  def unraisable_hook(args):
+    if not _dropped(args.exc_value):
+      previous_unraisable(args)
+
+  threading.excepthook, sys.unraisablehook = hook, unraisable_hook
   try:
     yield
   finally:
-    threading.excepthook = previous
+    threading.excepthook, sys.unraisablehook = previous, previous_unraisable
     for h in handlers:
       h.removeFilter(drop)
