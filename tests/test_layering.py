@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Lowest first; ARCHITECTURE.md "Layering" shows the same order.
 LAYERS = (
-    ("lowrl.quant", "lowrl.hardware", "lowrl.distributed", "lowrl.metrics"),
+    ("lowrl.quant", "lowrl.hardware", "lowrl.distributed", "lowrl.metrics", "lowrl.user_cache"),
     ("lowrl.precision",),
     ("lowrl.models",),
     ("lowrl.sharding", "lowrl.checkpoints", "lowrl.memory", "lowrl.tasks"),
