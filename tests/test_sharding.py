@@ -23,7 +23,7 @@ from lowrl.sampling.generate import _decode_program as decode_program
 from lowrl.sampling import SamplingConfig
 from lowrl.training import loop, optimizer
 from lowrl.training.rl_update import make_rl_update
-from lowrl.training.step import RLBatch
+from lowrl.training.batch import RLBatch
 
 MESHES = [(8, 1), (4, 2), (2, 4)]
 # H=8, K=4 heads of 8: every projection width and K divide by 4 (whole heads per tensor shard).

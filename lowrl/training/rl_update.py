@@ -1,6 +1,6 @@
 """The RL update: one pure function of (params, opt_state, ref_params, batch, key).
 
-`batch` is a `lowrl.training.step.RLBatch` (its docstring has the layout). The update takes
+`batch` is a `lowrl.training.batch.RLBatch` (its docstring has the layout). The update takes
 pi_old from `batch.logp_trainer_BT`, builds the sampler/trainer correction weights, then runs
 `mu` passes of `num_minibatches` optimizer steps on the batch against that fixed pi_old. A
 non-finite loss, gradient or updated state skips that optimizer step (params and optimizer state
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,10 +47,9 @@ from lowrl.rl.masked import masked_count, masked_mean, safe_divide
 from lowrl.rl.mismatch import OUTSIDE_SUPPORT_LOGP, in_support, mismatch_metrics
 from lowrl.sampling import SamplingConfig, sampling_logits
 from lowrl.sharding import ShardingPlan
+from lowrl.training.batch import RLBatch
 from lowrl.training.optimizer import apply_update, tree_all_finite
 
-if TYPE_CHECKING:  # step.py builds on this module
-  from lowrl.training.step import RLBatch
 OLD_LOGP_SOURCES = ("trainer", "sampler")
 
 

@@ -1,13 +1,13 @@
 """One RL step, shared by the host training loop and the in-jit simulator.
 
 A rollout (the sampled sequences, their task rewards and the trainer's scores of them) becomes a
-typed batch (`RLBatch`: DAPO overlong penalty, group-relative advantages, DAPO dynamic sampling,
-all in JAX), then the step logs the sampler -> trainer drift and runs the pure update
-(`rl_update.make_rl_update`). `make_step` returns that step as one pure function: the loop jits
-it with its shardings and donation (rewards come from the host verifier), the fast simulator
-calls it inside its `lax.scan` (rewards computed in JAX). Scoring stays outside the step: the
-loop's pi_old must come from the sampler's own jitted `rescore` program (bit-identical to the
-exact-mode sampler), which a bigger program would round differently.
+typed batch (`lowrl.training.batch.RLBatch`: DAPO overlong penalty, group-relative advantages,
+DAPO dynamic sampling, all in JAX), then the step logs the sampler -> trainer drift and runs the
+pure update (`rl_update.make_rl_update`). `make_step` returns that step as one pure function: the
+loop jits it with its shardings and donation (rewards come from the host verifier), the fast
+simulator calls it inside its `lax.scan` (rewards computed in JAX). Scoring stays outside the
+step: the loop's pi_old must come from the sampler's own jitted `rescore` program (bit-identical
+to the exact-mode sampler), which a bigger program would round differently.
 """
 from __future__ import annotations
 
@@ -24,32 +24,12 @@ from lowrl.rl.drift import drift_metrics
 from lowrl.rl.health import health_metrics
 from lowrl.sampling import SampleOutput
 from lowrl.sharding import ShardingPlan
+from lowrl.training.batch import RLBatch
 from lowrl.training.rl_update import UpdateConfig, make_rl_update
 
 
 # `make_batch`'s metrics, in their log order.
 BATCH_METRICS = ("reward/mean", "reward/pass_rate", "response_length", "groups_kept")
-
-
-class RLBatch(NamedTuple):
-  """The update's batch; every array [B, T] is aligned so that column t refers to token t.
-
-  tokens_BT:       int32, prompt + completion (+ padding).
-  input_mask_BT:   float32, 1 on real (non-padding) tokens.
-  loss_mask_BT:    float32, 1 on completion tokens that count in the loss.
-  logp_sampler_BT: float32, log q_sampler of token t as the sampler recorded it (0 off the
-                   completion): the behaviour distribution.
-  adv_B:           float32 per-sequence advantages.
-  logp_trainer_BT: float32 or None: the trainer's log q of the same tokens with the params that
-                   start the update (pi_old); None = the update recomputes it in its own program.
-  """
-
-  tokens_BT: jax.Array
-  input_mask_BT: jax.Array
-  loss_mask_BT: jax.Array
-  logp_sampler_BT: jax.Array
-  adv_B: jax.Array
-  logp_trainer_BT: jax.Array | None = None
 
 
 class Rollout(NamedTuple):

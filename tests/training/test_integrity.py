@@ -26,7 +26,7 @@ from lowrl.training import checkpointing
 from lowrl.training.checkpointing import (MANIFEST, CheckpointError, Checkpointer, abstract_like,
                                           verify_manifest)
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, make_rl_update
-from lowrl.training.step import RLBatch
+from lowrl.training.batch import RLBatch
 
 
 def _tree(step: int):

@@ -12,7 +12,7 @@ import tiny
 from lowrl.rl.losses import aggregation_denominator
 from lowrl.training import loop, schema
 from lowrl.training.rl_update import make_logprob_fn, make_rl_update
-from lowrl.training.step import RLBatch
+from lowrl.training.batch import RLBatch
 
 U = 2.0**-24  # FP32 unit roundoff
 

@@ -21,7 +21,7 @@ from lowrl.rl.losses import LossConfig
 from lowrl.sampling import SamplingConfig
 from lowrl.training import loop, optimizer, schema
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, make_rl_update
-from lowrl.training.step import RLBatch
+from lowrl.training.batch import RLBatch
 
 # The pure-update tests' model: the loop's test model with one layer (nothing here depends on the
 # depth; a smaller program compiles faster).
