@@ -45,6 +45,9 @@ import numpy as np
 
 from lowrl import precision, user_cache
 from lowrl.training import loop, optimizer, run_config, run_logs
+from lowrl.training.setup import build
+from lowrl.training.state import final_params
+from lowrl.training.trainer import Trainer
 
 Log = Callable[[str], None]
 RESULTS = "results.jsonl"
@@ -178,7 +181,7 @@ def validate(cfg: ml_collections.ConfigDict) -> list[tuple[Setting, ml_collectio
   for s in settings(cfg):
     c = s.config(cfg.run, seeds[0])
     try:
-      loop.build(c)
+      build(c)
     except ValueError as e:
       raise run_config.ConfigError(f"setting {s.name}: {e}".replace("--config.",
                                                                     "--config.run.")) from e
@@ -214,13 +217,13 @@ def summarize_metrics(lines: list[dict[str, Any]]) -> dict[str, float | None]:
 def _twin_kl(cfg: ml_collections.ConfigDict, workdir: str, twin_cfg: ml_collections.ConfigDict,
              twin_dir: str, base) -> dict[str, float]:
   """KL(run || twin) of the final policies and of the base under both precisions."""
-  trainer = loop.Trainer(loop.build(cfg), log=lambda _: None)
-  twin = loop.Trainer(loop.build(twin_cfg), log=lambda _: None)
+  trainer = Trainer(build(cfg), log=lambda _: None)
+  twin = Trainer(build(twin_cfg), log=lambda _: None)
   key = jax.random.key(cfg.seed)
   start = trainer.policy_kl(trainer.place(optimizer.to_master(base, cfg.optimizer.master_dtype)),
                             trainer.place(base), twin.setup.trainer_policy, key)
-  end = trainer.policy_kl(loop.final_params(cfg, workdir, trainer),
-                          loop.final_params(twin_cfg, twin_dir, twin), twin.setup.trainer_policy,
+  end = trainer.policy_kl(final_params(cfg, workdir, trainer),
+                          final_params(twin_cfg, twin_dir, twin), twin.setup.trainer_policy,
                           key)
   return {"twin_kl_start": start["kl"], "twin_kl_k3_start": start["kl_k3"],
           "twin_kl_end": end["kl"], "twin_kl_k3_end": end["kl_k3"]}

@@ -43,7 +43,9 @@ from absl import app, flags  # noqa: E402
 from lowrl import user_cache  # noqa: E402
 from lowrl.checkpoints import hf, hf_quantized  # noqa: E402
 from lowrl.models import layout, transformer  # noqa: E402
-from lowrl.training import loop, run_config, schema  # noqa: E402
+from lowrl.training import run_config, schema  # noqa: E402
+from lowrl.training.setup import Setup, build  # noqa: E402
+from lowrl.training.trainer import Trainer  # noqa: E402
 from lowrl.training.checkpointing import verify_manifest  # noqa: E402
 
 # Files of a source checkpoint that describe its tokenizer and generation defaults.
@@ -153,13 +155,13 @@ def _restore_params(ckpt_dir: str, step: int | None, abstract_params: Any) -> tu
   return out.state["params"], step
 
 
-def _calibrated_amax(setup: loop.Setup, params: Any) -> dict[str, jax.Array]:
+def _calibrated_amax(setup: Setup, params: Any) -> dict[str, jax.Array]:
   """max |input| of every block linear on the loop's calibration batch, trainer's precision."""
-  trainer = loop.Trainer(setup, log=lambda _: None)
+  trainer = Trainer(setup, log=lambda _: None)
   tokens, mask = np.asarray(trainer.calib_tokens), np.asarray(trainer.calib_mask)
   policy = setup.trainer_policy
   paths = tuple(m.full_path for m in layout.matmuls(setup.model_cfg) if m.layer is not None)
-  key = jax.random.key(setup.cfg.seed) if policy.needs_key else None
+  key = policy.quant_key(jax.random.key(setup.loop.seed))
   return transformer.calibrate_act_amax(params, jnp.asarray(tokens), setup.model_cfg, policy,
                                         paths, mask_BT=jnp.asarray(mask), quant_key=key)
 
@@ -181,7 +183,7 @@ def export(workdir: str, out: str, *, step: int | None = None, rollout_format: s
   # The export restores onto one device: the saved mesh shape may not fit this machine.
   cfg.mesh.shape = (-1,) + (1,) * (len(cfg.mesh.axes) - 1)
   try:
-    setup = loop.build(cfg)
+    setup = build(cfg)
   except ValueError as e:
     raise ExportError(f"The run's config does not build here: {e}") from None
   device = jax.local_devices()[0]

@@ -19,6 +19,7 @@ import importlib
 import re
 from typing import NamedTuple, Protocol, Sequence
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 
@@ -160,6 +161,11 @@ class PrecisionPolicy:
     """True when some quantizer rounds stochastically (the forward then needs a quant_key)."""
     return any(q is not None and q.stochastic_rounding
                for _, c in self.rules for q in (c.lhs, c.rhs, c.grad))
+
+  def quant_key(self, key: jax.Array | None) -> jax.Array | None:
+    """`key` when some quantizer rounds stochastically, else None (a forward without one then
+    takes no key: the same program whatever key the caller holds)."""
+    return key if self.needs_key else None
 
 
 ACT_SCALINGS = ("none", "row", "tensor", "tile")

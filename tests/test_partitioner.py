@@ -36,7 +36,9 @@ def _worker(shape: tuple[int, int], contiguous: bool) -> None:
   from lowrl.models import layout, transformer
   from lowrl.sampling import SamplingConfig, rescore
   from lowrl.sampling.generate import _decode_program
-  from lowrl.training import loop, optimizer, rl_update
+  from lowrl.training import optimizer, rl_update
+  from lowrl.training.setup import build
+  from lowrl.training.trainer import Trainer
   import test_sharding as ts
   import tiny
 
@@ -70,8 +72,8 @@ def _worker(shape: tuple[int, int], contiguous: bool) -> None:
   mark("update")
   cfg = ts._update_config("fp32", shape)
   cfg.rl.micro_batches = 1 if contiguous else 2
-  setup = dataclasses.replace(loop.build(cfg), plan=plan)
-  trainer = loop.Trainer(setup, log=lambda _: None)
+  setup = dataclasses.replace(build(cfg), plan=plan)
+  trainer = Trainer(setup, log=lambda _: None)
   init = transformer.init_params(setup.model_cfg, jax.random.key(0))
   state = trainer.place({"params": init, "opt_state": optimizer.init_opt_state(trainer.tx, init)})
   p_sh, o_sh = (trainer.state_shardings(state[k]) for k in ("params", "opt_state"))

@@ -21,7 +21,10 @@ from lowrl.quant.quantize import fake_quant
 from lowrl import sampling
 from lowrl.sampling.generate import _decode_program as decode_program
 from lowrl.sampling import SamplingConfig
-from lowrl.training import loop, optimizer
+from lowrl.training import optimizer
+from lowrl.training.setup import build
+from lowrl.training.trainer import Trainer
+from lowrl.training.reporting import log_setup
 from lowrl.training.rl_update import make_rl_update
 from lowrl.training.batch import RLBatch
 
@@ -204,7 +207,7 @@ def test_a_kv_cache_replicated_over_the_tensor_axis_is_said_before_compiling():
     decode_program(narrow, FP32, SAMPLING, plan)
   c = _tiny_config("fp32", (2, 4), n_heads=4, n_kv_heads=2, d_model=32)
   logs = []
-  loop._log_setup(loop.build(c), "/tmp/w", logs.append)
+  log_setup(build(c), "/tmp/w", logs.append)
   assert any(line.startswith("[warn] KV cache: n_kv_heads=2") for line in logs)
 
 
@@ -277,18 +280,18 @@ def _tiny_config(recipe, mesh_shape, **model):
 
 def test_build_validates_the_mesh_before_compiling():
   with pytest.raises(ValueError, match="needs 2 devices but 8"):
-    loop.build(_tiny_config("fp32", (2, 1)))
+    build(_tiny_config("fp32", (2, 1)))
   c = _tiny_config("fp32", (-1, 1))
   c.mesh.axes = ("batch", "model")
   with pytest.raises(ValueError, match="'data', which is not in mesh.axes"):
-    loop.build(c)
+    build(c)
   c = _tiny_config("fp32", (-1, 1))
   c.rl.num_prompts = 3  # 6 rollouts over 8 data shards
   with pytest.raises(ValueError, match=r"rl.num_prompts \* rl.group_size = 6 rows"):
-    loop.build(c)
+    build(c)
   with pytest.raises(ValueError, match="q_proj weights .* straddle"):
-    loop.build(_tiny_config("nvfp4_recipe", (8, 1)))
-  assert dict(loop.build(_tiny_config("nvfp4_recipe", (2, 4))).plan.mesh.shape) == {
+    build(_tiny_config("nvfp4_recipe", (8, 1)))
+  assert dict(build(_tiny_config("nvfp4_recipe", (2, 4))).plan.mesh.shape) == {
       "data": 2, "model": 4}
 
 
@@ -409,7 +412,7 @@ def test_split_logit_sums_keep_tokens_exact_and_logprobs_within_the_fp32_bound()
 
 def _batch(setup, key):
   """A made-up rollout batch of the config's shape: prompt columns, then completions."""
-  rows, t = setup.batch_size, setup.task.max_prompt_len + setup.cfg.rl.max_new_tokens
+  rows, t = setup.batch_size, setup.task.max_prompt_len + setup.sampling.max_new_tokens
   k1, k2, k3 = jax.random.split(key, 3)
   tokens = jax.random.randint(k1, (rows, t), 3, setup.model_cfg.vocab_size)
   prompt_len = setup.task.max_prompt_len
@@ -435,8 +438,8 @@ def _update_config(recipe, mesh, model=(), passes=2):
 
 def _run_update(cfg, plan, updates):
   """`updates` RL updates on `plan`: (initial params, final params, metrics), on the host."""
-  setup = dataclasses.replace(loop.build(cfg), plan=plan)
-  trainer = loop.Trainer(setup, log=lambda _: None)
+  setup = dataclasses.replace(build(cfg), plan=plan)
+  trainer = Trainer(setup, log=lambda _: None)
   init = transformer.init_params(setup.model_cfg, jax.random.key(0))
   host = lambda t: jax.tree.map(np.asarray, t)  # noqa: E731
   init_host = host(init)
@@ -498,7 +501,7 @@ ONE_LAYER = (("n_layers", 1),)
 def test_sharded_update_matches_one_device(shape):
   # Two updates of mu=2 passes over 2 minibatches: 8 optimizer steps.
   cfg = _update_config("fp32", shape, ONE_LAYER)
-  _assert_update_close(_run_update(cfg, loop.build(cfg).plan, 2),
+  _assert_update_close(_run_update(cfg, build(cfg).plan, 2),
                        _reference_update("fp32", ONE_LAYER), ATOL)
 
 
@@ -515,7 +518,7 @@ def test_sharded_quantized_step_matches_one_device():
   # would.
   cfg = _update_config("nvfp4_naive", (2, 4), ONE_LAYER, passes=1)
   ref = _reference_update("nvfp4_naive", ONE_LAYER, passes=1, updates=1)
-  _assert_update_close(_run_update(cfg, loop.build(cfg).plan, 1), ref, atol=1e-5, rtol=1e-4,
+  _assert_update_close(_run_update(cfg, build(cfg).plan, 1), ref, atol=1e-5, rtol=1e-4,
                        update_rel_l2=1e-2)
 
 

@@ -8,7 +8,8 @@ from configs import base as base_config
 import tiny
 from lowrl import sharding
 from lowrl.models import transformer
-from lowrl.training import loop, optimizer
+from lowrl.training import optimizer
+from lowrl.training.state import state_tree
 from lowrl.training.checkpointing import Checkpointer
 
 MODEL = tiny.SHARDABLE
@@ -27,7 +28,7 @@ def _state(plan):
   grads = jax.tree.map(lambda p: jnp.sin(p * 3.0), params)
   moved, opt = optimizer.apply_update(tx, params, grads, optimizer.init_opt_state(tx, params),
                                       master_rounding="nearest", key=None)
-  state = loop._state(moved, opt, jax.random.key_data(jax.random.key(7)), params,
+  state = state_tree(moved, opt, jax.random.key_data(jax.random.key(7)), params,
                       {"3": jax.tree.map(lambda p: p * 2, params)})
   shapes = transformer.param_shapes(MODEL)
   return state, plan.put(state, plan.shardings_like_params(state, shapes))

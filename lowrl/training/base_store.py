@@ -23,6 +23,7 @@ not match, that cannot be restored, or holds non-finite values is moved aside to
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -31,10 +32,11 @@ import uuid
 from typing import Any, Callable
 
 import jax
-import ml_collections
+import jax.numpy as jnp
 import numpy as np
 
 from lowrl import distributed, sharding, user_cache
+from lowrl.checkpoints import hf
 from lowrl.models import transformer
 from lowrl.models.config import ModelConfig
 from lowrl.tasks.base import Task
@@ -152,12 +154,38 @@ def load_or_train(store: str, fingerprint: str, abstract: Any, train: Callable[[
   return params
 
 
-def load_mid_trained(store: str, task: Task, cfg: ml_collections.ConfigDict,
-                     model_cfg: ModelConfig, plan: sharding.ShardingPlan, seed: int,
-                     log: Callable[[str], None],
+@dataclasses.dataclass(frozen=True)
+class BaseConfig:
+  """Where a run's base comes from (built once by `lowrl.training.setup.build`)."""
+
+  hf_checkpoint: str  # model.hf_checkpoint: '' = the mid-trained base of `sft`
+  param_dtype: str  # model.param_dtype: the checkpoint's params' dtype
+  base_dir: str  # sft.base_dir (`store_dir`)
+  sft: sft.SFTConfig
+  seed: int  # sft.seed, or the run's seed when it is -1
+  fingerprint: str  # sft.fingerprint of the run's task, model, sft section and `seed`
+
+
+def load_base(base: BaseConfig, task: Task, model_cfg: ModelConfig, plan: sharding.ShardingPlan,
+              workdir: str, log: Callable[[str], None],
+              on_sft_loss: Callable[[int, float], None] | None = None) -> Any:
+  """A run's base params: with `base.hf_checkpoint` the checkpoint's, placed with the mesh's
+  parameter shardings (each process reads only the slices its devices hold); otherwise the
+  mid-trained base from the store of `base.base_dir` (`load_mid_trained`)."""
+  shapes = transformer.param_shapes(model_cfg)
+  if base.hf_checkpoint:
+    log(f"[base] loading {base.hf_checkpoint} ({base.param_dtype}, sharded)")
+    return hf.load_hf_params(base.hf_checkpoint, model_cfg, dtype=jnp.dtype(base.param_dtype),
+                             shardings=plan.param_shardings(shapes))
+  return load_mid_trained(store_dir(base.base_dir, workdir), task, base, model_cfg, plan, log,
+                          on_sft_loss)
+
+
+def load_mid_trained(store: str, task: Task, base: BaseConfig, model_cfg: ModelConfig,
+                     plan: sharding.ShardingPlan, log: Callable[[str], None],
                      on_sft_loss: Callable[[int, float], None] | None = None) -> Any:
-  """The training loop's base (`sft.train_base` of the run's `cfg.task`/`cfg.sft`, `seed`) from
-  `store`, replicated over `plan`'s mesh; trained and published if missing or damaged.
+  """The training loop's base (`sft.train_base` of the run's task, `base.sft` and `base.seed`)
+  from `store`, replicated over `plan`'s mesh; trained and published if missing or damaged.
 
   A stored base is restored onto this run's mesh, whichever topology saved it. With several
   processes orbax must see global arrays, so process 0 trains the base (SFT is not sharded) and
@@ -168,15 +196,14 @@ def load_mid_trained(store: str, task: Task, cfg: ml_collections.ConfigDict,
 
   def train():
     if jax.process_count() == 1:
-      return sft.train_base(task, model_cfg, cfg.sft, seed, log, on_sft_loss)
+      return sft.train_base(task, model_cfg, base.sft, base.seed, log, on_sft_loss)
     if distributed.is_primary():
-      params = jax.tree.map(np.asarray, sft.train_base(task, model_cfg, cfg.sft, seed, log,
+      params = jax.tree.map(np.asarray, sft.train_base(task, model_cfg, base.sft, base.seed, log,
                                                        on_sft_loss))
     else:
       params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
     return plan.put(distributed.broadcast_from_primary(params), repl)
 
-  key = f"{sft.fingerprint(cfg.task, model_cfg, cfg.sft, seed)}-{environment_key()}"
-  return load_or_train(store, key,
-                       sharding.abstract(shapes, repl), train, {"sft_steps": int(cfg.sft.steps)},
-                       log)
+  key = f"{base.fingerprint}-{environment_key()}"
+  return load_or_train(store, key, sharding.abstract(shapes, repl), train,
+                       {"sft_steps": int(base.sft.steps)}, log)

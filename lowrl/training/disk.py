@@ -18,7 +18,6 @@ import tempfile
 import threading
 from collections.abc import Iterator
 
-import ml_collections
 import numpy as np
 
 from lowrl.training.checkpointing import verify_manifest
@@ -34,17 +33,18 @@ class DiskFullError(RuntimeError):
   """The workdir's disk filled up during the run; the message names what was kept."""
 
 
-def needed_bytes(cfg: ml_collections.ConfigDict, num_params: int, ckpt_dir: str, *,
-                 keep_reference: bool, versions: int) -> int:
-  """Free bytes a run of `cfg` needs: the checkpoints it holds at once (2 kept + 1 in flight)
-  less those already in `ckpt_dir`, plus the logs. A checkpoint: the params, Adam's two FP32
-  moments, the reference (`keep_reference`) and `versions` parameter copies of the schedule."""
+def needed_bytes(num_params: int, ckpt_dir: str, *, master_dtype: str,
+                 reference_storage: str | None, version_storage: str, versions: int) -> int:
+  """Free bytes a run needs: the checkpoints it holds at once (2 kept + 1 in flight) less those
+  already in `ckpt_dir`, plus the logs. A checkpoint: the params (`master_dtype`), Adam's two FP32
+  moments, the reference (stored as `reference_storage`; None = no reference) and `versions`
+  parameter copies of the schedule (stored as `version_storage`)."""
   def size(storage: str) -> int:
-    return 2 if storage == "bfloat16" else np.dtype(cfg.optimizer.master_dtype).itemsize
+    return 2 if storage == "bfloat16" else np.dtype(master_dtype).itemsize
   per_param = size("param") + 8
-  if keep_reference:
-    per_param += size(cfg.rl.ref_storage)
-  per_param += versions * size(cfg.async_rl.version_storage)
+  if reference_storage is not None:
+    per_param += size(reference_storage)
+  per_param += versions * size(version_storage)
   kept = len([d for d in os.listdir(ckpt_dir) if d.isdigit()]) if os.path.isdir(ckpt_dir) else 0
   return num_params * per_param * max(1, 3 - kept) + LOG_SLACK
 

@@ -126,7 +126,7 @@ def make_logprob_fn(model_cfg: ModelConfig, policy: PrecisionPolicy,
 
   def logprob_fn(params, batch, quant_key):
     tokens_BT, mask_BT = batch.tokens_BT, batch.input_mask_BT
-    quant_key = quant_key if policy.needs_key else None
+    quant_key = policy.quant_key(quant_key)
     if not transform:
       return transformer.token_logprobs_and_entropy(params, tokens_BT, model_cfg, policy,
                                                     mask_BT=mask_BT, quant_key=quant_key)

@@ -74,6 +74,12 @@ class AsyncSchedule:
     return self.sync_every * (max(step - self.lag, 0) // self.sync_every)
 
   @property
+  def stale(self) -> bool:
+    """Whether a sampler can hold an older version than the trainer's (a lag, or syncs less
+    often than every step): the loop then copies versions and re-scores stale ones."""
+    return self.lag > 0 or self.sync_every > 1
+
+  @property
   def max_versions(self) -> int:
     """Most versions a VersionBuffer holds at once: ceil(lag / sync_every) + 1.
 

@@ -7,6 +7,7 @@ and reused by every run (and every recipe) that asks for the same base (`base_st
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from typing import Any, Callable
@@ -24,6 +25,16 @@ from lowrl.rl.masked import masked_mean
 from lowrl.tasks.base import Task
 from lowrl.tasks.batching import encode_sft
 from lowrl.training import run_logs
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  """The base's SFT settings (lowrl.training.schema.SFT has their meanings)."""
+
+  steps: int
+  batch_size: int
+  lr: float
+  warmup_steps: int
 
 
 def sft_loss(params, tokens_BT, loss_mask_BT, model_cfg: ModelConfig,
@@ -71,11 +82,12 @@ def fingerprint(task_cfg, model_cfg: ModelConfig, sft_cfg, seed: int) -> str:
   return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def train_base(task: Task, model_cfg: ModelConfig, sft_cfg: ml_collections.ConfigDict, seed: int,
-               log: Callable[[str], None] = print,
+def train_base(task: Task, model_cfg: ModelConfig, sft_cfg: SFTConfig | ml_collections.ConfigDict,
+               seed: int, log: Callable[[str], None] = print,
                on_loss: Callable[[int, float], None] | None = None) -> Any:
-  """Trains the base from scratch; deterministic in `seed`. `on_loss(step, loss)` is called at
-  each logged step (e.g. to write it to TensorBoard)."""
+  """Trains the base from scratch; deterministic in `seed`. `sft_cfg`: an SFTConfig or a
+  validated sft section. `on_loss(step, loss)` is called at each logged step (e.g. to write it
+  to TensorBoard)."""
   params = transformer.init_params(model_cfg, jax.random.key(seed))
   tx = optax.chain(
       optax.clip_by_global_norm(1.0),

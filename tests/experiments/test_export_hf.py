@@ -22,6 +22,7 @@ from lowrl.quant.config import QuantConfig
 from lowrl.quant.quantize import fake_quant
 from lowrl.sampling import weights
 from lowrl.training import loop
+from lowrl.training.setup import build
 
 STEPS = 2
 # E2M1 magnitudes by the low 3 bits of a nibble (OCP MX spec); bit 3 is the sign.
@@ -34,7 +35,7 @@ def run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("run"))
   cfg = tiny.loop_config("fp32", base, steps=STEPS)
   loop.run(cfg, workdir, log=lambda _: None)
-  return workdir, loop.build(cfg).model_cfg
+  return workdir, build(cfg).model_cfg
 
 
 def _saved_params(workdir: str, step: int):

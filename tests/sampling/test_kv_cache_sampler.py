@@ -16,7 +16,8 @@ from lowrl.models.config import ModelConfig
 from lowrl.rl.mismatch import mismatch_metrics
 from lowrl.sampling import SamplingConfig
 from lowrl.sampling.act_scales import calibration_paths
-from lowrl.training import loop
+from lowrl.training.setup import build
+from lowrl.training.trainer import Trainer
 
 KV16 = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                    d_ff=64, max_seq_len=32)
@@ -79,22 +80,22 @@ def test_loop_validates_the_knob_in_one_line():
   c = tiny.loop_config("bf16")
   c.sampler_precision.kv_cache = "fp9"
   with pytest.raises(ValueError, match=r"^--config.sampler_precision.kv_cache='fp9': use one of"):
-    loop.build(c)
+    build(c)
   c = tiny.loop_config("bf16")
   c.model.head_dim = 8
   c.sampler_precision.kv_cache = "nvfp4"
   with pytest.raises(ValueError, match="head_dim % 16 == 0"):
-    loop.build(c)
+    build(c)
 
 
 def test_loop_logs_the_kv_share_which_is_the_whole_mismatch_when_only_kv_differs():
   c = tiny.loop_config("bf16")
   c.sampler_precision.kv_cache = "fp8_per_tensor"
   c.rl.update(dict(num_prompts=4, group_size=4, max_new_tokens=4))
-  setup = loop.build(c)
+  setup = build(c)
   assert setup.sampler_policy.kv_cache == "fp8_per_tensor"
   assert setup.trainer_policy.kv_cache == "none"
-  trainer = loop.Trainer(setup, log=lambda _: None)
+  trainer = Trainer(setup, log=lambda _: None)
   params = transformer.init_params(setup.model_cfg, jax.random.key(0))
   amax = trainer.act_amax(params, setup.sampler_policy)  # recalibrated from the synced weights
   assert set(amax) == {f"layers_{i}/attn/{t}_cache" for i in range(2) for t in "kv"}
@@ -109,5 +110,5 @@ def test_loop_logs_the_kv_share_which_is_the_whole_mismatch_when_only_kv_differs
   assert float(kv["kv/abs_dlogp_mean"]) > 1e-4
   # An unquantized cache logs no kv/* part.
   c.sampler_precision.kv_cache = "none"
-  plain = loop.Trainer(loop.build(c), log=lambda _: None)
+  plain = Trainer(build(c), log=lambda _: None)
   assert plain.rollout(params, params, 0, jax.random.key(1), stale=False)[1]["kv"] == {}

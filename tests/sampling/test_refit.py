@@ -13,7 +13,8 @@ from lowrl import precision
 from lowrl.models import layout, transformer
 from lowrl.quant.packing import PackedWeight
 from lowrl.sampling import refit
-from lowrl.training import loop
+from lowrl.training.setup import build
+from lowrl.training.trainer import Trainer
 
 TINY = tiny.TINY
 NAIVE = precision.policy_for("nvfp4_naive", layout.matmuls(TINY))  # tensor-scaled activations
@@ -96,7 +97,7 @@ def test_loop_rollout_logs_the_check_and_samples_the_held_weights():
   c.model.n_layers = 1  # (fewer programs to compile; nothing here depends on the depth)
   c.rl.update(dict(num_prompts=2, group_size=4, max_new_tokens=2))
   logs = []
-  trainer = loop.Trainer(loop.build(c), log=logs.append)
+  trainer = Trainer(build(c), log=logs.append)
   params = transformer.init_params(trainer.setup.model_cfg, jax.random.key(0))
   _, info = trainer.rollout(params, params, 0, jax.random.key(1), stale=False, sampler_version=0)
   assert info["refit"] == {"refit/mismatched_tensors": 0.0} and not logs

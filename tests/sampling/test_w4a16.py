@@ -13,7 +13,7 @@ from lowrl import precision, sampling
 from lowrl.models import layout, transformer
 from lowrl.quant import QuantConfig, quantized_dot_general
 from lowrl.sampling import SamplingConfig
-from lowrl.training import loop
+from lowrl.training.setup import build
 
 TINY = tiny.TINY
 W4A16 = precision.policy_for("nvfp4_w4a16", layout.matmuls(TINY))
@@ -120,7 +120,7 @@ def test_w4a16_sampler_alone_with_a_bf16_trainer_builds():
   c = tiny.loop_config("bf16")
   c.sampler_precision.recipe = "nvfp4_w4a16"
   c.mesh.rules = ()  # the tiny widths don't split into NVFP4 blocks over 8 test devices
-  setup = loop.build(c)
+  setup = build(c)
   assert setup.trainer_policy.qdot_config("layers_0/attn/q_proj").rhs is None
   sampler = setup.sampler_policy.qdot_config("layers_0/attn/q_proj")
   assert sampler.lhs is None and sampler.rhs.fmt == "nvfp4"

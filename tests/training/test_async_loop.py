@@ -16,6 +16,8 @@ import tiny
 
 from lowrl.rl.drift import DRIFT_PARTS
 from lowrl.training import loop, optimizer
+from lowrl.training.setup import build
+from lowrl.training.trainer import Trainer
 from lowrl.training.checkpointing import Checkpointer, abstract_like
 
 STEPS = 4
@@ -111,9 +113,9 @@ def _synchronous_reference(cfg, steps: int):
   Mirrors `loop.run`'s per-step keys, minus VersionBuffer and copies; each step is the loop's
   own (`Trainer.rl_step`: rollout, then the jitted RL step).
   """
-  setup = loop.build(cfg)
+  setup = build(cfg)
   base = loop.load_base(cfg, cfg.sft.base_dir, _quiet)
-  trainer = loop.Trainer(setup, _quiet)
+  trainer = Trainer(setup, _quiet)
   params = trainer.place(optimizer.to_master(base, cfg.optimizer.master_dtype))
   opt_state = trainer.init_opt_state(params)
   base_key = jax.random.key(cfg.seed)

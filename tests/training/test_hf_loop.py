@@ -24,6 +24,7 @@ from lowrl.checkpoints import load_hf_checkpoint, load_hf_params, load_tokenizer
 from lowrl.sampling import generate
 from lowrl.tasks import verifiers
 from lowrl.training import loop
+from lowrl.training.setup import build
 
 # ChatML, as Qwen writes it (no system message).
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
@@ -122,7 +123,7 @@ def _max_abs_diff(a, b) -> float:
 def test_two_rl_steps_from_checkpoint_on_a_mesh_and_for_qwen3_on_one_device(files, family,
                                                                            tmp_path, monkeypatch):
   mesh_cfg = _config(files, family)
-  setup = loop.build(mesh_cfg)
+  setup = build(mesh_cfg)
   assert setup.model_cfg.scan_layers  # on by default for a checkpoint
   assert dict(setup.plan.mesh.shape) == {"data": 4, "model": 2}
   mesh_summary = loop.run(mesh_cfg, str(tmp_path / "mesh"), log=lambda _: None)
@@ -161,16 +162,16 @@ def test_two_rl_steps_from_checkpoint_on_a_mesh_and_for_qwen3_on_one_device(file
 
 def test_build_reads_the_checkpoint(files):
   dirs, _ = files
-  setup = loop.build(_config(files, "llama", **{"model.param_dtype": "bfloat16"}))
+  setup = build(_config(files, "llama", **{"model.param_dtype": "bfloat16"}))
   m = setup.model_cfg
   assert (m.vocab_size, m.d_model, m.n_heads, m.head_dim, m.max_seq_len) == (90, 48, 6, 8, 512)
   assert m.rope_llama3_scaling == (8.0, 1.0, 4.0, 32)
   assert setup.task.tokenizer.eos_ids == EOS_IDS["llama"]
   # The tiny path keeps scan_layers off by default; an explicit False holds for a checkpoint.
-  unscanned = loop.build(_config(files, "llama", **{"model.scan_layers": False}))
+  unscanned = build(_config(files, "llama", **{"model.scan_layers": False}))
   assert not unscanned.model_cfg.scan_layers
   # The chat template renders every prompt (Qwen3 run): one user message + the assistant header.
-  qwen3 = loop.build(_config(files, "qwen3"))
+  qwen3 = build(_config(files, "qwen3"))
   for e in qwen3.task.examples("train"):
     raw = e.metadata["raw_prompt"]
     assert e.prompt == f"<|im_start|>user\n{raw}<|im_end|>\n<|im_start|>assistant\n"
@@ -178,7 +179,7 @@ def test_build_reads_the_checkpoint(files):
 
 @pytest.mark.parametrize("family", EOS_IDS)
 def test_every_eos_id_of_the_checkpoint_stops_generation(files, family):
-  setup = loop.build(_config(files, family))
+  setup = build(_config(files, family))
   assert setup.sampling.stop_tokens == EOS_IDS[family]
   assert setup.eval_sampling.stop_tokens == EOS_IDS[family]
   if family == "qwen3":  # one decode per tokenizer style is enough
@@ -231,18 +232,18 @@ def test_every_eos_id_of_the_checkpoint_stops_generation(files, family):
 def test_flag_errors_before_any_compile(files, overrides, match):
   cfg = _config(files, "qwen2", **overrides)
   with pytest.raises(ValueError, match=match):
-    loop.build(cfg)
+    build(cfg)
 
 
 def test_task_needs_jsonl_and_bad_weights_are_reported(files, tmp_path):
   cfg = _config(files, "qwen2", **{"task.name": "addition", "task.path": "", "task.verifier": "",
                                    "task.kwargs": ml_collections.ConfigDict()})
   with pytest.raises(ValueError, match=r"needs a task in the checkpoint's tokenizer"):
-    loop.build(cfg)
+    build(cfg)
   # A weight of the wrong shape: found from the safetensors header by build(), before any compile.
   path, tensors = write_checkpoint(tmp_path, "qwen2")
   write_tokenizer(path, "qwen")
   tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1]
   safetensors.numpy.save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
   with pytest.raises(ValueError, match=r"hf_checkpoint=.*'model.norm.weight' has shape \(31,\)"):
-    loop.build(_config(files, "qwen2", **{"model.hf_checkpoint": path}))
+    build(_config(files, "qwen2", **{"model.hf_checkpoint": path}))

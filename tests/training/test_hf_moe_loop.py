@@ -11,6 +11,7 @@ from lowrl import sharding
 from lowrl.checkpoints import load_hf_checkpoint
 from experiments import export_hf
 from lowrl.training import loop
+from lowrl.training.setup import build
 from test_hf_loop import _config, _max_abs_diff, _metrics, assert_same_run  # also the verifier
 
 
@@ -46,7 +47,7 @@ def _moe_config(files, family, recipe, **overrides):
                                             ("qwen2_moe", "nvfp4_moe_experts")])
 def test_two_rl_steps_from_moe_checkpoint(files, family, recipe, tmp_path, monkeypatch):
   cfg = _moe_config(files, family, recipe)
-  setup = loop.build(cfg)
+  setup = build(cfg)
   assert setup.model_cfg.is_moe
   assert dict(setup.plan.mesh.shape) == {"data": 2, "expert": 4, "model": 1}
   loop.run(cfg, str(tmp_path / "mesh"), log=lambda _: None)

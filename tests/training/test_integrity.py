@@ -21,7 +21,8 @@ from lowrl.models.config import ModelConfig
 from lowrl.rl.corrections import CorrectionConfig
 from lowrl.rl.losses import LossConfig
 from lowrl.tasks.jsonl import JsonlTask
-from lowrl.training import loop, run_config, run_logs
+from lowrl.training import run_config, run_logs
+from lowrl.training.setup import build
 from lowrl.training import checkpointing
 from lowrl.training.checkpointing import (MANIFEST, CheckpointError, Checkpointer, abstract_like,
                                           verify_manifest)
@@ -169,7 +170,7 @@ def test_bad_values_name_their_flag(path, value):
     node = node[p]
   node[leaf] = value
   with pytest.raises(ValueError, match=f"--config.{path}"):
-    loop.build(c)
+    build(c)
 
 
 def test_jsonl_task_from_flags_checks_both_splits_before_compile(tmp_path):
@@ -179,10 +180,10 @@ def test_jsonl_task_from_flags_checks_both_splits_before_compile(tmp_path):
   c.task.name, c.task.kwargs, c.task.path = "jsonl", ml_collections.ConfigDict({}), str(path)
   c.task.verifier = "numeric"
   with pytest.raises(ValueError, match="'eval' split .* is empty"):
-    loop.build(c)
+    build(c)
   c.task.path = ""
   with pytest.raises(ValueError, match="needs --config.task.path"):
-    loop.build(c)
+    build(c)
 
 
 def test_jsonl_non_utf8_names_file_and_line(tmp_path):

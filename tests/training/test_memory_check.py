@@ -1,4 +1,4 @@
-"""The loop's memory check (loop.build): the per-device estimate is printed, and a config that
+"""The loop's memory check (`lowrl.training.setup.build`): the per-device estimate is printed, and a config that
 cannot fit is refused before anything is compiled, naming the flag to change."""
 
 import jax
@@ -9,6 +9,8 @@ from configs import base
 from lowrl import memory
 from lowrl.models import transformer
 from lowrl.training import loop, run_config
+from lowrl.training.setup import build
+from lowrl.training.reporting import log_setup
 
 
 def _cfg(**rl):
@@ -50,10 +52,10 @@ def test_a_config_that_cannot_fit_is_refused_before_any_compile(tmp_path):
   assert not (tmp_path / "run").exists()  # refused before the workdir is touched
   # The same config with remat and more minibatches fits; hardware=none: no check.
   cfg.model.remat, cfg.rl.num_minibatches = "full", 64
-  loop.build(cfg)
+  build(cfg)
   cfg.model.remat, cfg.rl.num_minibatches = "none", 1
   cfg.hardware = "none"
-  assert loop.build(cfg).device_memory[0] is None
+  assert build(cfg).device_memory[0] is None
 
 
 def test_on_cpu_the_estimate_is_checked_against_the_hosts_ram(tmp_path):
@@ -75,7 +77,7 @@ def test_the_estimate_is_the_runs_and_is_printed():
   cfg = _cfg(mu=2, num_minibatches=2)
   cfg.async_rl.lag = 1
   cfg.hardware = "h100_sxm"
-  setup = loop.build(cfg)
+  setup = build(cfg)
   est = setup.memory
   # The loop's state: params and Adam over the master tree, a reference, one stale version copy,
   # the RL sampler's KV cache (all rows, every device along `data`).
@@ -93,7 +95,7 @@ def test_the_estimate_is_the_runs_and_is_printed():
   assert est.kv_cache == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
   assert dict(est.settings)["micro_batch"] == rows // 2
   lines = []
-  loop._log_setup(setup, "/tmp/unused", lines.append)
+  log_setup(setup, "/tmp/unused", lines.append)
   text = "\n".join(lines)
   assert "[memory] per-device estimate before compiling" in text
   assert "of 80.0 GB; h100_sxm HBM" in text
@@ -105,6 +107,6 @@ def test_hardware_knob_is_checked():
   cfg = _cfg()
   cfg.hardware = "a100"
   with pytest.raises(ValueError, match="--config.hardware='a100': use one of 'auto', 'none'"):
-    loop.build(cfg)
+    build(cfg)
   assert memory.HARDWARE_CHOICES[:2] == ("auto", "none")
   assert "hardware" in run_config.COSMETIC_KEYS  # the budget changes no result

@@ -10,7 +10,9 @@ import pytest
 
 import tiny
 from lowrl.rl.losses import aggregation_denominator
-from lowrl.training import loop, schema
+from lowrl.training import schema
+from lowrl.training.setup import build
+from lowrl.models import transformer
 from lowrl.training.rl_update import make_logprob_fn, make_rl_update
 from lowrl.training.batch import RLBatch
 
@@ -22,13 +24,13 @@ def _setup(aggregation: str):
   cfg.model.n_layers = 1  # the bound does not depend on the depth: the smaller programs
   cfg.rl.update(num_prompts=4, group_size=4, max_new_tokens=4, aggregation=aggregation,
                 log_kl_ref=False)
-  return loop.build(cfg)
+  return build(cfg)
 
 
 def _batch(setup) -> RLBatch:
   """16 made-up rollouts (prompt columns, then completions of varied lengths; one empty)."""
   rows, p = setup.batch_size, setup.task.max_prompt_len
-  t = p + setup.cfg.rl.max_new_tokens
+  t = p + setup.sampling.max_new_tokens
   k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
   tokens = jax.random.randint(k1, (rows, t), 3, setup.model_cfg.vocab_size)
   lengths = jax.random.randint(k2, (rows,), 1, t - p + 1).at[5].set(0)
@@ -74,7 +76,7 @@ def test_micro_batches_equal_the_plain_step_within_the_summation_order_bound(agg
   |g_micro - g_plain| <= (2 gamma_{BT} + 3u) S + 2u (|p| + |g|) + 2u (B |p| + S),  S = sum_r |G_r|.
   """
   setup, _ = _update(aggregation, 1)
-  params = jax.tree.map(np.asarray, loop.transformer.init_params(setup.model_cfg,
+  params = jax.tree.map(np.asarray, transformer.init_params(setup.model_cfg,
                                                                  jax.random.key(0)))
   batch = _batch(setup)
   rows, t = batch.loss_mask_BT.shape
@@ -112,4 +114,4 @@ def test_micro_batches_must_divide_the_minibatch():
   cfg.rl.micro_batches = 8  # micro-batches of 1 row cannot split over 8 data shards
   cfg.mesh.shape = (-1, 1)
   with pytest.raises(ValueError, match="a micro-batch"):
-    loop.build(cfg)
+    build(cfg)

@@ -7,14 +7,16 @@ import pytest
 import tiny
 
 from lowrl.training import loop
+from lowrl.training.setup import build
+from lowrl.training.trainer import Trainer
 
 
-def _trainer(recipe: str = "bf16", **overrides) -> loop.Trainer:
+def _trainer(recipe: str = "bf16", **overrides) -> Trainer:
   c = tiny.loop_config(recipe, "/nonexistent", steps=2)
   for key, value in overrides.items():
     section, _, knob = key.rpartition(".")
     (c[section] if section else c)[knob] = value
-  return loop.Trainer(loop.build(c), log=lambda _: None)
+  return Trainer(build(c), log=lambda _: None)
 
 
 def _params(trainer):
@@ -44,16 +46,16 @@ def _run(base_dir, workdir, monkeypatch, force_rescore: bool) -> tuple[bytes, in
   """A tiny exact-mode run (sampler = trainer = bf16, lag 0): metrics.jsonl and the number of
   trainer scoring passes."""
   calls = []
-  score = loop.Trainer.score
+  score = Trainer.score
 
   def counting(self, *args, **kwargs):
     calls.append(1)
     return score(self, *args, **kwargs)
 
   with monkeypatch.context() as m:
-    m.setattr(loop.Trainer, "score", counting)
+    m.setattr(Trainer, "score", counting)
     if force_rescore:  # the code before the reuse: every step scores again
-      m.setattr(loop.Trainer, "sampler_scored_pi_old", lambda *a, **k: False)
+      m.setattr(Trainer, "sampler_scored_pi_old", lambda *a, **k: False)
     loop.run(tiny.loop_config("bf16", str(base_dir), steps=3), str(workdir), log=lambda _: None)
   with open(os.path.join(workdir, "metrics.jsonl"), "rb") as f:
     return f.read(), len(calls)

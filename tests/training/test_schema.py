@@ -8,7 +8,8 @@ import pytest
 from configs import base
 from lowrl import precision
 from lowrl.asyncrl import simulator
-from lowrl.training import cli, loop, run_config, schema
+from lowrl.training import cli, run_config, schema
+from lowrl.training.setup import build
 
 RECIPE_FILES = {name: f"configs/{name}.py" for name in precision.RECIPES}
 
@@ -181,4 +182,4 @@ def test_loop_build_validates_before_building_the_task():
   c.task.name = "chess"
   c.rl.loss = "ppo2"
   with pytest.raises(ValueError, match="--config.rl.loss"):
-    loop.build(c)
+    build(c)

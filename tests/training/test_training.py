@@ -20,6 +20,8 @@ from lowrl.rl.corrections import CorrectionConfig
 from lowrl.rl.losses import LossConfig
 from lowrl.sampling import SamplingConfig
 from lowrl.training import loop, optimizer, schema
+from lowrl.training.setup import build
+from lowrl.training.trainer import Trainer
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, make_rl_update
 from lowrl.training.batch import RLBatch
 
@@ -157,14 +159,14 @@ def test_build_rejects_bad_config(path, value, match):
     node = node[p]
   node[leaf] = value
   with pytest.raises(ValueError, match=match):
-    loop.build(c)
+    build(c)
 
 
 def test_build_rejects_block_not_dividing_width():
   c = base_config.get_config("nvfp4_naive")
   c.model.update(dict(d_model=40, n_heads=2, n_kv_heads=1, head_dim=20, d_ff=80))
   with pytest.raises(ValueError, match="nvfp4 blocks of 16 .* not a multiple of 16"):
-    loop.build(c)
+    build(c)
 
 
 # The suite compiles at LLVM level 0 (tests/multiprocess.py COMPILE_FLAGS). At that level the
@@ -198,8 +200,8 @@ def test_exact_mode_rollout_and_update_agree_bitwise_under_nvfp4():
   c.precision = base_config.precision.recipe("nvfp4_recipe")
   c.precision.weight_scales = scales
   c.rl.update(dict(num_prompts=4, group_size=4, max_new_tokens=4))
-  setup = loop.build(c)
-  trainer = loop.Trainer(setup, log=lambda _: None)
+  setup = build(c)
+  trainer = Trainer(setup, log=lambda _: None)
   params = transformer.init_params(setup.model_cfg, jax.random.key(0))
   rollout, _ = trainer.rollout(params, params, 0, jax.random.key(1), stale=False)
   mask = rollout.out.completion_mask
@@ -228,12 +230,12 @@ def test_build_rejects_double_correction_and_bad_ddof():
   c = _tiny_config()
   c.rl.std_ddof = 2
   with pytest.raises(ValueError, match="rl.std_ddof"):
-    loop.build(c)
+    build(c)
   for correction in ("tis", "mis"):
     c = _tiny_config()
     c.rl.old_logp_source, c.rl.correction = "sampler", correction
     with pytest.raises(ValueError, match="rl.correction=.* rl.old_logp_source=sampler"):
-      loop.build(c)
+      build(c)
 
 
 def _np_decoupled_ppo(logp_new, logp_prox, logp_behav, adv, mask, c_fn, eps=0.2):
@@ -343,8 +345,8 @@ def test_loop_rollout_scores_the_sampled_distribution():
   # No reference params: the KL-to-reference forward would only enlarge the step's program (the
   # exact-mode test above logs it).
   c.rl.log_kl_ref = False
-  setup = loop.build(c)
-  trainer = loop.Trainer(setup, log=lambda _: None)
+  setup = build(c)
+  trainer = Trainer(setup, log=lambda _: None)
   sampler_params = transformer.init_params(setup.model_cfg, jax.random.key(0))
   params = transformer.init_params(setup.model_cfg, jax.random.key(5))
   rollout, _ = trainer.rollout(sampler_params, params, 0, jax.random.key(1), stale=True)

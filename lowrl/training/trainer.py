@@ -1,0 +1,316 @@
+"""The Trainer: the jitted programs of one run (sampling, scoring, the RL step, evaluation,
+probes) built from its `Setup`; the state lives in plain pytrees the loop passes in."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowrl import distributed, precision
+from lowrl.models import layout, transformer
+from lowrl.rl.mismatch import mismatch_metrics
+from lowrl.sampling import SampleOutput, Sampler, refit, rescore
+from lowrl.sampling.act_scales import calibration_paths
+from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
+from lowrl.training import diagnostics, optimizer, probes
+from lowrl.training.evaluation import eval_metrics
+from lowrl.training.kv_share import kv_share_metrics
+from lowrl.training.loss_scaling import loss_scaled
+from lowrl.training.rl_update import make_logprob_fn
+from lowrl.training.setup import Setup
+from lowrl.training.step import Rollout, make_step
+
+Log = Callable[[str], None]
+_PROBE_STREAM = 0x9B0BE  # fold_in of the step key for the probes: a stream no step uses
+
+
+class Trainer:
+  """Holds the jitted functions of one run; the state lives in plain pytrees."""
+
+  def __init__(self, setup: Setup, log: Log = print):
+    self.setup = setup
+    self.log = log
+    knobs = setup.loop
+    self.tx = setup.tx
+    self.logprob_fn = loss_scaled(
+        make_logprob_fn(setup.model_cfg, setup.trainer_policy, setup.sampling), knobs.loss_scale)
+    # The pure RL step the simulator also runs (lowrl.training.step), unjitted.
+    # Every step runs on the mesh with explicit shardings: sampler and update take the same
+    # sharded params (no gather in between), batches are split over the batch axes.
+    self.plan = plan = setup.plan
+    self.step_fn = make_step(self.logprob_fn, self.tx, setup.update_cfg, setup.batch_cfg, plan)
+    self.param_shapes = transformer.param_shapes(setup.model_cfg)
+    p_sh = plan.param_shardings(self.param_shapes)
+    init_opt = lambda p: optimizer.init_opt_state(self.tx, p)  # noqa: E731
+    o_sh = plan.shardings_like_params(jax.eval_shape(init_opt, self.param_shapes),
+                                      self.param_shapes)
+    self.init_opt_state = jax.jit(init_opt, in_shardings=(p_sh,), out_shardings=o_sh)
+    ref_sh = p_sh if knobs.keep_reference else plan.replicated
+    batch, repl = plan.batch, plan.replicated
+    self.step = jax.jit(self.step_fn, donate_argnums=(0, 1),
+                        in_shardings=(p_sh, o_sh, ref_sh, batch, repl),
+                        out_shardings=(p_sh, o_sh, repl))
+    # Rollouts in the sampler's precision (exact mode: re-scored by the sampler's own policy).
+    self.sampler = Sampler(setup.model_cfg, setup.sampler_policy, setup.sampling,
+                           exact=knobs.sampler_exact, plan=plan)
+    # Whether the exact-mode sampler's record can be the trainer's pi_old (sampler_scored_pi_old).
+    self._exact_twin = (knobs.sampler_exact and setup.sampler_policy == setup.trainer_policy
+                        and not setup.trainer_policy.act_paths(layout.matmuls(setup.model_cfg),
+                                                               "tensor"))
+    # Evaluation samples the trainer's policy: greedy, and at the rollout temperature.
+    self.eval_sampler = Sampler(setup.model_cfg, setup.trainer_policy, setup.eval_sampling,
+                                plan=plan)
+    self.eval_sampler_t = Sampler(setup.model_cfg, setup.trainer_policy, setup.sampling,
+                                  plan=plan)
+    self._calibrate = jax.jit(transformer.calibrate_act_amax,
+                              static_argnames=("model_cfg", "policy", "paths"))
+    self.calib_tokens, self.calib_mask = self._calibration_batch(repl)
+    # The sampler's weights between syncs (packed, + static scales) and the refit check.
+    self.refit = refit.Refitter(setup.model_cfg, setup.sampler_policy,
+                                lambda p: self.act_amax(p, setup.sampler_policy),
+                                check_every=knobs.refit_check_every, log=log)
+    # Gradient bias vs FP32 and update erasure (diagnostics.every): programs of their own (the
+    # FP32 gradient's and the erasure's are the same for every recipe: the compile cache shares
+    # them between runs).
+    self._probe_fns = None
+    if knobs.diagnostics_every:
+      fp32 = precision.PrecisionPolicy.unquantized(layout.matmuls(setup.model_cfg), "float32",
+                                                   name="fp32")
+      grad_in = (p_sh, ref_sh, batch, repl)
+      self._probe_fns = (
+          jax.jit(probes.make_grad_fn(self.logprob_fn, setup.update_cfg, setup.batch_cfg),
+                  in_shardings=grad_in, out_shardings=p_sh),
+          jax.jit(probes.make_grad_fn(make_logprob_fn(setup.model_cfg, fp32, setup.sampling),
+                                      setup.update_cfg, setup.batch_cfg, param_dtype="float32"),
+                  in_shardings=grad_in, out_shardings=p_sh),
+          jax.jit(probes.grad_agreement, out_shardings=repl),
+          jax.jit(probes.make_erasure_fn(self.tx, knobs.master_rounding),
+                  in_shardings=(p_sh, p_sh, o_sh, repl), out_shardings=repl))
+    self.weight_errors = jax.jit(
+        lambda p: diagnostics.weight_quant_errors(p, setup.model_cfg, setup.trainer_policy),
+        in_shardings=(p_sh,), out_shardings=repl)
+
+  def state_shardings(self, state: Any) -> Any:
+    """Shardings of a state tree: parameter-shaped leaves as the params, the rest replicated."""
+    return self.plan.shardings_like_params(state, self.param_shapes)
+
+  def place(self, state: Any) -> Any:
+    """`state` on the mesh (every process must call this alike)."""
+    return self.plan.put(state, self.state_shardings(state))
+
+  def score(self, params, policy: precision.PrecisionPolicy, out: SampleOutput,
+            key: jax.Array) -> jax.Array:
+    """Logprobs of the sampled tokens under (params, policy): the exact-mode scoring program.
+
+    The trainer's pi_old, the drift parts and the exact-mode sampler all go through this one
+    jitted program, so equal inputs give bit-identical logprobs.
+    """
+    return rescore(out, params, model_cfg=self.setup.model_cfg, policy=policy,
+                   config=self.setup.sampling, quant_key=policy.quant_key(key),
+                   plan=self.plan).logprobs  # log q: the sampled distribution (temperature etc.)
+
+  def act_amax(self, params, policy: precision.PrecisionPolicy) -> dict[str, jax.Array] | None:
+    """Static activation scales for sampling `params` under `policy` (None if it needs none).
+
+    A recipe that scales activations per tensor samples with static amaxes, as inference engines
+    do: calibrated (max |input| per matmul, trainer's precision) on a fixed batch of train prompts
+    + reference answers from the weights being sampled, i.e. recalibrated at every weight sync.
+    """
+    paths = calibration_paths(policy, self.setup.model_cfg)  # + a quantized KV cache's K/V
+    if not paths:
+      return None
+    tp = self.setup.trainer_policy
+    return self._calibrate(params, self.calib_tokens, model_cfg=self.setup.model_cfg, policy=tp,
+                           paths=paths, mask_BT=self.calib_mask,
+                           quant_key=tp.quant_key(jax.random.key(self.setup.loop.seed)))
+
+  def _calibration_batch(self, sharding_) -> tuple[jax.Array, jax.Array]:
+    """64 fixed train examples, prompt + answer + eos (right-padded), and their token mask."""
+    task = self.setup.task
+    examples = task.sample(np.random.default_rng([self.setup.loop.seed, 5]), 64, "train")
+    tokens, target_mask = encode_sft(task.tokenizer, [e.prompt for e in examples],
+                                     [task.target_text(e) for e in examples],
+                                     task.max_prompt_len + task.max_answer_len)
+    ends = target_mask.shape[1] - np.argmax(target_mask[:, ::-1] > 0, axis=1)
+    mask = np.arange(tokens.shape[1])[None, :] < ends[:, None]
+    return self.plan.put((jnp.asarray(tokens), jnp.asarray(mask)), sharding_)
+
+  # -- data -------------------------------------------------------------------------------------
+
+  def prompts(self, step: int):
+    """The step's prompts (data position = step), each repeated group_size times."""
+    knobs = self.setup.loop
+    rng = np.random.default_rng([knobs.seed, 2, step])
+    examples = self.setup.task.sample(rng, knobs.num_prompts, "train")
+    examples = [e for e in examples for _ in range(knobs.group_size)]
+    tokens, lens = encode_prompts(self.setup.task.tokenizer, [e.prompt for e in examples],
+                                  self.setup.task.max_prompt_len)
+    mask = np.arange(tokens.shape[1])[None, :] < lens[:, None]
+    return examples, jnp.asarray(tokens), jnp.asarray(mask)
+
+  def rewards(self, out: SampleOutput, examples) -> tuple[np.ndarray, list[str]]:
+    """The task verifier's float32 [B] rewards of the completions (host), and their text."""
+    tokens = distributed.to_host(out.tokens)
+    completions = decode_batch(self.setup.task.tokenizer, tokens,
+                               np.full((tokens.shape[0],), out.prompt_width))
+    return self.setup.task.rewards(completions, examples).astype(np.float32), completions
+
+  # -- evaluation -------------------------------------------------------------------------------
+
+  def evaluate(self, params, key: jax.Array) -> dict[str, float]:
+    """Held-out evaluation on a fixed set of eval-split prompts (`evaluation.eval_metrics`).
+
+    pass_at_1: the success rate of one sample at the rollout temperature (the unbiased estimate
+    from `eval_samples` samples per prompt, as RL papers report it); greedy: temperature-0
+    accuracy; reward: mean reward of the samples.
+    """
+    examples, tokens, mask = self._eval_prompts()
+    k_greedy, k_sample = jax.random.split(key)
+    qk = self.setup.trainer_policy.quant_key(key)
+    act_amax = self.act_amax(params, self.setup.trainer_policy)
+    out = self.eval_sampler(params, jnp.asarray(tokens), jnp.asarray(mask), k_greedy,
+                            quant_key=qk, act_amax=act_amax)
+    greedy, _ = self.rewards(out, examples)
+    sampled = np.concatenate([self.rewards(out, chunk)[0] for out, chunk in self._eval_samples(
+        params, k_sample, quant_key=qk, act_amax=act_amax)])
+    m = eval_metrics(greedy, sampled)
+    # "pass_at_1", not "pass@1": TensorBoard tag names cannot hold "@".
+    return {k: float(m[k]) for k in ("pass_at_1", "greedy", "reward")}
+
+  def _eval_samples(self, params, key: jax.Array, *, quant_key: jax.Array | None,
+                    act_amax: transformer.ActAmax | None) -> list[tuple[SampleOutput, list]]:
+    """`eval_samples` completions of every held-out prompt at the rollout temperature, from the
+    trainer's policy, as (SampleOutput, examples) chunks of a rollout's rows (the last one may be
+    smaller), chunk i sampled with fold_in(key, i).
+
+    A chunk the size of a rollout makes evaluation (and `policy_kl`'s scoring) run the rollout's
+    own sampling and scoring programs when the sampler and the trainer share a recipe, instead
+    of compiling programs for the eval batch, and it needs no more device memory than a rollout.
+    """
+    examples, tokens, mask = self._eval_prompts()
+    n = self.setup.loop.eval_samples
+    examples = [e for e in examples for _ in range(n)]
+    tokens, mask = np.repeat(tokens, n, 0), np.repeat(mask, n, 0)
+    rows = self.setup.batch_size
+    return [(self.eval_sampler_t(params, jnp.asarray(tokens[i:i + rows]),
+                                 jnp.asarray(mask[i:i + rows]), jax.random.fold_in(key, i // rows),
+                                 quant_key=quant_key, act_amax=act_amax), examples[i:i + rows])
+            for i in range(0, len(examples), rows)]
+
+  def _eval_prompts(self) -> tuple[list, np.ndarray, np.ndarray]:
+    """The fixed held-out prompts (eval split, `eval_num_prompts`), left-padded, and their mask."""
+    knobs = self.setup.loop
+    rng = np.random.default_rng([knobs.seed, 3])
+    examples = self.setup.task.sample(rng, knobs.eval_num_prompts, "eval")
+    tokens, lens = encode_prompts(self.setup.task.tokenizer, [e.prompt for e in examples],
+                                  self.setup.task.max_prompt_len)
+    return examples, tokens, np.arange(tokens.shape[1])[None, :] < lens[:, None]
+
+  def policy_kl(self, params, other_params, other_policy: precision.PrecisionPolicy,
+                key: jax.Array) -> dict[str, float]:
+    """KL(pi || pi_other) per completion token on the held-out prompts.
+
+    pi = `params` under this run's trainer policy, pi_other = `other_params` under
+    `other_policy` (e.g. a BF16 twin run's final params); both the distribution sampled at the
+    rollout temperature. `eval_samples` completions per held-out prompt are sampled from pi
+    (as `evaluate` samples), and both policies score them with the exact-mode scoring program;
+    returns {"kl": k1 mean, "kl_k3": k3 mean, "abs_dlogp_mean": ...} (`mismatch_metrics` of
+    logp_pi - logp_other: unbiased estimates of KL(pi || pi_other) on pi's samples).
+    """
+    tp = self.setup.trainer_policy
+    logp, logp_other, mask = [], [], []
+    for out, _ in self._eval_samples(params, key, quant_key=tp.quant_key(key),
+                                     act_amax=self.act_amax(params, tp)):
+      logp.append(self.score(params, tp, out, key))
+      logp_other.append(self.score(other_params, other_policy, out, key))
+      mask.append(out.completion_mask)
+    m = mismatch_metrics(jnp.concatenate(logp), jnp.concatenate(logp_other),
+                         jnp.concatenate(mask))
+    return {"kl": float(m["mismatch_kl"]), "kl_k3": float(m["mismatch_kl_k3"]),
+            "abs_dlogp_mean": float(m["abs_dlogp_mean"])}
+
+  # -- one step ---------------------------------------------------------------------------------
+
+  def rollout(self, sampler_params, params, step: int, key: jax.Array,
+              stale: bool, sampler_version: int | None = None) -> tuple[Rollout, dict[str, Any]]:
+    """Samples the step's batch with `sampler_params` (in the sampler's precision) and scores it.
+
+    The trainer scores the sampled tokens with the current `params` in the trainer's precision
+    (pi_old) and, when the sampler's version is `stale`, with the sampler's weights in the
+    trainer's precision, for the drift decomposition. The sampler generates from the
+    `RolloutWeights` of `sampler_version` (`self.refit`: re-quantized when the version changes,
+    i.e. at each weight sync; None = every call). Returns (the step's Rollout, host info:
+    rewards, completions, examples, refit metrics).
+    """
+    examples, tokens_BP, mask_BP = self.prompts(step)
+    k_sample, k_quant = jax.random.split(key)
+    # Exact mode re-scores in the sampler's precision with the same key it sampled with.
+    sampler_qk = self.setup.sampler_policy.quant_key(k_quant)
+    held, refit_metrics = self.refit(sampler_params, sampler_version)
+    act_amax = held.act_amax  # + a quantized KV cache's K/V amaxes
+    out = self.sampler(held.weights, tokens_BP, mask_BP, k_sample, quant_key=sampler_qk,
+                       trainer_params=sampler_params, trainer_quant_key=sampler_qk,
+                       act_amax=act_amax)
+    logp_now_BT = (out.logprobs if self.sampler_scored_pi_old(sampler_params, params, stale)
+                   else self.score(params, self.setup.trainer_policy, out, k_quant))
+    logp_stale_BT = (self.score(sampler_params, self.setup.trainer_policy, out, k_quant) if stale
+                     else logp_now_BT)
+    rewards, completions = self.rewards(out, examples)
+    rollout = self.plan.put(Rollout(out, jnp.asarray(rewards), logp_now_BT, logp_stale_BT),
+                            self.plan.batch)
+    return rollout, {"rewards": rewards, "completions": completions, "examples": examples,
+                     "refit": refit_metrics,
+                     "kv": kv_share_metrics(  # {} without a quantized KV cache
+                         out, sampler_params, model_cfg=self.setup.model_cfg,
+                         policy=self.setup.sampler_policy, config=self.setup.sampling,
+                         quant_key=sampler_qk, plan=self.plan, act_amax=act_amax)}
+
+  def sampler_scored_pi_old(self, sampler_params, params, stale: bool) -> bool:
+    """Whether the sampler's recorded logprobs are provably the trainer's pi_old, so `rollout`
+    skips the second scoring pass.
+
+    Exact mode records `rescore(out, sampler_params, policy=sampler policy, quant_key=k,
+    act_amax=static scales)`; pi_old is `rescore(out, params, policy=trainer policy,
+    quant_key=k', act_amax=None)`. With the same policy (then k' = k, and the same cached jitted
+    program), no tensor-scaled activations (so both act_amax are None) and `sampler_params`
+    the very buffers of `params` (not stale, no copy: lag 0, sync every step), both calls run one
+    program on identical inputs, which is bit-identical; the mismatch metrics are then exactly 0
+    either way.
+    """
+    if not self._exact_twin or stale:
+      return False
+    ours, theirs = jax.tree.leaves(sampler_params), jax.tree.leaves(params)
+    return len(ours) == len(theirs) and all(a is b for a, b in zip(ours, theirs))
+
+  def probe(self, params, opt_state, ref_params, rollout: Rollout, key: jax.Array
+            ) -> dict[str, jax.Array]:
+    """`lowrl.training.probes` on the step's rollout, before its update: the trainer's gradient
+    vs the FP32 one (`grad_bias/*`) and the erasure of one optimizer step on the trainer's
+    gradient (`update_erasure`). Needs diagnostics.every > 0."""
+    grad_q, grad_32, agreement, erasure = self._probe_fns
+    k_grad, k_opt = jax.random.split(key)
+    g_q = grad_q(params, ref_params, rollout, k_grad)
+    metrics = agreement(g_q, grad_32(params, ref_params, rollout, k_grad))
+    return {**metrics, "update_erasure": erasure(params, g_q, opt_state, k_opt)}
+
+  def rl_step(self, sampler_params, params, opt_state, ref_params, step: int, key: jax.Array,
+              stale: bool, probe: bool = False, sampler_version: int | None = None
+              ) -> tuple[Any, Any, dict[str, jax.Array], dict[str, Any]]:
+    """One RL step: rollout, then the jitted step (donates `params` and `opt_state`).
+
+    `key` is the step's key (fold_in(run key, step)). `probe`: also run the gradient-bias /
+    update-erasure probe (`lowrl.training.probes`) on the rollout, before the step, with a key
+    of its own (the step's keys and numbers are unchanged). Returns (params, opt_state, metrics,
+    host info of the rollout).
+    """
+    k_roll, k_upd = jax.random.split(key)
+    rollout, info = self.rollout(sampler_params, params, step, k_roll, stale=stale,
+                                 sampler_version=sampler_version)
+    probe_metrics = {}
+    if probe and self._probe_fns is not None:
+      probe_metrics = self.probe(params, opt_state, ref_params, rollout,
+                                 jax.random.fold_in(key, _PROBE_STREAM))
+    params, opt_state, metrics = self.step(params, opt_state, ref_params, rollout, k_upd)
+    return params, opt_state, {**metrics, **probe_metrics, **info["kv"], **info["refit"]}, info
