@@ -28,7 +28,7 @@ import contextlib
 import json
 import os
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import ml_collections
@@ -41,10 +41,8 @@ from lowrl.training.reporting import log_order, log_setup, log_step
 from lowrl.training.schedule import VersionBuffer
 from lowrl.training.setup import Setup, build
 from lowrl.training.state import CHECKPOINTS, initial_state, state_tree
-from lowrl.training.trainer import Trainer
+from lowrl.training.trainer import Log, Trainer
 from lowrl.training.workdir_lock import WorkdirLock
-
-Log = Callable[[str], None]
 
 
 class NonFiniteError(RuntimeError):

@@ -3,7 +3,7 @@ metrics.jsonl, the console line)."""
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -13,9 +13,7 @@ from lowrl.models import layout, transformer
 from lowrl.training import run_config, run_logs
 from lowrl.training.setup import Setup, describe_memory
 from lowrl.training.step import BATCH_METRICS
-from lowrl.training.trainer import Trainer
-
-Log = Callable[[str], None]
+from lowrl.training.trainer import Log, Trainer
 
 
 def log_setup(setup: Setup, workdir: str, log: Log) -> None:

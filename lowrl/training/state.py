@@ -9,7 +9,7 @@ is "params")}; orbax stores no None leaves, so absent entries are left out.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import ml_collections
@@ -19,7 +19,7 @@ from lowrl.training import optimizer, storage
 from lowrl.training.checkpointing import Checkpointer
 from lowrl.training.schedule import AsyncSchedule, VersionBuffer
 from lowrl.training.setup import build
-from lowrl.training.trainer import Trainer
+from lowrl.training.trainer import Log, Trainer
 
 CHECKPOINTS = "checkpoints"  # the run's checkpoint directory under its workdir
 
@@ -47,7 +47,7 @@ def state_at(state: dict[str, Any], schedule: AsyncSchedule, step: int) -> dict[
 
 
 def initial_state(trainer: Trainer, ckpt: Checkpointer, base, resuming: bool, workdir: str,
-                  log: Callable[[str], None]) -> tuple[int, dict[str, Any], VersionBuffer]:
+                  log: Log) -> tuple[int, dict[str, Any], VersionBuffer]:
   """(start step, state tree, version buffer): from the base, or from the newest intact
   checkpoint when resuming; on the mesh (a host-stored reference stays on the host)."""
   setup = trainer.setup

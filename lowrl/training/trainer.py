@@ -145,10 +145,14 @@ class Trainer:
     rng = np.random.default_rng([knobs.seed, 2, step])
     examples = self.setup.task.sample(rng, knobs.num_prompts, "train")
     examples = [e for e in examples for _ in range(knobs.group_size)]
+    tokens, mask = self._encode(examples)
+    return examples, jnp.asarray(tokens), jnp.asarray(mask)
+
+  def _encode(self, examples) -> tuple[np.ndarray, np.ndarray]:
+    """The examples' prompts left-padded to the task's prompt length, and their token mask."""
     tokens, lens = encode_prompts(self.setup.task.tokenizer, [e.prompt for e in examples],
                                   self.setup.task.max_prompt_len)
-    mask = np.arange(tokens.shape[1])[None, :] < lens[:, None]
-    return examples, jnp.asarray(tokens), jnp.asarray(mask)
+    return tokens, np.arange(tokens.shape[1])[None, :] < lens[:, None]
 
   def rewards(self, out: SampleOutput, examples) -> tuple[np.ndarray, list[str]]:
     """The task verifier's float32 [B] rewards of the completions (host), and their text."""
@@ -204,9 +208,7 @@ class Trainer:
     knobs = self.setup.loop
     rng = np.random.default_rng([knobs.seed, 3])
     examples = self.setup.task.sample(rng, knobs.eval_num_prompts, "eval")
-    tokens, lens = encode_prompts(self.setup.task.tokenizer, [e.prompt for e in examples],
-                                  self.setup.task.max_prompt_len)
-    return examples, tokens, np.arange(tokens.shape[1])[None, :] < lens[:, None]
+    return (examples, *self._encode(examples))
 
   def policy_kl(self, params, other_params, other_policy: precision.PrecisionPolicy,
                 key: jax.Array) -> dict[str, float]:
