@@ -21,7 +21,7 @@ import tiny
 from lowrl import hardware as hardware_lib
 from lowrl import memory
 from lowrl.asyncrl import cost_model
-from lowrl.models import layout, transformer
+from lowrl.models import init, layout, logprobs, transformer
 from lowrl.models.config import preset
 from lowrl.precision import PrecisionPolicy
 from lowrl.training import optimizer as optimizer_lib, schema
@@ -49,7 +49,7 @@ def _est(cfg=TINY, **kw):
 @pytest.mark.parametrize("cfg", [TINY, TINY_FULL])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_params_grads_reference_are_the_param_tree_bytes(cfg, dtype):
-  params = jax.eval_shape(lambda k: transformer.init_params(cfg, k, jnp.dtype(dtype)),
+  params = jax.eval_shape(lambda k: init.init_params(cfg, k, jnp.dtype(dtype)),
                           jax.random.key(0))
   est = _est(cfg, param_dtype=dtype, reference_dtype=dtype, async_versions=2, async_dtype=dtype)
   assert est.params == _nbytes(params)
@@ -65,7 +65,7 @@ def test_params_grads_reference_are_the_param_tree_bytes(cfg, dtype):
 
 
 def test_optimizer_is_adams_two_fp32_moments():
-  params = jax.eval_shape(lambda k: transformer.init_params(TINY_FULL, k), jax.random.key(0))
+  params = jax.eval_shape(lambda k: init.init_params(TINY_FULL, k), jax.random.key(0))
   tx = optimizer_lib.make_optimizer(schema.OPTIMIZER.defaults(), total_steps=10)
   state = jax.eval_shape(lambda p: optimizer_lib.init_opt_state(tx, p), params)
   leaves = jax.tree.leaves(state)
@@ -142,17 +142,17 @@ def test_dominant_activation_terms_by_hand():
   assert split.act_scores == est.act_scores // 4
   assert split.act_logits == est.act_logits // 4
   # The model's forward does build FP32 arrays of exactly these shapes.
-  params = transformer.init_params(TINY, jax.random.key(0))
+  params = init.init_params(TINY, jax.random.key(0))
   tokens = jnp.zeros((b, t), jnp.int32)
   policy = PrecisionPolicy.unquantized(layout.matmuls(TINY), "bfloat16")
   shapes = _f32_array_shapes(
-      lambda p, x: transformer.token_logprobs(p, x, TINY, policy), params, tokens)
+      lambda p, x: logprobs.token_logprobs(p, x, TINY, policy), params, tokens)
   assert (b, 2, 2, t, t) in shapes  # scores / probabilities [B, K, H / K, T, T]
   assert (b, t - 1, v) in shapes  # logits / log-softmax of the predicted positions
   # Chunked attention's forward builds [B, K, H / K, chunk, T] scores and no [.., T, T] ones.
   tiny_chunked = dataclasses.replace(TINY, attention="chunked", attention_chunk=4)
   shapes = _f32_array_shapes(
-      lambda p, x: transformer.token_logprobs(p, x, tiny_chunked, policy), params, tokens)
+      lambda p, x: logprobs.token_logprobs(p, x, tiny_chunked, policy), params, tokens)
   assert (b, 2, 2, 4, t) in shapes and (b, 2, 2, t, t) not in shapes
 
 
@@ -299,7 +299,7 @@ def test_moe_params_flops_and_decode_reads_by_hand():
   """A mixture of experts: the state counts every expert (the param tree), the FLOPs the k
   experts a token reaches plus the router, the decode's weight reads every expert its rows reach."""
   moe = tiny.MOE  # D=32, E=4, k=2, expert F=32, shared F=16, untied head V=64
-  shapes = transformer.param_shapes(moe)
+  shapes = init.param_shapes(moe)
   assert moe.num_params() == sum(x.size for x in jax.tree.leaves(shapes))
   d, L = moe.d_model, moe.n_layers
   attn = d * moe.q_dim + 2 * d * moe.kv_dim + moe.q_dim * d

@@ -35,7 +35,7 @@ import ml_collections
 import numpy as np
 
 from lowrl import distributed, sharding, user_cache
-from lowrl.models import transformer
+from lowrl.models import init
 from lowrl.models.config import ModelConfig
 from lowrl.tasks.base import Task
 from lowrl.training import sft
@@ -163,7 +163,7 @@ def load_mid_trained(store: str, task: Task, cfg: ml_collections.ConfigDict,
   processes orbax must see global arrays, so process 0 trains the base (SFT is not sharded) and
   broadcasts it before it is saved.
   """
-  shapes = transformer.param_shapes(model_cfg)
+  shapes = init.param_shapes(model_cfg)
   repl = jax.tree.map(lambda _: plan.replicated, shapes)
 
   def train():

@@ -33,10 +33,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from lowrl import distributed, hardware, memory, precision, sharding
-from lowrl.checkpoints import hf
+from lowrl import distributed, hardware, memory, precision, quant_blocks, sharding
+from lowrl.checkpoints import hf, hf_config
 from lowrl.metrics.writer import create_writer
-from lowrl.models import kv_cache, layout, transformer
+from lowrl.models import blocks, calibration, init, kv_cache, layout
 from lowrl.models.config import ModelConfig
 from lowrl.rl.mismatch import mismatch_metrics
 from lowrl.sampling import SampleOutput, Sampler, SamplingConfig, refit, rescore
@@ -243,8 +243,9 @@ def _model_config(model: ml_collections.ConfigDict, task: Task, max_len: int) ->
                        scan_layers=bool(scan), **knobs)
   execution = {k: knobs[k] for k in ("remat", "attention", "attention_chunk", "logprob_chunk")}
   try:
-    model_cfg = dataclasses.replace(hf.model_config_from_hf(hf.read_hf_config(source)),
-                                    scan_layers=True if scan is None else bool(scan), **execution)
+    hf_cfg = hf_config.model_config_from_hf(hf_config.read_hf_config(source))
+    model_cfg = dataclasses.replace(hf_cfg, scan_layers=True if scan is None else bool(scan),
+                                    **execution)
     hf.check_hf_weights(source, model_cfg)
   except (OSError, ValueError) as e:
     raise ValueError(f"--config.model.hf_checkpoint={source}: {e}") from None
@@ -271,9 +272,9 @@ def _mesh_plan(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
   plan.check_batch(rows // cfg.rl.num_minibatches // cfg.rl.micro_batches,
                    "a micro-batch (a minibatch / rl.micro_batches)")
   plan.check_batch(cfg.eval_num_prompts, "eval_num_prompts")
-  plan.param_specs(transformer.param_shapes(model_cfg))  # rule/shape mismatches raise here
+  plan.param_specs(init.param_shapes(model_cfg))  # rule/shape mismatches raise here
   for what, policy in (("precision", trainer_policy), ("sampler precision", sampler_policy)):
-    sharding.check_quant_blocks(policy, model_cfg, plan, seq_len=seq_len, what=what,
+    quant_blocks.check_quant_blocks(policy, model_cfg, plan, seq_len=seq_len, what=what,
                                 rows=rows // cfg.rl.num_minibatches // cfg.rl.micro_batches)
   return plan
 
@@ -304,7 +305,7 @@ class Trainer:
     # sharded params (no gather in between), batches are split over the batch axes.
     self.plan = plan = setup.plan or sharding.single_device_plan()
     self.step_fn = make_step(self.logprob_fn, self.tx, setup.update_cfg, setup.batch_cfg, plan)
-    self.param_shapes = transformer.param_shapes(setup.model_cfg)
+    self.param_shapes = init.param_shapes(setup.model_cfg)
     p_sh = plan.param_shardings(self.param_shapes)
     init_opt = lambda p: optimizer.init_opt_state(self.tx, p)  # noqa: E731
     o_sh = plan.shardings_like_params(jax.eval_shape(init_opt, self.param_shapes),
@@ -327,7 +328,7 @@ class Trainer:
                                 plan=plan)
     self.eval_sampler_t = Sampler(setup.model_cfg, setup.trainer_policy, setup.sampling,
                                   plan=plan)
-    self._calibrate = jax.jit(transformer.calibrate_act_amax,
+    self._calibrate = jax.jit(calibration.calibrate_act_amax,
                               static_argnames=("model_cfg", "policy", "paths"))
     self.calib_tokens, self.calib_mask = self._calibration_batch(repl)
     # The sampler's weights between syncs (packed, + static scales) and the refit check.
@@ -443,7 +444,7 @@ class Trainer:
     return {k: float(m[k]) for k in ("pass_at_1", "greedy", "reward")}
 
   def _eval_samples(self, params, key: jax.Array, *, quant_key: jax.Array | None,
-                    act_amax: transformer.ActAmax | None) -> list[tuple[SampleOutput, list]]:
+                    act_amax: blocks.ActAmax | None) -> list[tuple[SampleOutput, list]]:
     """`eval_samples` completions of every held-out prompt at the rollout temperature, from the
     trainer's policy, as (SampleOutput, examples) chunks of a rollout's rows (the last one may be
     smaller), chunk i sampled with fold_in(key, i).
@@ -712,7 +713,7 @@ def _log_setup(setup: Setup, workdir: str, log: Log) -> None:
                                                           layout.matmuls(setup.model_cfg))))
   log(f"[mesh] {dict(setup.plan.mesh.shape)} over {jax.device_count()} {jax.default_backend()} "
       f"devices, {jax.process_count()} process(es)")
-  for note in setup.plan.fallbacks(transformer.param_shapes(setup.model_cfg)):
+  for note in setup.plan.fallbacks(init.param_shapes(setup.model_cfg)):
     log(f"[mesh] {note}")
   log(describe_memory(setup))
   cache_note = setup.plan.cache_note(setup.model_cfg)
@@ -887,7 +888,7 @@ def _load_base(base_dir: str, setup: Setup, log: Log,
   published there if missing or damaged), replicated over the mesh; or, with
   `model.hf_checkpoint`, the checkpoint's params placed with the mesh's parameter shardings."""
   cfg = setup.cfg
-  shapes = transformer.param_shapes(setup.model_cfg)
+  shapes = init.param_shapes(setup.model_cfg)
   if cfg.model.hf_checkpoint:
     # Straight onto the mesh: each process reads only the slices its devices hold.
     log(f"[base] loading {cfg.model.hf_checkpoint} ({cfg.model.param_dtype}, sharded)")

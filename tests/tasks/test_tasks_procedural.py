@@ -10,8 +10,7 @@ from lowrl.tasks.addition import AdditionTask
 from lowrl.tasks.base import Example, Task
 from lowrl.tasks.countdown import CountdownTask
 from lowrl.tasks.registry import TASKS, make_task, task_names
-from lowrl.tasks.reversal import ReversalTask
-from lowrl.tasks.sorting import SortingTask
+from lowrl.tasks.strings import ReversalTask, SortingTask
 
 PROCEDURAL = ["addition", "sorting", "reversal", "countdown"]
 
