@@ -1,4 +1,4 @@
-"""Shared pieces of tests/models/test_model_scan.py and test_model_chunked.py (the model-at-scale
+"""Shared pieces of tests/models/test_decoder.py and test_logprobs.py (the model-at-scale
 knobs): small models, policies, batches and a jitted loss-and-gradients."""
 import dataclasses
 import functools

@@ -197,7 +197,7 @@ def attend_chunked(q_BTKGH: jax.Array, keys_BSKH: jax.Array, values_BSKH: jax.Ar
 
   Every query row still takes its softmax over all of its keys in one piece, so each output row
   is computed by the same operations as in `attend`: equal up to how XLA blocks the score and
-  value contractions for the chunk's shapes (tests/models/test_model_chunked.py states the bound).
+  value contractions for the chunk's shapes (tests/models/test_logprobs.py states the bound).
   """
   batch, steps = q_BTKGH.shape[:2]
   chunk = min(chunk, steps)

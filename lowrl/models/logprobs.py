@@ -134,7 +134,7 @@ def token_logprobs_and_entropy(params: Params, tokens_BT: jax.Array, model_cfg: 
 
   With `model_cfg.logprob_chunk` > 0 the LM head and log-softmax run over V in chunks of that
   many columns (`_chunked_logz_entropy_picked`): no [B, T, V] FP32 array; the same numbers up to
-  the online logsumexp's reassociation (tests/models/test_model_chunked.py states the bound).
+  the online logsumexp's reassociation (tests/models/test_logprobs.py states the bound).
   """
   if not model_cfg.logprob_chunk:
     logits_BTV = forward(params, tokens_BT, model_cfg, policy, mask_BT=mask_BT,

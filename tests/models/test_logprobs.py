@@ -99,7 +99,7 @@ def test_chunked_attention_within_reassociation_bound(chunk):
 def test_chunked_attention_model_one_chunk_is_exact_and_gradients_flow():
   # FP32: the plain program is the FP32 head tests' (computed once; BF16 programs also compile
   # slower on the CPU). Chunked attention in BF16 compute (one chunk, over the stacked KV cache)
-  # is the bf16 case of test_model_scan.py::test_scan_kv_cache_decode_equals_unrolled.
+  # is the bf16 case of test_decoder.py::test_scan_kv_cache_decode_equals_unrolled.
   policy = _policy("fp32", ONE)
   tokens, mask = _batch(ONE)
   cfg = dataclasses.replace(ONE, attention="chunked", attention_chunk=tokens.shape[1])
