@@ -20,6 +20,7 @@ class StringTask(ProceduralTask):
   `answer_of(text)`. Subclasses set `name`, `prefix` and the two static methods."""
 
   prefix: str
+  lengths: tuple[int, int]  # the default (min_len, max_len)
   metadata_key: str  # the drawn string's name in Example.metadata
   sort_alphabet: bool  # draw from the alphabet's symbols in sorted order (what sorting did)
 
@@ -32,18 +33,21 @@ class StringTask(ProceduralTask):
     """The canonical form of `text`'s problem: strings with one key share a split."""
     raise NotImplementedError
 
-  def __init__(self, min_len: int, max_len: int, alphabet: str = "letters",
-               eval_fraction: float = 0.1, tokenizer: CharTokenizer | None = None):
+  def __init__(self, min_len: int | None = None, max_len: int | None = None,
+               alphabet: str = "letters", eval_fraction: float = 0.1,
+               tokenizer: CharTokenizer | None = None):
     """Configures the task.
 
     Args:
-      min_len, max_len: string length range (inclusive).
+      min_len, max_len: string length range (inclusive); None: the task's `lengths`.
       alphabet: "digits", "letters", or an explicit string of at least two distinct symbols.
       eval_fraction: share of problems held out for evaluation.
       tokenizer: defaults to CharTokenizer().
     """
     super().__init__(eval_fraction=eval_fraction, tokenizer=tokenizer)
     what = type(self).__name__
+    min_len = self.lengths[0] if min_len is None else min_len
+    max_len = self.lengths[1] if max_len is None else max_len
     check_range(f"{what} length (min_len, max_len)", min_len, max_len, 1)
     symbols = resolve_alphabet(alphabet)
     self.symbols = "".join(sorted(symbols)) if self.sort_alphabet else symbols
@@ -75,6 +79,7 @@ class SortingTask(StringTask):
 
   name = "sorting"
   prefix = "sort:"
+  lengths = (3, 6)
   metadata_key = "items"
   sort_alphabet = True
 
@@ -84,11 +89,6 @@ class SortingTask(StringTask):
 
   key_of = answer_of
 
-  def __init__(self, min_len: int = 3, max_len: int = 6, alphabet: str = "letters",
-               eval_fraction: float = 0.1, tokenizer: CharTokenizer | None = None):
-    """See StringTask."""
-    super().__init__(min_len, max_len, alphabet, eval_fraction, tokenizer)
-
 
 class ReversalTask(StringTask):
   """Reverse the string. A string and its reverse share a split key (each is the other's answer),
@@ -96,6 +96,7 @@ class ReversalTask(StringTask):
 
   name = "reversal"
   prefix = "rev:"
+  lengths = (3, 8)
   metadata_key = "text"
   sort_alphabet = False
 
@@ -107,7 +108,3 @@ class ReversalTask(StringTask):
   def key_of(text: str) -> str:
     return min(text, text[::-1])
 
-  def __init__(self, min_len: int = 3, max_len: int = 8, alphabet: str = "letters",
-               eval_fraction: float = 0.1, tokenizer: CharTokenizer | None = None):
-    """See StringTask."""
-    super().__init__(min_len, max_len, alphabet, eval_fraction, tokenizer)
