@@ -18,28 +18,30 @@ from lowrl.models import init
 DRAW_RTOL = 8 * 2.0 ** -23
 
 
-def _leaves_of(cfg, dtype=jnp.float32):
-  return init._leaves(init._module_shapes(cfg, jnp.dtype(dtype)))
-
-
 def _reference(cfg, rng, dtype):
-  """The documented values, assembled in NumPy from the split program's own draw: leaf k of the
-  random leaves (flattening order) is draw[offset_k : offset_k + size_k] * fan_in^-1/2."""
-  leaves = _leaves_of(cfg, dtype)
-  sizes = leaves.sizes
+  """The documented values, assembled in NumPy from the split program's own draw and the spec
+  (not init's own tables): the random leaves are the kernels and the embedding in the tree's
+  flattening order, leaf k = draw[offset_k : offset_k + size_k] * fan_in^-1/2 with fan_in = D for
+  the [V, D] embedding and the input width (the axis before the last) for a kernel; norm scales
+  are 1, biases 0."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(init.param_shapes(cfg))
+  names = [jax.tree_util.keystr(path, simple=True, separator="/") for path, _ in flat]
+  shapes = [tuple(leaf.shape) for _, leaf in flat]
+  random = [i for i, n in enumerate(names) if n.endswith(("/kernel", "embed/embedding"))]
+  sizes = [math.prod(shapes[i]) for i in random]
   width = functools.reduce(math.gcd, sizes)
   draw = np.asarray(init._normal_fn(sum(sizes), width)(rng)).reshape(-1)
   out, offset = [], 0
-  random = dict(zip(leaves.random, zip(sizes, leaves.scales)))
-  for i, shape in enumerate(leaves.shapes):
+  for i, (name, shape) in enumerate(zip(names, shapes)):
     if i in random:
-      size, scale = random[i]
-      value = draw[offset:offset + size].reshape(shape) * np.float32(scale)
-      offset += size
+      fan_in = shape[1] if name.endswith("embedding") else shape[-2]
+      value = draw[offset:offset + math.prod(shape)].reshape(shape) * np.float32(fan_in ** -0.5)
+      offset += math.prod(shape)
     else:
-      value = np.full(shape, leaves.fill(i), np.float32)
+      assert name.endswith(("/scale", "/bias")), name
+      value = np.full(shape, 1.0 if name.endswith("scale") else 0.0, np.float32)
     out.append(value.astype(ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float32))
-  return jax.tree_util.tree_unflatten(leaves.treedef, out)
+  return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _bits(tree):
