@@ -134,7 +134,7 @@ def quantize_linear(weight_OI: Any, fmt: str, input_amax: float | None = None, *
   if fmt == "nvfp4":
     if input_amax is None:
       raise ValueError("NVFP4 export needs the linear's input amax (input_scale); calibrate it "
-                       "with lowrl.models.transformer.calibrate_act_amax.")
+                       "with lowrl.models.calibration.calibrate_act_amax.")
     out["input_scale"] = (np.asarray(input_amax, np.float32)
                           / np.float32(_NVFP4_MAX)).reshape(1)
   return out

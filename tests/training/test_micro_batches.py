@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import tiny
+from lowrl.models import init
 from lowrl.rl.losses import aggregation_denominator
 from lowrl.training import loop, schema
 from lowrl.training.rl_update import make_logprob_fn, make_rl_update
@@ -74,8 +75,7 @@ def test_micro_batches_equal_the_plain_step_within_the_summation_order_bound(agg
   |g_micro - g_plain| <= (2 gamma_{BT} + 3u) S + 2u (|p| + |g|) + 2u (B |p| + S),  S = sum_r |G_r|.
   """
   setup, _ = _update(aggregation, 1)
-  params = jax.tree.map(np.asarray, loop.transformer.init_params(setup.model_cfg,
-                                                                 jax.random.key(0)))
+  params = jax.tree.map(np.asarray, init.init_params(setup.model_cfg, jax.random.key(0)))
   batch = _batch(setup)
   rows, t = batch.loss_mask_BT.shape
   g_plain, m_plain = _grad(aggregation, 1, params, batch)
