@@ -37,7 +37,7 @@ import optax
 
 from lowrl import precision, user_cache
 from lowrl.models import config as model_config
-from lowrl.models import layout, transformer
+from lowrl.models import init, layout, logprobs
 from lowrl.quant import QuantConfig, quantize
 
 GPU_SIZES = ("4096x4096x4096", "8192x4096x12288", "8192x12288x4096", "8192x8192x28672")
@@ -142,7 +142,7 @@ def train_step_comparison(model: str, batch: int, seq_len: int, recipe: str, fmt
   cfg = model_config.preset(model, max_seq_len=max(seq_len, 2))
   matmuls = layout.matmuls(cfg)
   tx = optax.adam(1e-4)
-  params = transformer.init_params(cfg, jax.random.key(seed))
+  params = init.init_params(cfg, jax.random.key(seed))
   opt_state = tx.init(params)
   tokens = jax.random.randint(jax.random.key(seed + 1), (batch, seq_len), 0, cfg.vocab_size)
 
@@ -150,7 +150,7 @@ def train_step_comparison(model: str, batch: int, seq_len: int, recipe: str, fmt
     policy = precision.policy_for(recipe, matmuls, format=fmt, gemm=gemm)
 
     def step(params, opt_state, tokens):
-      loss_fn = lambda p: -jnp.mean(transformer.token_logprobs(p, tokens, cfg, policy))  # noqa: E731
+      loss_fn = lambda p: -jnp.mean(logprobs.token_logprobs(p, tokens, cfg, policy))  # noqa: E731
       loss, grads = jax.value_and_grad(loss_fn)(params)
       updates, opt_state = tx.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state, loss

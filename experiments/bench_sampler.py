@@ -44,7 +44,7 @@ import numpy as np
 
 from lowrl import precision
 from lowrl.models import config as model_config
-from lowrl.models import layout, transformer
+from lowrl.models import calibration, init, layout
 from lowrl import sampling, user_cache
 from lowrl.quant import PackedWeight
 
@@ -95,7 +95,7 @@ def lowrl_round(model_cfg, policy, params, prompts_BP, new_tokens, reuse_cache=T
   caches = {}
   # Per-tensor activation scales sample with static amaxes (here calibrated on the prompts).
   paths = policy.act_paths(layout.matmuls(model_cfg), "tensor")
-  act_amax = transformer.calibrate_act_amax(params, prompts_BP, model_cfg, policy, paths) \
+  act_amax = calibration.calibrate_act_amax(params, prompts_BP, model_cfg, policy, paths) \
       if paths else None
 
   def call(n):
@@ -246,7 +246,7 @@ def main(argv):
         f"prompt {p}, new tokens {n}, backend {jax.default_backend()} "
         f"({jax.devices()[0].device_kind}), {_REPEATS.value} interleaved rounds, "
         f"load average at start {os.getloadavg()[0]:.1f}")
-  params = transformer.init_params(model_cfg, jax.random.key(0))
+  params = init.init_params(model_cfg, jax.random.key(0))
   prompts_BP = jax.random.randint(jax.random.key(2), (batch, p), 0, model_cfg.vocab_size)
   rows = {name: lowrl_round(model_cfg, precision.policy_for(name, layout.matmuls(model_cfg)), params,
                             prompts_BP, n) for name in _RECIPES.value}

@@ -41,8 +41,8 @@ import orbax.checkpoint as ocp  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from lowrl import user_cache  # noqa: E402
-from lowrl.checkpoints import hf, hf_quantized  # noqa: E402
-from lowrl.models import layout, transformer  # noqa: E402
+from lowrl.checkpoints import hf, hf_config, hf_quantized  # noqa: E402
+from lowrl.models import calibration, init, layout  # noqa: E402
 from lowrl.training import run_config, schema  # noqa: E402
 from lowrl.training.setup import Setup, build  # noqa: E402
 from lowrl.training.trainer import Trainer  # noqa: E402
@@ -162,7 +162,7 @@ def _calibrated_amax(setup: Setup, params: Any) -> dict[str, jax.Array]:
   policy = setup.trainer_policy
   paths = tuple(m.full_path for m in layout.matmuls(setup.model_cfg) if m.layer is not None)
   key = policy.quant_key(jax.random.key(setup.loop.seed))
-  return transformer.calibrate_act_amax(params, jnp.asarray(tokens), setup.model_cfg, policy,
+  return calibration.calibrate_act_amax(params, jnp.asarray(tokens), setup.model_cfg, policy,
                                         paths, mask_BT=jnp.asarray(mask), quant_key=key)
 
 
@@ -187,7 +187,7 @@ def export(workdir: str, out: str, *, step: int | None = None, rollout_format: s
   except ValueError as e:
     raise ExportError(f"The run's config does not build here: {e}") from None
   device = jax.local_devices()[0]
-  shapes = transformer.param_shapes(setup.model_cfg)
+  shapes = init.param_shapes(setup.model_cfg)
   one = jax.sharding.SingleDeviceSharding(device)
   master = jnp.dtype(cfg.optimizer.master_dtype)  # the loop trains params in this dtype
   abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, master, sharding=one), shapes)
@@ -197,7 +197,7 @@ def export(workdir: str, out: str, *, step: int | None = None, rollout_format: s
   if source and not os.path.isfile(os.path.join(source, "tokenizer.json")):
     raise ExportError(f"The run's source checkpoint {source} has no tokenizer.json to export; "
                       "restore it there.")
-  extra = hf.read_hf_config(source) if source else None
+  extra = hf_config.read_hf_config(source) if source else None
   if rollout_format:  # checked before anything is written
     try:
       hf_quantized.export_policy(setup.model_cfg, rollout_format, setup.sampler_policy)

@@ -7,7 +7,7 @@ estimate at Qwen3-0.6B's shape (random weights), each part with a hard time budg
   python -m experiments.gpu_check --dry_run                                 # the plan only
 
 Parts (experiments/gpu_check_parts.py; docs/gpu.md says what each number means):
-  init     wall seconds of `transformer.init_params` (compile + run; then a cached call);
+  init     wall seconds of `init.init_params` (compile + run; then a cached call);
   train    the training loop's RL step (GRPO: forward, backward, AdamW) on a synthetic rollout of
            --sizes' shape, under nvfp4_recipe (emulated) and FP8 (per-tensor E4M3,
            precision.gemm=native), each against the BF16 step interleaved round by round

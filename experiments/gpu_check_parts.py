@@ -1,7 +1,7 @@
 """The measurements of experiments/gpu_check.py, one function per part (each runs in a process
 of its own there; see that module for what each number means).
 
-Every part builds its programs from the library's own code: `transformer.init_params`, the RL
+Every part builds its programs from the library's own code: `init.init_params`, the RL
 step of the training loop (`training.step.make_step` with the loop's config schema defaults),
 the `Sampler`, `lowrl.memory.estimate` and `lowrl.hardware`; timing is
 `experiments.bench_gemm.compare` (baseline and candidate interleaved round by round).
@@ -20,7 +20,7 @@ from experiments.bench_gemm import Comparison, compare
 from lowrl import hardware as hardware_lib
 from lowrl import memory, precision
 from lowrl.models import config as model_config
-from lowrl.models import layout, transformer
+from lowrl.models import init, layout
 from lowrl.sampling import SampleOutput, SamplingConfig
 from lowrl.sampling.rollout import Sampler
 from lowrl.training import optimizer, schema
@@ -117,7 +117,7 @@ def _train_setup(shape: Shape, seed: int = 0):
   batch_cfg = BatchConfig.from_rl(rl, shape.new_tokens)
   sampling = SamplingConfig(max_new_tokens=shape.new_tokens, temperature=rl.temperature)
   k_params, k_tok, k_rew = jax.random.split(jax.random.key(seed), 3)
-  params = transformer.init_params(cfg, k_params)
+  params = init.init_params(cfg, k_params)
   opt_state = jax.jit(lambda p: optimizer.init_opt_state(tx, p))(params)
   b, p, t = shape.train_batch, shape.prompt_len, shape.seq_len
   tokens = jax.random.randint(k_tok, (b, t), 1, cfg.vocab_size, jnp.int32)
@@ -156,7 +156,7 @@ def part_init(shape: Shape, emit, **_) -> dict[str, Any]:
   out = {}
   for call in ("first_call_s", "second_call_s"):
     t0 = time.perf_counter()
-    jax.block_until_ready(transformer.init_params(cfg, jax.random.key(0)))
+    jax.block_until_ready(init.init_params(cfg, jax.random.key(0)))
     out[call] = time.perf_counter() - t0
   out["num_params"] = cfg.num_params()
   return out
@@ -197,7 +197,7 @@ def part_rollout(shape: Shape, emit, *, repeats: int, iters: int) -> dict[str, A
   ROLLOUT_MAX_REPEATS rounds of one call each."""
   del iters
   cfg = shape.model_cfg()
-  params = transformer.init_params(cfg, jax.random.key(0))
+  params = init.init_params(cfg, jax.random.key(0))
   b, p, n = shape.rollout_batch, shape.rollout_prompt_len, shape.rollout_new_tokens
   config = SamplingConfig(max_new_tokens=n, temperature=1.0)
   prompts = jax.random.randint(jax.random.key(1), (b, p), 1, cfg.vocab_size, jnp.int32)

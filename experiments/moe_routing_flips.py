@@ -20,7 +20,7 @@ import numpy as np
 from absl import app, flags
 
 from lowrl import precision
-from lowrl.models import layout, routing, transformer
+from lowrl.models import init, layout, routing
 from lowrl.models.config import ModelConfig
 
 _SEEDS = flags.DEFINE_integer("seeds", 3, "model/data seeds")
@@ -49,7 +49,7 @@ def main(_):
   logprobs = jax.jit(routing.token_logprobs_replayed, static_argnums=(2, 3))
   rows: dict[str, list[tuple[float, float, float]]] = {}
   for seed in range(_SEEDS.value):
-    params = transformer.init_params(MODEL, jax.random.key(seed))
+    params = init.init_params(MODEL, jax.random.key(seed))
     tokens = jax.random.randint(jax.random.key(1000 + seed), (_BATCH.value, _LENGTH.value), 0,
                                 MODEL.vocab_size)
     _, own = record(params, tokens, MODEL, trainer)

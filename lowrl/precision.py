@@ -335,7 +335,7 @@ def make_policy(config: ml_collections.ConfigDict,
 
   Rule order (first match wins): high-precision tail layers, `high_precision_paths`, LM head,
   every other linear layer. Whether the block formats tile the model's widths (and shards) is
-  checked by `lowrl.sharding.check_quant_blocks`, the one block check.
+  checked by `lowrl.quant_blocks.check_quant_blocks`, the one block check.
 
   Raises:
     ValueError: unknown names, out-of-range values or knobs that need another knob; the message

@@ -4,7 +4,7 @@ One parameter tree, sharded over a `jax.sharding.Mesh`, is the input of both the
 trainer: every jitted step gets explicit `in_shardings`/`out_shardings` from a `ShardingPlan`, so
 nothing is gathered onto one device between rollout and update. The same code runs on one CPU, on
 the 8 fake CPU devices of the tests, on one GPU node and on a multi-host pod (`lowrl.distributed`).
-This module never builds the model: it places abstract shape trees (`transformer.param_shapes`,
+This module never builds the model: it places abstract shape trees (`init.param_shapes`,
 optimizer states) and reads where a matmul's weight lives from the model's layout.
 
 Mesh: named axes from config (`mesh.axes`, default `("data", "model")`); `mesh.shape` gives one
@@ -26,10 +26,7 @@ Optimizer state and checkpoint trees get their shardings by matching leaves to p
 parameter's shape gets its sharding (Adam's mu/nu, reference params, kept versions); anything else
 (step counters, RNG keys) is replicated.
 
-Quantization and shards (`check_quant_blocks`): block formats compute one scale per block along the
-contracting axis. The check proves, before any compile, that no block of any quantized operand
-straddles a shard boundary, so block scales are shard-local and the sharded program computes the
-same quantized values as the unsharded one (per-tensor / per-token amaxes are exact max-reductions).
+Whether quantization blocks fit the shards this plan cuts is `lowrl.quant_blocks`' check.
 """
 from __future__ import annotations
 
@@ -42,7 +39,6 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from lowrl import precision
 from lowrl.models import layout, row_sharding
 from lowrl.models.config import ModelConfig
 
@@ -127,7 +123,8 @@ def make_mesh(shape: Sequence[int], axes: Sequence[str],
     return Mesh(np.asarray(devices, dtype=object).reshape(shape), axes, axis_types=types)
 
 
-def _entry_axes(entry: SpecEntry) -> tuple[str, ...]:
+def entry_axes(entry: SpecEntry) -> tuple[str, ...]:
+  """The mesh axes a spec entry names (None: none; one name; a tuple of names)."""
   if entry is None:
     return ()
   return (entry,) if isinstance(entry, str) else tuple(entry)
@@ -152,7 +149,7 @@ def normalize_rules(rules: Iterable[Any], axes: Sequence[str]) -> Rules:
     for entry in spec:
       if entry is not None and not isinstance(entry, str):
         entry = tuple(entry)
-      for a in _entry_axes(entry):
+      for a in entry_axes(entry):
         if a not in axes:
           raise ValueError(f"mesh.rules: {pattern!r} -> {tuple(spec)!r} names axis {a!r}, which is "
                            f"not in mesh.axes={tuple(axes)}; use one of them or None.")
@@ -211,14 +208,15 @@ class ShardingPlan:
 
   def size(self, entry: SpecEntry) -> int:
     """Number of shards a spec entry splits a dimension into."""
-    return math.prod(self.mesh.shape[a] for a in _entry_axes(entry))
+    return math.prod(self.mesh.shape[a] for a in entry_axes(entry))
 
   @property
   def batch_shards(self) -> int:
     return self.size(self.batch_axes)
 
   @property
-  def _batch_entry(self) -> SpecEntry:
+  def batch_entry(self) -> SpecEntry:
+    """The spec entry of the batch dimension: None, one axis name or the tuple of batch axes."""
     if not self.batch_axes:
       return None
     return self.batch_axes[0] if len(self.batch_axes) == 1 else self.batch_axes
@@ -233,12 +231,12 @@ class ShardingPlan:
   @property
   def batch(self) -> NamedSharding:
     """Leading (batch) dimension over `batch_axes`, the rest replicated (any rank >= 1)."""
-    return self.named(self._batch_entry)
+    return self.named(self.batch_entry)
 
   def rows(self):
     """Context for tracing a program whose activations stay split over the batch axes
     (`lowrl.models.row_sharding`: each device processes only its rows)."""
-    return row_sharding.rows_over(self.mesh, self._batch_entry)
+    return row_sharding.rows_over(self.mesh, self.batch_entry)
 
   def check_batch(self, n: int, what: str) -> None:
     """ValueError unless a batch of `n` rows splits evenly over the batch axes."""
@@ -263,7 +261,7 @@ class ShardingPlan:
       n = self.size(entry)
       if dim % n:
         msg = (f"{path}: dim of size {dim} is not divisible by the {n} shards of mesh axes "
-               f"{_entry_axes(entry)}")
+               f"{entry_axes(entry)}")
         if self.strict:
           raise ValueError(f"{msg}; change mesh.shape, add an earlier mesh.rules entry for this "
                            "path, or set mesh.strict=False to replicate such dims.")
@@ -331,7 +329,7 @@ class ShardingPlan:
     spec = self.matmul_spec(k_proj)
     out_axis = 1 - k_proj.contract_axis
     entry = spec[out_axis] if len(spec) > out_axis else None
-    axes = _entry_axes(entry)
+    axes = entry_axes(entry)
     if not axes or set(axes) & set(self.batch_axes) or model_cfg.n_kv_heads % self.size(entry):
       return None
     return entry
@@ -345,7 +343,7 @@ class ShardingPlan:
     spec = self.matmul_spec(k_proj)
     out_axis = 1 - k_proj.contract_axis
     entry = spec[out_axis] if len(spec) > out_axis else None
-    tensor = tuple(a for a in _entry_axes(entry) if a not in self.batch_axes)
+    tensor = tuple(a for a in entry_axes(entry) if a not in self.batch_axes)
     if not tensor or self.kv_head_entry(model_cfg) is not None:
       return None
     n = self.size(tensor)
@@ -359,9 +357,9 @@ class ShardingPlan:
     (stacked [L, B, S, K, hd], layers unsplit, when model_cfg.scan_layers)."""
     heads = self.kv_head_entry(model_cfg)
     if model_cfg.scan_layers:
-      kv = self.named(None, self._batch_entry, None, heads)
+      kv = self.named(None, self.batch_entry, None, heads)
       return {"index": self.replicated, "mask": self.batch, "layers": {"k": kv, "v": kv}}
-    kv = self.named(self._batch_entry, None, heads)
+    kv = self.named(self.batch_entry, None, heads)
     return {"index": self.replicated, "mask": self.batch,
             "layers": tuple({"k": kv, "v": kv} for _ in range(model_cfg.n_layers))}
 
@@ -423,84 +421,3 @@ def plan_from_config(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None)
   return ShardingPlan(mesh, rules=DEFAULT_RULES if rules is None else tuple(rules),
                       batch_axes=tuple(get("batch_axes", (DATA,))),
                       strict=bool(get("strict", False)))
-
-
-# ----------------------------------------------------------------------------------------------
-# Quantization blocks vs shards.
-
-
-def check_quant_blocks(policy: precision.PrecisionPolicy, model_cfg: ModelConfig,
-                       plan: ShardingPlan, *, rows: int | None = None,
-                       seq_len: int | None = None, what: str = "precision") -> None:
-  """Proves that no quantization block of any matmul straddles a shard boundary.
-
-  Weights are checked along their contracting axis as the rules split it (FSDP and row-parallel
-  tensor splits alike). Activations are split along B over the batch axes, so their contracting
-  axis is split by the weight's other (tensor) axes: o_proj / down_proj inputs under tensor
-  parallelism. 2-D weight blocks are checked along the output axis too. With
-  backward="quantized" it also covers the backward GEMMs: the dgrad GEMM contracts the weight's
-  output axis (gradient and re-quantized weight), the wgrad GEMM the flattened batch x time axis,
-  split over the batch axes (`rows` sequences of `seq_len` tokens per optimizer step, when given).
-
-  Raises:
-    ValueError: naming the matmul, the per-shard width, and the fixes.
-  """
-  for m in layout.matmuls(model_cfg):
-    cfg = policy.qdot_config(m.full_path)
-    if not cfg.quantized:
-      continue
-    keys, c_axis, shape = m.param_keys, m.contract_axis, m.weight_shape
-    spec = tuple(plan.matmul_spec(m)) + (None,) * len(shape)
-    o_axis = m.out_axis  # stacked experts [E, in, out]: blocks never run along E
-    contracting = (shape[c_axis], spec[c_axis])
-    output = (shape[o_axis], spec[o_axis])
-    # Activations are split over the batch axes along B, so only the other (tensor) axes of the
-    # weight's contracting entry split their contracting axis.
-    act_entry = tuple(a for a in _entry_axes(contracting[1]) if a not in plan.batch_axes)
-    checks = []
-    if cfg.lhs is not None and cfg.lhs.block is not None:
-      checks.append(("activations", cfg.lhs, "contracting", contracting[0], act_entry))
-    if cfg.rhs is not None and cfg.rhs.block is not None:
-      checks.append(("weights", cfg.rhs, "contracting", *contracting))
-      if cfg.rhs.block_2d:
-        checks.append(("weights", cfg.rhs, "output", *output))
-    if cfg.backward == "quantized":
-      # The dgrad GEMM contracts the output axis: the re-quantized weight's as the rules split it,
-      # the incoming gradient's ([B, T, out]) by the tensor axes only.
-      grad_entry = tuple(a for a in _entry_axes(output[1]) if a not in plan.batch_axes)
-      if cfg.grad is not None and cfg.grad.block is not None:
-        checks.append(("dgrad gradient", cfg.grad, "output", output[0], grad_entry))
-      if cfg.rhs is not None and cfg.rhs.block is not None and not cfg.rhs.block_2d:
-        checks.append(("dgrad weights", cfg.rhs, "output", *output))
-      if rows is not None and seq_len is not None:
-        tokens = (rows * seq_len, plan._batch_entry)
-        for name, q in (("wgrad gradient", cfg.grad), ("wgrad activations", cfg.lhs)):
-          if q is not None and q.block is not None:
-            checks.append((name, q, "batch x time", *tokens))
-    full = m.full_path
-    for name, q, axis, width, entry in checks:
-      shards = plan.size(entry)
-      if width % shards == 0 and (width // shards) % q.block == 0:
-        continue
-      per = width / shards
-      keep = f"keep the matmul unquantized (--config.precision.high_precision_paths='{full}')"
-      if axis == "batch x time":
-        fix = (f"a batch whose rows per shard times the sequence length ({seq_len}) is a multiple "
-               f"of {q.block} (rl.num_prompts * rl.group_size / rl.num_minibatches, "
-               "rl.max_new_tokens)")
-      elif shards == 1:
-        fix = ("a model whose widths are multiples of the block (d_model, d_ff, "
-               "n_heads*head_dim, vocab_size for the LM head)"
-               + (", precision.weight_block_2d=False" if axis == "output" and q.block_2d else ""))
-      else:
-        fix = (f"a mesh.rules entry that does not shard this axis of {'/'.join(keys)}, a wider "
-               "model")
-      if shards == 1:
-        raise ValueError(f"{what}: {full} {name} are quantized in {q.fmt} blocks of {q.block} "
-                         f"along the {axis} axis, but that axis is {width} wide, not a multiple "
-                         f"of {q.block}. Fix: {fix}, or {keep}.")
-      raise ValueError(
-          f"{what}: {full} {name} are quantized in {q.fmt} blocks of {q.block} along the {axis} "
-          f"axis, but that axis ({width} wide) is split {shards} ways over mesh axes "
-          f"{_entry_axes(entry)}: {per:g} per shard, so blocks would straddle shards. Fix: a mesh "
-          f"with fewer devices on {_entry_axes(entry)} (mesh.shape), {fix}, or {keep}.")

@@ -79,9 +79,9 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 # in its usual order.
 _FILE_SECONDS = {
     "tests/training/test_resume_kill.py": 215,  # measured with -n 0 at load 14 on 2 cores
-    "tests/models/test_model_scan.py": 179,
+    "tests/models/test_decoder.py": 179,
     "tests/training/test_training.py": 169,
-    "tests/models/test_model_chunked.py": 156,
+    "tests/models/test_logprobs.py": 156,
     "tests/training/test_hf_loop.py": 152,
     "tests/asyncrl/test_simulator.py": 150,
     "tests/test_sharding.py": 125,
@@ -94,8 +94,8 @@ _FILE_SECONDS = {
     "tests/quant/test_qdot.py": 45,
     "tests/training/test_micro_batches.py": 43,
     "tests/experiments/test_export_hf.py": 40,
-    "tests/quant/test_quant_exact.py": 40,
-    "tests/models/test_model.py": 37,
+    "tests/quant/test_exact.py": 40,
+    "tests/models/test_transformer.py": 37,
     "tests/training/test_storage.py": 32,
     "tests/training/test_probes.py": 20,
 }

@@ -1,4 +1,4 @@
-"""Shared pieces of tests/models/test_model_scan.py and test_model_chunked.py (the model-at-scale
+"""Shared pieces of tests/models/test_decoder.py and test_logprobs.py (the model-at-scale
 knobs): small models, policies, batches and a jitted loss-and-gradients."""
 import dataclasses
 import functools
@@ -9,7 +9,7 @@ import numpy as np
 
 import tiny
 from lowrl import precision
-from lowrl.models import layout, transformer
+from lowrl.models import init, layout, logprobs
 from lowrl.models.config import ModelConfig
 
 # 3 layers: nvfp4_recipe's BF16 suffix (at least 1 layer) is its own scan group after a scan
@@ -57,7 +57,7 @@ def _init(cfg: ModelConfig):
     fan_in = shape.shape[1] if name == "embedding" else shape.shape[0]
     return jnp.asarray(rng.standard_normal(shape.shape) / np.sqrt(fan_in), shape.dtype)
 
-  return jax.tree_util.tree_map_with_path(leaf, transformer.param_shapes(cfg))
+  return jax.tree_util.tree_map_with_path(leaf, init.param_shapes(cfg))
 
 
 def _batch(cfg: ModelConfig = DEEP, shape=(3, 12)):
@@ -90,7 +90,7 @@ def _compute_loss_and_grads(cfg, policy, quant_key, act_amax):
   tokens, mask = _batch(cfg)
 
   def loss(p):
-    logp, ent = transformer.token_logprobs_and_entropy(p, tokens, cfg, policy, mask_BT=mask,
+    logp, ent = logprobs.token_logprobs_and_entropy(p, tokens, cfg, policy, mask_BT=mask,
                                                        quant_key=quant_key, act_amax=act_amax)
     return jnp.sum(logp) + 0.1 * jnp.sum(ent), (logp, ent)
 

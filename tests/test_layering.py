@@ -4,8 +4,10 @@ The check reads every module's import statements (the AST, so imports inside fun
 too) and its dynamic imports (`importlib.import_module(...)`, `import_module(...)`,
 `__import__(...)` of a literal name, or of an f-string's literal prefix up to its last dot), and
 compares the layer of the importing module with the layer of each lowrl module it imports: a
-module may import its own layer or lower ones, never a higher one. A dynamic import of a name
-with no literal package prefix cannot be checked, so it is a violation too.
+module may import its own layer or lower ones, never a higher one, and nothing outside the
+library (`configs`, `experiments`, `tests`). A dynamic import of a name with no literal package
+prefix cannot be checked, so it is a violation too. Within a layer the imports between modules
+must form no circle (`test_no_import_circle`): a module and what it imports are a tree.
 """
 from __future__ import annotations
 
@@ -21,15 +23,19 @@ LAYERS = (
     ("lowrl.quant", "lowrl.hardware", "lowrl.distributed", "lowrl.metrics", "lowrl.user_cache"),
     ("lowrl.precision",),
     ("lowrl.models",),
-    ("lowrl.sharding", "lowrl.checkpoints", "lowrl.memory", "lowrl.tasks"),
+    ("lowrl.sharding", "lowrl.quant_blocks", "lowrl.checkpoints", "lowrl.memory", "lowrl.tasks"),
     ("lowrl.sampling",),
     ("lowrl.rl",),
     ("lowrl.training",),
     ("lowrl.asyncrl",),
 )
-# Data, not code: the named precision recipes are read from configs/<recipe>.py (a dynamic
-# import, `importlib.import_module(f"configs.{name}")`; test_the_checker_sees_dynamic_imports).
-ALLOWED_OUTSIDE = {("lowrl.precision", "configs")}
+# Known violations being removed in parallel work: the test of each is an xfail (strict: it
+# fails once the violation is gone, so the mark is removed with it).
+KNOWN_UPWARD = {
+    "lowrl.precision": "precision.recipe imports configs.<name> (importlib); the hconfigs stream "
+                       "moves the recipes to data the library reads without importing configs",
+}
+KNOWN_CIRCLES: dict = {}
 # A dynamic import whose name has no literal package prefix.
 UNKNOWN = "<computed name>"
 
@@ -94,8 +100,7 @@ def _violations(name: str, path: pathlib.Path, source: str | None = None) -> lis
     if imported == UNKNOWN:
       bad.append(f"line {line}: a dynamic import of a computed name (use a literal package)")
       continue
-    if top in ("experiments", "configs", "tests") and not any(
-        name.startswith(a) and top == b for a, b in ALLOWED_OUTSIDE):
+    if top in ("experiments", "configs", "tests"):
       bad.append(f"line {line}: {imported} (outside the library)")
     if top != "lowrl" or own is None:
       continue
@@ -108,13 +113,69 @@ def _violations(name: str, path: pathlib.Path, source: str | None = None) -> lis
 MODULES = sorted((ROOT / "lowrl").rglob("*.py"))
 
 
+def _known(marks: dict, key) -> list:
+  reason = marks.get(key)
+  return [] if reason is None else [pytest.mark.xfail(reason=reason, strict=True)]
+
+
+def _targets(path: pathlib.Path, modules: set[str], source: str | None = None) -> set[str]:
+  """The lowrl modules (files) an import of `path` loads: `from lowrl.models import layout` is
+  the module lowrl.models.layout, `from lowrl.sampling import Sampler` the package's __init__."""
+  out = set()
+  text = path.read_text() if source is None else source
+  for node in ast.walk(ast.parse(text, str(path))):
+    if isinstance(node, ast.Import):
+      out |= {a.name for a in node.names if a.name in modules}
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
+      out |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+              for a in node.names}
+  return out
+
+
+def _circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+  """The strongly connected components of more than one module (Tarjan), each an import circle
+  (a module importing itself counts too)."""
+  index: dict[str, int] = {}
+  low: dict[str, int] = {}
+  stack: list[str] = []
+  out = []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    for w in sorted(graph.get(v, ())):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      comp = set()
+      while not comp or w != v:
+        w = stack.pop()
+        comp.add(w)
+      if len(comp) > 1 or v in graph.get(v, ()):
+        out.append(frozenset(comp))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  return out
+
+
+def _import_graph() -> dict[str, set[str]]:
+  names = {_module_name(p) for p in MODULES}
+  return {_module_name(p): _targets(p, names) for p in MODULES}
+
+
 def test_every_module_has_a_layer():
   missing = [_module_name(p) for p in MODULES
              if _module_name(p) != "lowrl" and _layer(_module_name(p)) is None]
   assert not missing, f"add these to LAYERS (and ARCHITECTURE.md): {missing}"
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: _module_name(p))
+@pytest.mark.parametrize("path", [pytest.param(p, marks=_known(KNOWN_UPWARD, _module_name(p)))
+                                  for p in MODULES], ids=lambda p: _module_name(p))
 def test_imports_follow_the_layering(path):
   name = _module_name(path)
   bad = _violations(name, path)
@@ -134,11 +195,38 @@ def test_the_checker_sees_a_violation(tmp_path):
   assert imported == ["lowrl.training"] and _layer("lowrl.training") > _layer("lowrl.models")
 
 
-def test_the_checker_sees_dynamic_imports():
-  """The one allowed import from outside the library is a dynamic one, and the checker finds it."""
-  path = ROOT / "lowrl" / "precision.py"
-  assert "configs" in [m for m, _ in _imports(path)]
-  assert not _violations("lowrl.precision", path)  # found, and allowed
+def test_no_import_circle():
+  """No circle among lowrl's modules beyond the known ones (each its own xfail below)."""
+  circles = [sorted(c) for c in _circles(_import_graph()) if c not in KNOWN_CIRCLES]
+  assert not circles, f"import circles (move the shared piece down a module): {circles}"
+
+
+@pytest.mark.parametrize("circle", [pytest.param(c, marks=_known(KNOWN_CIRCLES, c))
+                                    for c in KNOWN_CIRCLES], ids=lambda c: "<->".join(sorted(c)))
+def test_known_circle_is_gone(circle):
+  assert circle not in _circles(_import_graph())
+
+
+@pytest.mark.parametrize("graph, circles", [
+    ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
+    ({"a": {"b"}, "b": {"a"}, "c": {"a"}}, [{"a", "b"}]),
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"d"}}, [{"a", "b", "c"}, {"d"}]),
+    ({"a": {"b", "c"}, "b": {"d"}, "c": {"d"}, "d": set()}, []),  # a diamond is no circle
+])
+def test_the_circle_finder_finds_circles(graph, circles):
+  assert sorted(map(sorted, _circles(graph))) == sorted(map(sorted, circles))
+
+
+def test_a_circle_through_a_function_level_import_is_found(tmp_path):
+  """Imports inside functions (the usual way to hide a circle) and package imports count."""
+  a, b = tmp_path / "a.py", tmp_path / "b.py"
+  a.write_text("from lowrl.training import step\n")
+  b.write_text("def f():\n  from lowrl.training.loop import Trainer\n")
+  names = {"lowrl.training", "lowrl.training.step", "lowrl.training.loop"}
+  graph = {"lowrl.training.loop": _targets(a, names), "lowrl.training.step": _targets(b, names)}
+  assert graph == {"lowrl.training.loop": {"lowrl.training.step"},
+                   "lowrl.training.step": {"lowrl.training.loop"}}
+  assert _circles(graph) == [frozenset(graph)]
 
 
 @pytest.mark.parametrize("source, found", [

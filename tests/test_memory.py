@@ -21,7 +21,7 @@ import tiny
 from lowrl import hardware as hardware_lib
 from lowrl import memory
 from lowrl.asyncrl import cost_model
-from lowrl.models import layout, transformer
+from lowrl.models import init, layout, logprobs, transformer
 from lowrl.models.config import preset
 from lowrl.precision import PrecisionPolicy
 from lowrl.training import optimizer as optimizer_lib, schema
@@ -49,7 +49,7 @@ def _est(cfg=TINY, **kw):
 @pytest.mark.parametrize("cfg", [TINY, TINY_FULL])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_params_grads_reference_are_the_param_tree_bytes(cfg, dtype):
-  params = jax.eval_shape(lambda k: transformer.init_params(cfg, k, jnp.dtype(dtype)),
+  params = jax.eval_shape(lambda k: init.init_params(cfg, k, jnp.dtype(dtype)),
                           jax.random.key(0))
   est = _est(cfg, param_dtype=dtype, reference_dtype=dtype, async_versions=2, async_dtype=dtype)
   assert est.params == _nbytes(params)
@@ -65,7 +65,7 @@ def test_params_grads_reference_are_the_param_tree_bytes(cfg, dtype):
 
 
 def test_optimizer_is_adams_two_fp32_moments():
-  params = jax.eval_shape(lambda k: transformer.init_params(TINY_FULL, k), jax.random.key(0))
+  params = jax.eval_shape(lambda k: init.init_params(TINY_FULL, k), jax.random.key(0))
   tx = optimizer_lib.make_optimizer(schema.OPTIMIZER.defaults(), total_steps=10)
   state = jax.eval_shape(lambda p: optimizer_lib.init_opt_state(tx, p), params)
   leaves = jax.tree.leaves(state)
@@ -142,17 +142,17 @@ def test_dominant_activation_terms_by_hand():
   assert split.act_scores == est.act_scores // 4
   assert split.act_logits == est.act_logits // 4
   # The model's forward does build FP32 arrays of exactly these shapes.
-  params = transformer.init_params(TINY, jax.random.key(0))
+  params = init.init_params(TINY, jax.random.key(0))
   tokens = jnp.zeros((b, t), jnp.int32)
   policy = PrecisionPolicy.unquantized(layout.matmuls(TINY), "bfloat16")
   shapes = _f32_array_shapes(
-      lambda p, x: transformer.token_logprobs(p, x, TINY, policy), params, tokens)
+      lambda p, x: logprobs.token_logprobs(p, x, TINY, policy), params, tokens)
   assert (b, 2, 2, t, t) in shapes  # scores / probabilities [B, K, H / K, T, T]
   assert (b, t - 1, v) in shapes  # logits / log-softmax of the predicted positions
   # Chunked attention's forward builds [B, K, H / K, chunk, T] scores and no [.., T, T] ones.
   tiny_chunked = dataclasses.replace(TINY, attention="chunked", attention_chunk=4)
   shapes = _f32_array_shapes(
-      lambda p, x: transformer.token_logprobs(p, x, tiny_chunked, policy), params, tokens)
+      lambda p, x: logprobs.token_logprobs(p, x, tiny_chunked, policy), params, tokens)
   assert (b, 2, 2, 4, t) in shapes and (b, 2, 2, t, t) not in shapes
 
 
@@ -203,14 +203,26 @@ def test_step_time():
       rest + max(est.flops.sampler_decode / rate, t.decode_hbm_s), rel=1e-12)
 
 
-def test_total_and_format():
-  est = _est()
-  assert est.total == (est.params + est.optimizer + est.reference + est.async_versions
-                       + est.kv_cache + max(est.grads + est.activations, est.sampler_prefill))
-  text = memory.format_estimate(est, hardware_lib.HARDWARE["h100_sxm"])
-  for word in ("params", "KV cache", "attention scores", "logits", "total", "expected step"):
+def test_total_holds_the_state_once_and_the_larger_phase():
+  params = jax.eval_shape(lambda k: init.init_params(TINY, k), jax.random.key(0))
+  p = _nbytes(params)
+  lean, full = _est(keep_reference=False), _est(async_versions=2)
+  # The reference and two kept versions are FP32 copies of the tree, live through both phases.
+  assert full.total - lean.total == 3 * p
+  # The sampler's prefill and the update (grads + activations) never run at once: the peak holds
+  # the state, the KV cache and one of the two phases, not both.
+  state = [full.params, full.optimizer, full.reference, full.async_versions, full.kv_cache]
+  update, sampler = full.grads + full.activations, full.sampler_prefill
+  assert update > 0 and sampler > 0
+  assert sum(state) + max(update, sampler) <= full.total < sum(state) + update + sampler
+  assert full.params == p and full.optimizer == 2 * p  # Adam's two FP32 moments
+  # The printed total is that number, and the report fits on one screen.
+  text = memory.format_estimate(full, hardware_lib.HARDWARE["h100_sxm"])
+  total_line = [line for line in text.splitlines() if line.split()[:1] == ["total"]]
+  assert total_line and float(total_line[0].split()[1]) == round(full.total / memory.GB, 2)
+  for word in ("params", "KV cache", "attention scores", "logits", "expected step"):
     assert word in text
-  assert len(text.splitlines()) < 50  # one screen
+  assert len(text.splitlines()) < 50
 
 
 def test_check_fits_names_the_knobs():
@@ -299,7 +311,7 @@ def test_moe_params_flops_and_decode_reads_by_hand():
   """A mixture of experts: the state counts every expert (the param tree), the FLOPs the k
   experts a token reaches plus the router, the decode's weight reads every expert its rows reach."""
   moe = tiny.MOE  # D=32, E=4, k=2, expert F=32, shared F=16, untied head V=64
-  shapes = transformer.param_shapes(moe)
+  shapes = init.param_shapes(moe)
   assert moe.num_params() == sum(x.size for x in jax.tree.leaves(shapes))
   d, L = moe.d_model, moe.n_layers
   attn = d * moe.q_dim + 2 * d * moe.kv_dim + moe.q_dim * d

@@ -33,7 +33,7 @@ def _worker(shape: tuple[int, int], contiguous: bool) -> None:
   import numpy as np
 
   from lowrl import precision
-  from lowrl.models import layout, transformer
+  from lowrl.models import init, layout, transformer
   from lowrl.sampling import SamplingConfig, rescore
   from lowrl.sampling.generate import _decode_program
   from lowrl.training import optimizer, rl_update
@@ -51,7 +51,7 @@ def _worker(shape: tuple[int, int], contiguous: bool) -> None:
   model = tiny.SHARDABLE
   policy = precision.PrecisionPolicy.unquantized(layout.matmuls(model))
   if not contiguous:
-    params = transformer.init_params(model, jax.random.key(0))
+    params = init.init_params(model, jax.random.key(0))
     params = plan.put(params, plan.param_shardings(params))
     prompts = plan.put(jnp.ones((BATCH, 5), jnp.int32), plan.batch)
     pmask = plan.put(jnp.ones((BATCH, 5), bool), plan.batch)
@@ -74,8 +74,9 @@ def _worker(shape: tuple[int, int], contiguous: bool) -> None:
   cfg.rl.micro_batches = 1 if contiguous else 2
   setup = dataclasses.replace(build(cfg), plan=plan)
   trainer = Trainer(setup, log=lambda _: None)
-  init = transformer.init_params(setup.model_cfg, jax.random.key(0))
-  state = trainer.place({"params": init, "opt_state": optimizer.init_opt_state(trainer.tx, init)})
+  params0 = init.init_params(setup.model_cfg, jax.random.key(0))
+  state = trainer.place({"params": params0,
+                         "opt_state": optimizer.init_opt_state(trainer.tx, params0)})
   p_sh, o_sh = (trainer.state_shardings(state[k]) for k in ("params", "opt_state"))
   update = jax.jit(rl_update.make_rl_update(trainer.logprob_fn, trainer.tx, setup.update_cfg,
                                             None if contiguous else plan),

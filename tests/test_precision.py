@@ -5,7 +5,7 @@ import ml_collections
 import pytest
 
 from lowrl.models import layout
-from lowrl import precision, sharding
+from lowrl import precision, quant_blocks, sharding
 from lowrl.models.config import ModelConfig
 from lowrl.quant.config import QDotConfig, QuantConfig
 
@@ -191,7 +191,7 @@ def test_block_sizes_checked_against_the_model():
 
   def check(name, model_cfg, **kw):
     policy = precision.policy_for(name, layout.matmuls(model_cfg), **kw)
-    sharding.check_quant_blocks(policy, model_cfg, one_device)
+    quant_blocks.check_quant_blocks(policy, model_cfg, one_device)
 
   with pytest.raises(ValueError, match=r"layers_0/mlp/down_proj.*72 wide.*high_precision_paths"):
     check("nvfp4_naive", odd)

@@ -1,5 +1,5 @@
-"""Mesh, sharding rules, quantization blocks vs shards; the sharded sampler and update against
-one device (8 fake CPU devices, conftest.py)."""
+"""Mesh, sharding rules; the sharded sampler and update against one device (8 fake CPU devices,
+conftest.py)."""
 import dataclasses
 import functools
 import re
@@ -14,7 +14,7 @@ from configs import base as base_config
 import tiny
 from lowrl.models import layout
 from lowrl import precision, sharding
-from lowrl.models import transformer
+from lowrl.models import init
 from lowrl.quant.config import QDotConfig, QuantConfig
 from lowrl.quant.qdot import quantized_dot_general
 from lowrl.quant.quantize import fake_quant
@@ -43,7 +43,7 @@ def _plan(shape, rules=sharding.DEFAULT_RULES, devices=None):
 
 @functools.lru_cache(maxsize=None)
 def _params(cfg=MODEL):
-  return transformer.init_params(cfg, jax.random.key(0))
+  return init.init_params(cfg, jax.random.key(0))
 
 
 def _on_host(tree):
@@ -156,7 +156,7 @@ def test_parameter_memory_per_device_falls_as_the_mesh_grows():
 
 def test_indivisible_dims_are_replicated_or_rejected_when_strict():
   cfg = dataclasses.replace(MODEL, vocab_size=99)  # a char tokenizer's vocabulary
-  shapes = transformer.param_shapes(cfg)
+  shapes = init.param_shapes(cfg)
   plan = _plan((2, 4))
   specs = plan.param_specs(shapes)
   assert specs["embed"]["embedding"] == P(None, "data")  # V=99 not split 4 ways
@@ -177,7 +177,7 @@ def test_matmul_spec_is_the_tree_walk_spec(tied):
   cfg = dataclasses.replace(MODEL, vocab_size=99, tie_embeddings=tied)  # V=99: a fallback too
   for shape in MESHES:
     plan = _plan(shape)
-    specs = plan.param_specs(transformer.param_shapes(cfg))
+    specs = plan.param_specs(init.param_shapes(cfg))
     for m in layout.matmuls(cfg):
       assert plan.matmul_spec(m) == layout.get_param(specs, m.param_keys), (shape, m.full_path)
 
@@ -213,7 +213,7 @@ def test_a_kv_cache_replicated_over_the_tensor_axis_is_said_before_compiling():
 
 def test_optimizer_state_and_checkpoint_trees_follow_the_params():
   plan = _plan((4, 2))
-  shapes = transformer.param_shapes(MODEL)
+  shapes = init.param_shapes(MODEL)
   tx = optimizer.make_optimizer(base_config.get_config("fp32").optimizer, 10)
   opt = jax.eval_shape(lambda p: optimizer.init_opt_state(tx, p), shapes)
   tree = {"params": shapes, "opt_state": opt, "rng": jax.ShapeDtypeStruct((2,), jnp.uint32),
@@ -233,38 +233,6 @@ def test_optimizer_state_and_checkpoint_trees_follow_the_params():
       assert s.spec == P()
   assert sh["versions"]["3"]["layers_0"]["mlp"]["down_proj"]["kernel"].spec == P("model", "data")
   assert sh["rng"].spec == P()
-
-
-# ----------------------------------------------------------------------------------------------
-# Quantization blocks vs shards.
-
-
-def _nvfp4(cfg, **kw):
-  return precision.policy_for("nvfp4_naive", layout.matmuls(cfg), **kw)
-
-
-def test_quant_blocks_that_would_straddle_shards_are_rejected():
-  # FSDP over 8 devices leaves 64 / 8 = 8 rows of each column-parallel kernel per shard: NVFP4
-  # blocks of 16 along that contracting axis would straddle shards.
-  with pytest.raises(ValueError, match=r"layers_0/attn/q_proj weights .* 8 per shard"):
-    sharding.check_quant_blocks(_nvfp4(MODEL), MODEL, _plan((8, 1)))
-  # Row-parallel: o_proj's input (H*hd = 32 wide) is split 4 ways by tensor parallelism.
-  narrow = dataclasses.replace(MODEL, d_model=128, n_heads=4, n_kv_heads=4)
-  with pytest.raises(ValueError, match=r"layers_0/attn/o_proj activations .* 8 per shard"):
-    sharding.check_quant_blocks(_nvfp4(narrow), narrow, _plan((2, 4)))
-  # Quantized backward: the dgrad GEMM blocks run along the output axis (k_proj: K*hd = 32 split
-  # 4 ways), the wgrad GEMM blocks along batch x time, split over "data".
-  quant_bwd = _nvfp4(MODEL, backward="quantized")
-  with pytest.raises(ValueError, match=r"k_proj dgrad gradient .* output axis.* 8 per shard"):
-    sharding.check_quant_blocks(quant_bwd, MODEL, _plan((2, 4)))
-  sharding.check_quant_blocks(quant_bwd, MODEL, _plan((4, 2)), rows=8, seq_len=8)
-  with pytest.raises(ValueError, match=r"wgrad gradient .* batch x time .* 8 per shard"):
-    sharding.check_quant_blocks(quant_bwd, MODEL, _plan((4, 2)), rows=4, seq_len=8)
-  # Aligned blocks pass, and unquantized matmuls are never constrained.
-  sharding.check_quant_blocks(_nvfp4(MODEL), MODEL, _plan((2, 4)))
-  sharding.check_quant_blocks(FP32, MODEL, _plan((8, 1)))
-  fsdp_free = _nvfp4(MODEL, high_precision_paths=".*/(q|k|v)_proj|.*/(gate|up)_proj")
-  sharding.check_quant_blocks(fsdp_free, MODEL, _plan((8, 1)))
 
 
 def _tiny_config(recipe, mesh_shape, **model):
@@ -440,12 +408,12 @@ def _run_update(cfg, plan, updates):
   """`updates` RL updates on `plan`: (initial params, final params, metrics), on the host."""
   setup = dataclasses.replace(build(cfg), plan=plan)
   trainer = Trainer(setup, log=lambda _: None)
-  init = transformer.init_params(setup.model_cfg, jax.random.key(0))
+  params0 = init.init_params(setup.model_cfg, jax.random.key(0))
   host = lambda t: jax.tree.map(np.asarray, t)  # noqa: E731
-  init_host = host(init)
+  init_host = host(params0)
   # Placed from the host (see _on_host): no slicing programs to compile.
   state = trainer.place(_on_host(
-      {"params": init, "opt_state": optimizer.init_opt_state(trainer.tx, init)}))
+      {"params": params0, "opt_state": optimizer.init_opt_state(trainer.tx, params0)}))
   p, o = state["params"], state["opt_state"]
   # The loop's update alone (its step also builds the batch), jitted with the loop's shardings.
   p_sh, o_sh = trainer.state_shardings(p), trainer.state_shardings(o)

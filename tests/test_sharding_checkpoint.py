@@ -7,7 +7,7 @@ import pytest
 from configs import base as base_config
 import tiny
 from lowrl import sharding
-from lowrl.models import transformer
+from lowrl.models import init
 from lowrl.training import optimizer
 from lowrl.training.state import state_tree
 from lowrl.training.checkpointing import Checkpointer
@@ -22,7 +22,7 @@ def _plan(shape):
 
 def _state(plan):
   """The loop's checkpoint tree (params, Adam state, reference, a kept version, RNG) on `plan`."""
-  params = transformer.init_params(MODEL, jax.random.key(0))
+  params = init.init_params(MODEL, jax.random.key(0))
   tx = optimizer.make_optimizer(base_config.get_config("fp32").optimizer, 10)
   # Non-trivial optimizer state: one Adam step on a made-up gradient.
   grads = jax.tree.map(lambda p: jnp.sin(p * 3.0), params)
@@ -30,7 +30,7 @@ def _state(plan):
                                       master_rounding="nearest", key=None)
   state = state_tree(moved, opt, jax.random.key_data(jax.random.key(7)), params,
                       {"3": jax.tree.map(lambda p: p * 2, params)})
-  shapes = transformer.param_shapes(MODEL)
+  shapes = init.param_shapes(MODEL)
   return state, plan.put(state, plan.shardings_like_params(state, shapes))
 
 
@@ -51,7 +51,7 @@ def test_sharded_state_restores_onto_any_mesh(saved, target):
   host, ckpt = saved
   plan = _plan(target)
   shapes = jax.eval_shape(lambda: host)
-  want = plan.shardings_like_params(shapes, transformer.param_shapes(MODEL))
+  want = plan.shardings_like_params(shapes, init.param_shapes(MODEL))
   state, meta, step = ckpt.restore(sharding.abstract(shapes, want))
   assert (step, meta) == (5, {"data_position": 5})
   for got, expected, sh in zip(jax.tree.leaves(state), jax.tree.leaves(host),

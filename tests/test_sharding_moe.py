@@ -8,8 +8,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import tiny
-from lowrl import precision, sharding
-from lowrl.models import layout, transformer
+from lowrl import precision, quant_blocks, sharding
+from lowrl.models import init, layout, transformer
 
 MODEL = tiny.MOE
 AXES = ("data", sharding.EXPERT, "model")
@@ -23,7 +23,7 @@ def _plan(shape=(2, 4, 1)):
 
 
 def _host_params():
-  return jax.tree.map(np.asarray, transformer.init_params(MODEL, jax.random.key(0)))
+  return jax.tree.map(np.asarray, init.init_params(MODEL, jax.random.key(0)))
 
 
 def test_experts_are_split_over_the_expert_axis():
@@ -44,7 +44,7 @@ def test_experts_are_split_over_the_expert_axis():
 def test_expert_parallel_forward_matches_one_device(recipe):
   policy = precision.policy_for(recipe, layout.matmuls(MODEL))
   plan = _plan()
-  sharding.check_quant_blocks(policy, MODEL, plan)
+  quant_blocks.check_quant_blocks(policy, MODEL, plan)
   fwd = jax.jit(transformer.forward, static_argnums=(2, 3))
   ref = np.asarray(fwd(_host_params(), TOKENS, MODEL, policy))
   params = plan.put(_host_params(), plan.param_shardings(_host_params()))
@@ -63,4 +63,4 @@ def test_block_check_covers_expert_kernels():
                                rules=sharding.expert_parallel_rules(),
                                batch_axes=("data", sharding.EXPERT))
   with pytest.raises(ValueError, match=r"layers_0/mlp/experts/(gate|up)_proj weights"):
-    sharding.check_quant_blocks(policy, MODEL, plan)
+    quant_blocks.check_quant_blocks(policy, MODEL, plan)

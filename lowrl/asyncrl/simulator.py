@@ -52,9 +52,9 @@ import numpy as np
 import optax
 
 from lowrl import hardware as hardware_lib
-from lowrl import precision, sharding
+from lowrl import precision, quant_blocks, sharding
 from lowrl.asyncrl import timing
-from lowrl.models import layout, transformer
+from lowrl.models import calibration, init, layout, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.rl.corrections import CorrectionConfig
 from lowrl.rl.drift import version_distance
@@ -318,7 +318,7 @@ def build(cfg: ml_collections.ConfigDict) -> SimSetup:
   for policy in policies:
     check_row_local(policy, model_cfg, dict.fromkeys(
         policy.act_paths(matmuls, "tensor"), 0.0))
-    sharding.check_quant_blocks(policy, model_cfg, sharding.single_device_plan(),
+    quant_blocks.check_quant_blocks(policy, model_cfg, sharding.single_device_plan(),
                                 what=f"{policy.name} recipe")
   update_cfg = rl_update.update_config_from(rl, cfg.optimizer.master_rounding,
                                             max_len=task.length)
@@ -385,7 +385,7 @@ def calibrate(setup: SimSetup, policy: precision.PrecisionPolicy, params,
               key: jax.Array) -> dict[str, jax.Array] | None:
   """Static activation amaxes for sampling `params` under `policy` (None if it needs none).
 
-  `transformer.calibrate_act_amax` in the trainer's precision over `calib_num_prompts` train
+  `calibration.calibrate_act_amax` in the trainer's precision over `calib_num_prompts` train
   prompts from `key` with their target completions.
   """
   paths = policy.act_paths(layout.matmuls(setup.model_cfg), "tensor")
@@ -393,7 +393,7 @@ def calibrate(setup: SimSetup, policy: precision.PrecisionPolicy, params,
     return None
   prompt_BP = setup.task.prompts(key, setup.calib_num_prompts)
   tokens_BT = jnp.concatenate([prompt_BP, setup.task.targets(prompt_BP)], axis=1)
-  return transformer.calibrate_act_amax(
+  return calibration.calibrate_act_amax(
       params, tokens_BT, setup.model_cfg, setup.trainer_policy, paths,
       quant_key=_quant_key(setup.trainer_policy, key))
 
@@ -497,7 +497,7 @@ def evaluate(setup: SimSetup, params, key: jax.Array) -> dict[str, jax.Array]:
 def warm_start(setup: SimSetup, key: jax.Array):
   """Random init, then `sft.steps` supervised steps on the targets: the loop's SFT step (FP32)
   with this simulator's optimizer (Adam, constant lr, b2 0.99, gradients clipped at norm 1)."""
-  params = transformer.init_params(setup.model_cfg, key)
+  params = init.init_params(setup.model_cfg, key)
   sft = dict(setup.sft)
   if not sft["steps"]:
     return params

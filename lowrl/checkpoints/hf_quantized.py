@@ -55,7 +55,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from lowrl.checkpoints import hf
+from lowrl.checkpoints import hf, hf_config
 from lowrl.models import fused_scales, layout
 from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
@@ -134,7 +134,7 @@ def quantize_linear(weight_OI: Any, fmt: str, input_amax: float | None = None, *
   if fmt == "nvfp4":
     if input_amax is None:
       raise ValueError("NVFP4 export needs the linear's input amax (input_scale); calibrate it "
-                       "with lowrl.models.transformer.calibrate_act_amax.")
+                       "with lowrl.models.calibration.calibrate_act_amax.")
     out["input_scale"] = (np.asarray(input_amax, np.float32)
                           / np.float32(_NVFP4_MAX)).reshape(1)
   return out
@@ -224,7 +224,7 @@ def save_quantized_checkpoint(path: str | os.PathLike, model_cfg: ModelConfig, p
     model_cfg, params: the model (lowrl param tree).
     fmt: "nvfp4", "nvfp4_w4a16" or "mxfp8".
     act_amax: {"layers_0/attn/q_proj": amax, ...} for every block linear (nvfp4's input_scale),
-      e.g. from `transformer.calibrate_act_amax`; unused for nvfp4_w4a16 and mxfp8.
+      e.g. from `calibration.calibrate_act_amax`; unused for nvfp4_w4a16 and mxfp8.
     policy: the sampler's precision policy (`export_policy`: its weight quantizers, unquantized
       linears and weight_scales); None = the format's default quantizer on every block linear.
     weight_scales: "fused" | "per_linear", without a policy (a policy brings its own).
@@ -264,7 +264,7 @@ def save_quantized_checkpoint(path: str | os.PathLike, model_cfg: ModelConfig, p
       tensors[f"{m.hf_name}.{name}"] = np.ascontiguousarray(array)
   safetensors.numpy.save_file(tensors, weights_file, metadata={"format": "pt"})
 
-  config_file = os.path.join(path, hf.CONFIG_FILE)
+  config_file = os.path.join(path, hf_config.CONFIG_FILE)
   with open(config_file) as fh:
     config = json.load(fh)
   qcfg = quant_config_dict(model_cfg, fmt, unquantized)

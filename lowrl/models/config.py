@@ -1,7 +1,7 @@
 """ModelConfig: the shape of a Llama/Qwen-family decoder, and a few presets.
 
 Frozen (hashable) so it can be a static argument of `jax.jit`. Field names and defaults are the
-contract in ARCHITECTURE.md; the Hugging Face loader (lowrl/checkpoints/hf.py) builds these.
+contract in ARCHITECTURE.md; the Hugging Face config reader (lowrl/checkpoints/hf_config.py) builds these.
 """
 from __future__ import annotations
 

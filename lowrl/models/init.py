@@ -1,4 +1,4 @@
-"""Random initialisation of the parameter tree: the values `transformer.init_params` returns.
+"""The parameter tree: `init_params` (random initialisation) and `param_shapes` (its shapes).
 
 Every random leaf (kernels, the embedding) is a slice of ONE standard-normal draw over all of
 them, in the tree's flattening order, times fan_in^-1/2 (embedding: D^-1/2; a kernel [in, out] or
@@ -28,6 +28,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from lowrl.models import layout
+from lowrl.models.config import ModelConfig
+from lowrl.models.decoder import Transformer
+from lowrl.precision import PrecisionPolicy
 
 Params = Any
 METHODS = ("auto", "fused", "split")
@@ -141,3 +146,31 @@ def _split(leaves: _Leaves, rng: jax.Array, dtype) -> Params:
     if out[i] is None:
       out[i] = _fill_fn(leaves.shapes[i], leaves.fill(i), dtype)()
   return jax.tree_util.tree_unflatten(leaves.treedef, out)
+
+
+def init_params(model_cfg: ModelConfig, rng: jax.Array, param_dtype=jnp.float32, *,
+                method: str = "auto") -> Params:
+  """A fresh parameter tree (ARCHITECTURE.md layout), deterministic in `rng`.
+
+  Kernels ~ N(0, 1/fan_in), embedding ~ N(0, 1/D) (so tied logits start with unit scale), norm
+  scales 1, biases 0. `method`: how the draw is compiled (module docstring): "auto" (the
+  fused program up to FUSED_MAX_PARAMS parameters, the split one above), "fused", "split".
+  """
+  return init_from_shapes(_module_shapes(model_cfg, jnp.dtype(param_dtype)), rng, param_dtype,
+                          method=method)
+
+
+@functools.lru_cache(maxsize=None)
+def param_shapes(model_cfg: ModelConfig, param_dtype=jnp.float32) -> Params:
+  """ShapeDtypeStructs of `init_params`'s tree (nothing is allocated): the tree to lay out,
+  shard or restore into without building the model's values."""
+  return jax.eval_shape(lambda: init_params(model_cfg, jax.random.key(0), param_dtype))
+
+
+@functools.lru_cache(maxsize=16)
+def _module_shapes(model_cfg: ModelConfig, param_dtype) -> Params:
+  module = Transformer(model_cfg, PrecisionPolicy.unquantized(layout.matmuls(model_cfg)),
+                       param_dtype)
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  return jax.eval_shape(
+      lambda: module.init(jax.random.key(0), tokens, tokens, jnp.ones((1, 1), bool))["params"])

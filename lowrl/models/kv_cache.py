@@ -16,7 +16,7 @@ modelled (`lowrl.memory` counts the compute dtype).
 
 Scales are static and calibrated, as engines do it (a scale from the batch would depend on the
 other rows and, re-scored, on later tokens): the amax of K and V per kv head, max |x| over the real
-tokens of a calibration batch (`transformer.calibrate_act_amax`, which records them under
+tokens of a calibration batch (`calibration.calibrate_act_amax`, which records them under
 `kv_paths`; the training loop recalibrates them with the activation amaxes at every weight sync).
 They travel in the same `act_amax` mapping, keyed "layers_{i}/attn/k_cache" and ".../v_cache",
 each an FP32 [n_kv_heads] vector; per-tensor modes use its max. A full-sequence forward under a
@@ -85,7 +85,7 @@ def quantize(x_BTKH: jax.Array, amax_K: jax.Array, mode: str) -> jax.Array:
   amax_K = jnp.asarray(amax_K, jnp.float32)
   if amax_K.shape != (x_BTKH.shape[2],):
     raise ValueError(f"static KV amax has shape {amax_K.shape}, expected ({x_BTKH.shape[2]},) "
-                     "(one per kv head); calibrate it with transformer.calibrate_act_amax.")
+                     "(one per kv head); calibrate it with calibration.calibrate_act_amax.")
   cfg = _CONFIGS[mode]
   if mode == "fp8_per_head":  # one scale per head: the heads quantized one by one
     per_head = jax.vmap(lambda x, a: fake_quant(x, cfg, tensor_amax=a), in_axes=(2, 0),
@@ -101,6 +101,6 @@ def quantize_kv(k_BTKH: jax.Array, v_BTKH: jax.Array, mode: str,
     return k_BTKH, v_BTKH
   if act_amax is None or K_PATH not in act_amax or V_PATH not in act_amax:
     raise ValueError(f"kv_cache={mode} needs static K/V amaxes in act_amax ({K_PATH!r}, "
-                     f"{V_PATH!r} per layer): calibrate them with transformer.calibrate_act_amax("
+                     f"{V_PATH!r} per layer): calibrate them with calibration.calibrate_act_amax("
                      "..., paths=act_scales.calibration_paths(policy, model_cfg)).")
   return quantize(k_BTKH, act_amax[K_PATH], mode), quantize(v_BTKH, act_amax[V_PATH], mode)

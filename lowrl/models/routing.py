@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from lowrl.models import layout, moe, transformer
+from lowrl.models import decoder, layout, logprobs, moe, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
 
@@ -32,8 +32,8 @@ def _check(model_cfg: ModelConfig) -> None:
 
 
 def _apply(params, tokens_BT, model_cfg, policy, mask_BT, quant_key, replay, record):
-  transformer._check_key(policy, quant_key)
-  mask_BT, positions_BT = transformer._inputs(tokens_BT, mask_BT, None)
+  transformer.check_key(policy, quant_key)
+  mask_BT, positions_BT = transformer.model_inputs(tokens_BT, mask_BT, None)
   variables = {"params": params}
   if replay is not None:
     missing = [layout.layer_key(i) for i in range(model_cfg.n_layers)
@@ -41,7 +41,7 @@ def _apply(params, tokens_BT, model_cfg, policy, mask_BT, quant_key, replay, rec
     if missing:
       raise ValueError(f"replay routing lacks layers {missing}; record it with record_routing.")
     variables[moe.REPLAY] = {k: {"mlp": {moe.EXPERT_IDS: v}} for k, v in replay.items()}
-  out = transformer.Transformer(model_cfg, policy).apply(
+  out = decoder.Transformer(model_cfg, policy).apply(
       variables, tokens_BT, positions_BT, mask_BT, quant_key=quant_key,
       mutable=[moe.ROUTING] if record else False)
   if not record:
@@ -64,13 +64,13 @@ def token_logprobs_replayed(params: Any, tokens_BT: jax.Array, model_cfg: ModelC
                             policy: PrecisionPolicy, replay: Routing | None, *,
                             mask_BT: jax.Array | None = None,
                             quant_key: jax.Array | None = None) -> jax.Array:
-  """`transformer.token_logprobs` with the experts of `replay` (None: the model's own top-k)."""
+  """`logprobs.token_logprobs` with the experts of `replay` (None: the model's own top-k)."""
   _check(model_cfg)
   if model_cfg.logprob_chunk:
     raise ValueError("token_logprobs_replayed computes the full LM head; set "
                      "model.logprob_chunk=0.")
   logits_BTV, _ = _apply(params, tokens_BT, model_cfg, policy, mask_BT, quant_key, replay, False)
-  return transformer.logprobs_from_logits(logits_BTV, tokens_BT, mask_BT)[0]
+  return logprobs.logprobs_from_logits(logits_BTV, tokens_BT, mask_BT)[0]
 
 
 def routing_flips(a: Routing, b: Routing, mask_BT: jax.Array | None = None) -> dict[str, jax.Array]:

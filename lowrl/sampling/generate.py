@@ -25,7 +25,7 @@ import numpy as np
 from flax import struct
 
 from lowrl import distributed, sharding
-from lowrl.models import transformer
+from lowrl.models import blocks, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.models.row_sharding import constrain_rows, constrain_rows_tree
 from lowrl.precision import PrecisionPolicy
@@ -216,7 +216,7 @@ def _cache_allocator(model_cfg: ModelConfig, batch: int, length: int, dtype: Any
 def generate_in_jit(params: Params, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
                     rng: jax.Array, *, model_cfg: ModelConfig, policy: PrecisionPolicy,
                     config: SamplingConfig, quant_key: jax.Array | None = None,
-                    act_amax: transformer.ActAmax | None = None) -> SampleOutput:
+                    act_amax: blocks.ActAmax | None = None) -> SampleOutput:
   """`generate` as a traceable function, for callers already inside a jit (the simulator's scan).
 
   No host-side checks (run `config.check`, `check_row_local` before tracing) and no placement
@@ -249,7 +249,7 @@ def generate(params: Params, prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Ar
              rng: jax.Array, *, model_cfg: ModelConfig, policy: PrecisionPolicy,
              config: SamplingConfig, quant_key: jax.Array | None = None,
              cache: transformer.Cache | None = None, plan: ShardingPlan | None = None,
-             act_amax: transformer.ActAmax | None = None
+             act_amax: blocks.ActAmax | None = None
              ) -> tuple[SampleOutput, transformer.Cache]:
   """Samples N = config.max_new_tokens tokens per prompt with the KV cache (not exact mode).
 

@@ -2,7 +2,7 @@
 
 `rescore` is the trainer's score and the exact-mode sampler's record alike: a trainer that scores
 the same sequences with the same params, policy, quant key and static scales runs the identical
-jitted program (`transformer.token_logprobs` on the same shapes), so its values are bit-identical
+jitted program (`logprobs.token_logprobs` on the same shapes), so its values are bit-identical
 and the only remaining sampler/trainer difference is staleness.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lowrl.models import transformer
+from lowrl.models import blocks, logprobs, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
 from lowrl.sampling.act_scales import used_act_amax
@@ -26,7 +26,7 @@ Params = Any
 
 def _score(params, tokens_BL, mask_BL, quant_key, act_amax, *, model_cfg, policy, config,
            plan=None):
-  """log p of every token (config None: `transformer.token_logprobs` itself, the trainer's
+  """log p of every token (config None: `logprobs.token_logprobs` itself, the trainer's
   function) or log q under `config`'s sampling transform of the same forward's logits. With a
   plan, each device scores only its rows (`plan.rows`)."""
   if plan is not None:
@@ -34,7 +34,7 @@ def _score(params, tokens_BL, mask_BL, quant_key, act_amax, *, model_cfg, policy
       return _score(params, tokens_BL, mask_BL, quant_key, act_amax, model_cfg=model_cfg,
                     policy=policy, config=config)
   if config is None:
-    return transformer.token_logprobs(params, tokens_BL, model_cfg, policy, mask_BT=mask_BL,
+    return logprobs.token_logprobs(params, tokens_BL, model_cfg, policy, mask_BT=mask_BL,
                                       quant_key=quant_key, act_amax=act_amax)
   logits_BLV = transformer.forward(params, tokens_BL, model_cfg, policy, mask_BT=mask_BL,
                                    quant_key=quant_key, act_amax=act_amax)
@@ -42,7 +42,7 @@ def _score(params, tokens_BL, mask_BL, quant_key, act_amax, *, model_cfg, policy
   return jnp.pad(logq_BL, ((0, 0), (1, 0)))
 
 
-# A trainer's `jax.jit(transformer.token_logprobs, ...)` traces the same computation for the same
+# A trainer's `jax.jit(logprobs.token_logprobs, ...)` traces the same computation for the same
 # shapes, which is what makes exact mode bit-identical.
 @functools.lru_cache(maxsize=64)
 def _scoring_program(model_cfg: ModelConfig, policy: PrecisionPolicy,
@@ -57,10 +57,10 @@ def _scoring_program(model_cfg: ModelConfig, policy: PrecisionPolicy,
 def rescore(out: SampleOutput, params: Params, *, model_cfg: ModelConfig,
             policy: PrecisionPolicy, config: SamplingConfig,
             quant_key: jax.Array | None = None, plan: ShardingPlan | None = None,
-            act_amax: transformer.ActAmax | None = None) -> SampleOutput:
+            act_amax: blocks.ActAmax | None = None) -> SampleOutput:
   """Replaces both logprobs with the given model's full forward (exact mode; the trainer's score).
 
-  `model_logprobs` = `transformer.token_logprobs(params, out.tokens, model_cfg, policy,
+  `model_logprobs` = `logprobs.token_logprobs(params, out.tokens, model_cfg, policy,
   mask_BT=out.attention_mask, quant_key=quant_key, act_amax=act_amax)` on completion tokens.
   `logprobs` applies the sampling transform (temperature, top-k, top-p) to the same forward's
   logits; when the transform is the identity it is `model_logprobs` itself. Under top-k/top-p a

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 
 from lowrl import sharding
-from lowrl.models import transformer
+from lowrl.models import blocks
 from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
 from lowrl.sampling import weights
@@ -50,7 +50,7 @@ class Sampler:
                rng: jax.Array, *, quant_key: jax.Array | None = None,
                trainer_params: Params | None = None,
                trainer_quant_key: jax.Array | None = None,
-               act_amax: transformer.ActAmax | None = None) -> SampleOutput:
+               act_amax: blocks.ActAmax | None = None) -> SampleOutput:
     """Generates; in exact mode re-scores with (trainer_params or params) in the sampler's
     precision, with the same static `act_amax` (trainer_params: the master weights of packed
     `params`, or the same weights)."""

@@ -7,8 +7,7 @@ from lowrl.tasks.addition import AdditionTask
 from lowrl.tasks.base import Task
 from lowrl.tasks.countdown import CountdownTask
 from lowrl.tasks.jsonl import JsonlTask
-from lowrl.tasks.reversal import ReversalTask
-from lowrl.tasks.sorting import SortingTask
+from lowrl.tasks.strings import ReversalTask, SortingTask
 
 TASKS: dict[str, type[Task]] = {
     "addition": AdditionTask,

@@ -37,7 +37,7 @@ import numpy as np
 
 from lowrl import distributed, sharding, user_cache
 from lowrl.checkpoints import hf
-from lowrl.models import transformer
+from lowrl.models import init
 from lowrl.models.config import ModelConfig
 from lowrl.tasks.base import Task
 from lowrl.training import sft
@@ -172,7 +172,7 @@ def load_base(base: BaseConfig, task: Task, model_cfg: ModelConfig, plan: shardi
   """A run's base params: with `base.hf_checkpoint` the checkpoint's, placed with the mesh's
   parameter shardings (each process reads only the slices its devices hold); otherwise the
   mid-trained base from the store of `base.base_dir` (`load_mid_trained`)."""
-  shapes = transformer.param_shapes(model_cfg)
+  shapes = init.param_shapes(model_cfg)
   if base.hf_checkpoint:
     log(f"[base] loading {base.hf_checkpoint} ({base.param_dtype}, sharded)")
     return hf.load_hf_params(base.hf_checkpoint, model_cfg, dtype=jnp.dtype(base.param_dtype),
@@ -191,7 +191,7 @@ def load_mid_trained(store: str, task: Task, base: BaseConfig, model_cfg: ModelC
   processes orbax must see global arrays, so process 0 trains the base (SFT is not sharded) and
   broadcasts it before it is saved.
   """
-  shapes = transformer.param_shapes(model_cfg)
+  shapes = init.param_shapes(model_cfg)
   repl = jax.tree.map(lambda _: plan.replicated, shapes)
 
   def train():

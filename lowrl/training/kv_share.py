@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from lowrl.models import kv_cache, transformer
+from lowrl.models import blocks, kv_cache
 from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
 from lowrl.rl.mismatch import mismatch_metrics
@@ -25,7 +25,7 @@ from lowrl.sharding import ShardingPlan
 def kv_share_metrics(out: SampleOutput, sampler_params: Any, *, model_cfg: ModelConfig,
                      policy: PrecisionPolicy, config: SamplingConfig,
                      quant_key: jax.Array | None, plan: ShardingPlan | None,
-                     act_amax: transformer.ActAmax | None) -> dict[str, jax.Array]:
+                     act_amax: blocks.ActAmax | None) -> dict[str, jax.Array]:
   """`kv/<mismatch metric>` of log q with the quantized KV cache of `policy` vs the same policy
   with an unquantized cache, over the completion tokens; {} when `policy`'s cache is unquantized.
   `quant_key`, `plan`, `act_amax`: the sampler's (as its exact-mode rescore gets them)."""

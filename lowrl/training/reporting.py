@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from lowrl import distributed, precision
-from lowrl.models import layout, transformer
+from lowrl.models import init, layout
 from lowrl.training import run_config, run_logs
 from lowrl.training.setup import Setup, describe_memory
 from lowrl.training.step import BATCH_METRICS
@@ -29,7 +29,7 @@ def log_setup(setup: Setup, workdir: str, log: Log) -> None:
                                                           layout.matmuls(setup.model_cfg))))
   log(f"[mesh] {dict(setup.plan.mesh.shape)} over {jax.device_count()} {jax.default_backend()} "
       f"devices, {jax.process_count()} process(es)")
-  for note in setup.plan.fallbacks(transformer.param_shapes(setup.model_cfg)):
+  for note in setup.plan.fallbacks(init.param_shapes(setup.model_cfg)):
     log(f"[mesh] {note}")
   log(describe_memory(setup))
   cache_note = setup.plan.cache_note(setup.model_cfg)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from lowrl.models import transformer
+from lowrl.models import logprobs, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.models.row_sharding import constrain_rows_tree
 from lowrl.precision import PrecisionPolicy
@@ -128,7 +128,7 @@ def make_logprob_fn(model_cfg: ModelConfig, policy: PrecisionPolicy,
     tokens_BT, mask_BT = batch.tokens_BT, batch.input_mask_BT
     quant_key = policy.quant_key(quant_key)
     if not transform:
-      return transformer.token_logprobs_and_entropy(params, tokens_BT, model_cfg, policy,
+      return logprobs.token_logprobs_and_entropy(params, tokens_BT, model_cfg, policy,
                                                     mask_BT=mask_BT, quant_key=quant_key)
     logits_BTV = transformer.forward(params, tokens_BT, model_cfg, policy, mask_BT=mask_BT,
                                      quant_key=quant_key)
@@ -136,7 +136,7 @@ def make_logprob_fn(model_cfg: ModelConfig, policy: PrecisionPolicy,
     # OUTSIDE_SUPPORT_LOGP stands in for -inf: exp() of it is exactly 0 like -inf, but products
     # with 0 (entropy, CISPO's coef * logp) stay 0, not NaN.
     q_logits_BTV = jnp.maximum(q_logits_BTV, OUTSIDE_SUPPORT_LOGP)
-    return transformer.logprobs_from_logits(q_logits_BTV, tokens_BT, mask_BT)
+    return logprobs.logprobs_from_logits(q_logits_BTV, tokens_BT, mask_BT)
   return logprob_fn
 
 

@@ -15,9 +15,9 @@ import ml_collections
 import numpy as np
 import optax
 
-from lowrl import hardware, memory, precision, sharding
-from lowrl.checkpoints import hf
-from lowrl.models import kv_cache, layout, transformer
+from lowrl import hardware, memory, precision, quant_blocks, sharding
+from lowrl.checkpoints import hf, hf_config
+from lowrl.models import init, kv_cache, layout
 from lowrl.models.config import ModelConfig
 from lowrl.sampling import SamplingConfig
 from lowrl.tasks.base import Task
@@ -287,7 +287,7 @@ def _model_config(model: ml_collections.ConfigDict, task: Task, max_len: int) ->
                        scan_layers=bool(scan), **knobs)
   execution = {k: knobs[k] for k in ("remat", "attention", "attention_chunk", "logprob_chunk")}
   try:
-    model_cfg = dataclasses.replace(hf.model_config_from_hf(hf.read_hf_config(source)),
+    model_cfg = dataclasses.replace(hf_config.model_config_from_hf(hf_config.read_hf_config(source)),
                                     scan_layers=True if scan is None else bool(scan), **execution)
     hf.check_hf_weights(source, model_cfg)
   except (OSError, ValueError) as e:
@@ -315,8 +315,8 @@ def _mesh_plan(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
   plan.check_batch(rows // cfg.rl.num_minibatches // cfg.rl.micro_batches,
                    "a micro-batch (a minibatch / rl.micro_batches)")
   plan.check_batch(cfg.eval_num_prompts, "eval_num_prompts")
-  plan.param_specs(transformer.param_shapes(model_cfg))  # rule/shape mismatches raise here
+  plan.param_specs(init.param_shapes(model_cfg))  # rule/shape mismatches raise here
   for what, policy in (("precision", trainer_policy), ("sampler precision", sampler_policy)):
-    sharding.check_quant_blocks(policy, model_cfg, plan, seq_len=seq_len, what=what,
+    quant_blocks.check_quant_blocks(policy, model_cfg, plan, seq_len=seq_len, what=what,
                                 rows=rows // cfg.rl.num_minibatches // cfg.rl.micro_batches)
   return plan

@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from lowrl.models import layout, transformer
+from lowrl.models import init, layout, logprobs
 from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
 from lowrl.rl.masked import masked_mean
@@ -44,7 +44,7 @@ def sft_loss(params, tokens_BT, loss_mask_BT, model_cfg: ModelConfig,
   Rows are right-padded and attention is causal, so trailing padding never reaches a target token:
   no attention mask is needed.
   """
-  logp_BT = transformer.token_logprobs(params, tokens_BT, model_cfg, policy)
+  logp_BT = logprobs.token_logprobs(params, tokens_BT, model_cfg, policy)
   return -masked_mean(logp_BT, loss_mask_BT)
 
 
@@ -88,7 +88,7 @@ def train_base(task: Task, model_cfg: ModelConfig, sft_cfg: SFTConfig | ml_colle
   """Trains the base from scratch; deterministic in `seed`. `sft_cfg`: an SFTConfig or a
   validated sft section. `on_loss(step, loss)` is called at each logged step (e.g. to write it
   to TensorBoard)."""
-  params = transformer.init_params(model_cfg, jax.random.key(seed))
+  params = init.init_params(model_cfg, jax.random.key(seed))
   tx = optax.chain(
       optax.clip_by_global_norm(1.0),
       optax.adamw(optax.warmup_cosine_decay_schedule(0.0, sft_cfg.lr, sft_cfg.warmup_steps,

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrl import distributed, precision
-from lowrl.models import layout, transformer
+from lowrl.models import blocks, calibration, init, layout
 from lowrl.rl.mismatch import mismatch_metrics
 from lowrl.sampling import SampleOutput, Sampler, refit, rescore
 from lowrl.sampling.act_scales import calibration_paths
@@ -41,7 +41,7 @@ class Trainer:
     # sharded params (no gather in between), batches are split over the batch axes.
     self.plan = plan = setup.plan
     self.step_fn = make_step(self.logprob_fn, self.tx, setup.update_cfg, setup.batch_cfg, plan)
-    self.param_shapes = transformer.param_shapes(setup.model_cfg)
+    self.param_shapes = init.param_shapes(setup.model_cfg)
     p_sh = plan.param_shardings(self.param_shapes)
     init_opt = lambda p: optimizer.init_opt_state(self.tx, p)  # noqa: E731
     o_sh = plan.shardings_like_params(jax.eval_shape(init_opt, self.param_shapes),
@@ -64,7 +64,7 @@ class Trainer:
                                 plan=plan)
     self.eval_sampler_t = Sampler(setup.model_cfg, setup.trainer_policy, setup.sampling,
                                   plan=plan)
-    self._calibrate = jax.jit(transformer.calibrate_act_amax,
+    self._calibrate = jax.jit(calibration.calibrate_act_amax,
                               static_argnames=("model_cfg", "policy", "paths"))
     self.calib_tokens, self.calib_mask = self._calibration_batch(repl)
     # The sampler's weights between syncs (packed, + static scales) and the refit check.
@@ -184,7 +184,7 @@ class Trainer:
     return {k: float(m[k]) for k in ("pass_at_1", "greedy", "reward")}
 
   def _eval_samples(self, params, key: jax.Array, *, quant_key: jax.Array | None,
-                    act_amax: transformer.ActAmax | None) -> list[tuple[SampleOutput, list]]:
+                    act_amax: blocks.ActAmax | None) -> list[tuple[SampleOutput, list]]:
     """`eval_samples` completions of every held-out prompt at the rollout temperature, from the
     trainer's policy, as (SampleOutput, examples) chunks of a rollout's rows (the last one may be
     smaller), chunk i sampled with fold_in(key, i).

@@ -6,7 +6,7 @@ The reference MLP is `moe_reference_mlp`, written from transformers' Qwen3MoeSpa
 Qwen2MoeSparseMoeBlock (modeling_qwen2_moe.py at 00a3f9386614dde0dc41cf4e9b8d0abd3af0671d): softmax
 of the gate's logits, top-k, optional renormalisation, a loop over experts adding each expert's
 SwiGLU output times its weight into the selected tokens, plus sigmoid(shared_expert_gate(x)) *
-shared_expert(x) for Qwen2-MoE. The attention is test_hf_checkpoint's FP64 reference.
+shared_expert(x) for Qwen2-MoE. The attention is test_hf's FP64 reference.
 
 FP32 bound: as for the dense families, |logits - reference| <= 1e-4 * max|reference| (FP32
 rounding of ~10 chained matmuls/norms at these widths is ~1e-6 relative; the routing is the
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from hf_builders import MOE_CONFIGS, MOE_FAMILIES, MOE_STORAGE, write_checkpoint
-from test_hf_checkpoint import _assert_logits_close, _forward, _ids, _read_dir, hf_reference_logits
-from test_hf_checkpoint import swiglu
+from test_hf import _assert_logits_close, _forward, _ids, _read_dir, hf_reference_logits
+from test_hf import swiglu
 from lowrl.checkpoints import (hf_config_from_model, load_hf_checkpoint, model_config_from_hf,
                                read_hf_config, save_hf_checkpoint)
 from lowrl.models import layout

@@ -47,8 +47,8 @@ def _worker(ckpt: str, out: str, coordinator: str, process_id: int) -> None:
   import jax
 
   from lowrl import distributed, sharding
-  from lowrl.checkpoints import hf
-  from lowrl.models import transformer
+  from lowrl.checkpoints import hf, hf_config
+  from lowrl.models import init
 
   distributed.initialize(coordinator, 2, process_id)
   reads = []
@@ -83,9 +83,9 @@ def _worker(ckpt: str, out: str, coordinator: str, process_id: int) -> None:
       return Slice(name, self.inner.get_slice(name))
 
   hf._open = lambda file: Handle(open_file(file))
-  model_cfg = hf.model_config_from_hf(hf.read_hf_config(ckpt))
+  model_cfg = hf_config.model_config_from_hf(hf_config.read_hf_config(ckpt))
   plan = sharding.ShardingPlan(sharding.make_mesh((4, 2), ("data", "model")))
-  shapes = transformer.param_shapes(model_cfg)
+  shapes = init.param_shapes(model_cfg)
   params = hf.load_hf_params(ckpt, model_cfg, shardings=plan.param_shardings(shapes))
   held = {}
   for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]:

@@ -118,7 +118,7 @@ def test_rollout_layout_round_trip(run, tmp_path, fmt, algo):
   assert modelopt["quant_algo"] == algo and modelopt["exclude_modules"] == ["lm_head"]
   # The fp32 run's sampler quantizes nothing: the format's default weight quantizer, applied as a
   # sampler applies it (the [in, out] kernel blocked along its contracting axis 0; NVFP4's fused
-  # q/k/v and gate/up with their joint amax, tests/checkpoints/test_hf_quantized_fused.py).
+  # q/k/v and gate/up with their joint amax, tests/checkpoints/test_hf_quantized.py).
   policy = hf_quantized.export_policy(model_cfg, fmt, None)
   assert policy.qdot_config("layers_0/attn/q_proj").rhs == QuantConfig(
       "mxfp8_e4m3" if fmt == "mxfp8" else "nvfp4")

@@ -17,7 +17,7 @@ import pytest
 
 import quant_reference
 from lowrl import precision
-from lowrl.models import kv_cache, layout, transformer
+from lowrl.models import calibration, init, kv_cache, layout, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.quant.config import QuantConfig
 
@@ -91,7 +91,7 @@ def test_unquantized_cache_is_the_identity_and_bad_settings_fail_in_one_line():
 
 @functools.lru_cache(maxsize=None)
 def _params():
-  return transformer.init_params(KV16, jax.random.key(0))
+  return init.init_params(KV16, jax.random.key(0))
 
 
 TOKENS = jax.random.randint(jax.random.key(1), (4, 9), 0, 64)
@@ -108,7 +108,7 @@ def _prefill(policy, act_amax=None, model_cfg=KV16, logits=False):
 
 def _calibrate(mode, model_cfg=KV16):
   paths = kv_cache.kv_paths(mode, KV16.n_layers)
-  return jax.jit(transformer.calibrate_act_amax, static_argnames=("model_cfg", "policy", "paths"))(
+  return jax.jit(calibration.calibrate_act_amax, static_argnames=("model_cfg", "policy", "paths"))(
       _params(), TOKENS, model_cfg, BF16, paths, mask_BT=MASK)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tiny import MOE
-from lowrl.models import layout, moe, routing, transformer
+from lowrl.models import blocks, init, layout, moe, routing, transformer
 from lowrl.precision import policy_for
 
 _record = jax.jit(routing.record_routing, static_argnums=(2, 3))
@@ -18,7 +18,7 @@ TOKENS = jax.random.randint(jax.random.key(1), (2, 8), 0, MOE.vocab_size)
 
 @pytest.fixture(scope="module")
 def params():
-  return transformer.init_params(MOE, jax.random.key(0))
+  return init.init_params(MOE, jax.random.key(0))
 
 
 def _policy(name="fp32"):
@@ -42,7 +42,7 @@ def test_grouped_block_equals_every_expert_on_every_token(params):
   """The MoE MLP of layer 0 on its input against all E experts run densely on all tokens."""
   x = jax.random.normal(jax.random.key(2), (2, 8, MOE.d_model))
   p = params["layers_0"]["mlp"]
-  module = moe.MoeMlp(MOE, 0, _policy(), dense=transformer.QDense)
+  module = moe.MoeMlp(MOE, 0, _policy(), dense=blocks.QDense)
   got = module.apply({"params": p}, x, None, None)
   e = p["experts"]
   h = jax.nn.silu(jnp.einsum("btd,edf->ebtf", x, e["gate_proj"]["kernel"]))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lowrl import precision
-from lowrl.models import layout, transformer
+from lowrl.models import init, layout, logprobs
 from lowrl.quant import QDotConfig, QuantConfig, dequantize, quantize, quantized_dot_general
 import tiny
 
@@ -135,12 +135,12 @@ def test_backward_is_the_emulated_one_bit_for_bit(fmt, backward):
 def test_model_logprobs_under_native_mxfp8():
   # The tiny model under the mxfp8 recipe: native vs emulated logprobs, and the emulated default.
   cfg = tiny.TINY
-  params = transformer.init_params(cfg, jax.random.key(0))
+  params = init.init_params(cfg, jax.random.key(0))
   tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, cfg.vocab_size)
   pol = {g: precision.policy_for("mxfp8", layout.matmuls(cfg), gemm=g)
          for g in ("emulated", "native")}
   assert precision.recipe("mxfp8").gemm == "emulated"
-  lp = {g: jax.jit(lambda p, t, g=g: transformer.token_logprobs(p, t, cfg, pol[g]))(params,
+  lp = {g: jax.jit(lambda p, t, g=g: logprobs.token_logprobs(p, t, cfg, pol[g]))(params,
                                                                                      tokens)
         for g in pol}
   # Every matmul differs by FP32 summation order only (above); through the BF16 network that

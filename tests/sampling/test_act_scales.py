@@ -15,7 +15,7 @@ import pytest
 import tiny
 from lowrl.models import layout
 from lowrl import precision
-from lowrl.models import transformer
+from lowrl.models import calibration, init, logprobs, transformer
 from lowrl.quant.config import QDotConfig, QuantConfig
 from lowrl import sampling
 from lowrl.sampling import SamplingConfig
@@ -31,14 +31,14 @@ RL = SamplingConfig(max_new_tokens=N, temperature=1.0)
 PATHS = NAIVE.act_paths(layout.matmuls(TINY), "tensor")
 
 forward_jit = jax.jit(transformer.forward, static_argnames=("model_cfg", "policy"))
-logprobs_jit = jax.jit(transformer.token_logprobs, static_argnames=("model_cfg", "policy"))
-calibrate_jit = jax.jit(transformer.calibrate_act_amax,
+logprobs_jit = jax.jit(logprobs.token_logprobs, static_argnames=("model_cfg", "policy"))
+calibrate_jit = jax.jit(calibration.calibrate_act_amax,
                         static_argnames=("model_cfg", "policy", "paths"))
 
 
 @functools.lru_cache(maxsize=None)
 def _params():
-  p = transformer.init_params(TINY, jax.random.key(0))
+  p = init.init_params(TINY, jax.random.key(0))
   emb = p["embed"]["embedding"].at[SPIKE].set(jax.nn.one_hot(0, TINY.d_model) * 3.0)
   # A sharper head (logits x4) so that sampler and trainer distributions differ measurably.
   return {**p, "embed": {"embedding": emb},
@@ -115,7 +115,7 @@ def test_calibration_is_the_masked_max_of_each_matmul_input():
   assert want < 4.0
   np.testing.assert_allclose(got["layers_0/attn/q_proj"], want, rtol=1e-6)
   with pytest.raises(ValueError, match="no matmul"):
-    transformer.calibrate_act_amax(params, jnp.asarray(tokens), TINY, FP32, ("layers_9/mlp/x",))
+    calibration.calibrate_act_amax(params, jnp.asarray(tokens), TINY, FP32, ("layers_9/mlp/x",))
 
 
 # ----------------------------------------------------------------------------------------------

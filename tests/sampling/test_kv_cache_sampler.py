@@ -11,7 +11,7 @@ import pytest
 
 import tiny
 from lowrl import precision, sampling
-from lowrl.models import layout, transformer
+from lowrl.models import calibration, init, layout, logprobs
 from lowrl.models.config import ModelConfig
 from lowrl.rl.mismatch import mismatch_metrics
 from lowrl.sampling import SamplingConfig
@@ -25,19 +25,19 @@ BF16 = precision.policy_for("bf16", layout.matmuls(KV16))
 RL = SamplingConfig(max_new_tokens=6, temperature=1.0)
 PROMPTS = jax.random.randint(jax.random.key(1), (16, 4), 0, 64)
 MASK = jnp.ones(PROMPTS.shape, bool)
-logprobs_jit = jax.jit(transformer.token_logprobs, static_argnames=("model_cfg", "policy"))
+logprobs_jit = jax.jit(logprobs.token_logprobs, static_argnames=("model_cfg", "policy"))
 
 
 @functools.lru_cache(maxsize=None)
 def _params():
-  p = transformer.init_params(KV16, jax.random.key(0))
+  p = init.init_params(KV16, jax.random.key(0))
   # A sharper head (logits x4) so that KV quantization moves the logprobs measurably.
   return {**p, "lm_head": {"kernel": p["lm_head"]["kernel"] * 4.0}}
 
 
 def _amax(policy):
   tokens = jax.random.randint(jax.random.key(2), (8, 10), 0, 64)
-  return transformer.calibrate_act_amax(_params(), tokens, KV16, BF16,
+  return calibration.calibrate_act_amax(_params(), tokens, KV16, BF16,
                                         calibration_paths(policy, KV16))
 
 
@@ -96,7 +96,7 @@ def test_loop_logs_the_kv_share_which_is_the_whole_mismatch_when_only_kv_differs
   assert setup.sampler_policy.kv_cache == "fp8_per_tensor"
   assert setup.trainer_policy.kv_cache == "none"
   trainer = Trainer(setup, log=lambda _: None)
-  params = transformer.init_params(setup.model_cfg, jax.random.key(0))
+  params = init.init_params(setup.model_cfg, jax.random.key(0))
   amax = trainer.act_amax(params, setup.sampler_policy)  # recalibrated from the synced weights
   assert set(amax) == {f"layers_{i}/attn/{t}_cache" for i in range(2) for t in "kv"}
   rollout, info = trainer.rollout(params, params, 0, jax.random.key(1), stale=False)

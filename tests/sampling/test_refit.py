@@ -10,7 +10,7 @@ import pytest
 
 import tiny
 from lowrl import precision
-from lowrl.models import layout, transformer
+from lowrl.models import calibration, init, layout
 from lowrl.quant.packing import PackedWeight
 from lowrl.sampling import refit
 from lowrl.training.setup import build
@@ -22,12 +22,12 @@ AMAX_PATHS = NAIVE.act_paths(layout.matmuls(TINY), "tensor")
 
 
 def _params(seed=0):
-  return transformer.init_params(TINY, jax.random.key(seed))
+  return init.init_params(TINY, jax.random.key(seed))
 
 
 def _act_amax(params):
   tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
-  return transformer.calibrate_act_amax(params, tokens, TINY, NAIVE, AMAX_PATHS)
+  return calibration.calibrate_act_amax(params, tokens, TINY, NAIVE, AMAX_PATHS)
 
 
 def _bump_first_scale(packed):
@@ -98,7 +98,7 @@ def test_loop_rollout_logs_the_check_and_samples_the_held_weights():
   c.rl.update(dict(num_prompts=2, group_size=4, max_new_tokens=2))
   logs = []
   trainer = Trainer(build(c), log=logs.append)
-  params = transformer.init_params(trainer.setup.model_cfg, jax.random.key(0))
+  params = init.init_params(trainer.setup.model_cfg, jax.random.key(0))
   _, info = trainer.rollout(params, params, 0, jax.random.key(1), stale=False, sampler_version=0)
   assert info["refit"] == {"refit/mismatched_tensors": 0.0} and not logs
   pack = trainer.refit._pack
@@ -117,7 +117,7 @@ def test_kv_cache_calibration_is_checked_with_the_activation_scales():
   kv = [p for p in paths if p not in AMAX_PATHS]
   assert kv
   tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
-  r = refit.Refitter(TINY, policy, lambda p: transformer.calibrate_act_amax(
+  r = refit.Refitter(TINY, policy, lambda p: calibration.calibrate_act_amax(
       p, tokens, TINY, NAIVE, paths), log=lambda _: None)
   params = _params()
   held = r.quantize(params)

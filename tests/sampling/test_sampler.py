@@ -9,7 +9,7 @@ import pytest
 import tiny
 from lowrl.models import layout
 from lowrl import precision
-from lowrl.models import transformer
+from lowrl.models import init, logprobs, transformer
 from lowrl.quant.packing import bytes_per_param
 from lowrl import sampling
 from lowrl.sampling import SamplingConfig
@@ -24,12 +24,12 @@ PMASK = jnp.array([[1] * 6, [1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1], [1, 0, 0, 0,
 LENGTHS = [6, 3, 4, 1]
 
 fwd = jax.jit(transformer.forward, static_argnames=("model_cfg", "policy"))
-trainer_logprobs = jax.jit(transformer.token_logprobs, static_argnames=("model_cfg", "policy"))
+trainer_logprobs = jax.jit(logprobs.token_logprobs, static_argnames=("model_cfg", "policy"))
 
 
 @functools.lru_cache(maxsize=None)
 def _params():
-  return transformer.init_params(TINY, jax.random.key(0))
+  return init.init_params(TINY, jax.random.key(0))
 
 
 def _generate(config, prompts=PROMPTS, mask=PMASK, policy=FP32, seed=0, params=None):

@@ -10,7 +10,7 @@ from jax import lax
 import tiny
 from quant_reference import exact_fake_quant
 from lowrl import precision, sampling
-from lowrl.models import layout, transformer
+from lowrl.models import init, layout, logprobs
 from lowrl.quant import QuantConfig, quantized_dot_general
 from lowrl.sampling import SamplingConfig
 from lowrl.training.setup import build
@@ -23,7 +23,7 @@ RL = SamplingConfig(max_new_tokens=3, temperature=1.0)
 
 
 def _params():
-  return transformer.init_params(TINY, jax.random.key(1))
+  return init.init_params(TINY, jax.random.key(1))
 
 
 def test_rollout_weights_match_an_independent_nvfp4_reference():
@@ -88,7 +88,7 @@ def test_qat_gradients_flow_to_every_kernel():
   tokens = jnp.tile(jnp.arange(8, dtype=jnp.int32)[None], (2, 1))
 
   def loss(p):
-    return -jnp.mean(transformer.token_logprobs(p, tokens, TINY, W4A16))
+    return -jnp.mean(logprobs.token_logprobs(p, tokens, TINY, W4A16))
 
   grads = jax.jit(jax.grad(loss))(params)
   for m in layout.matmuls(TINY):
@@ -102,7 +102,7 @@ def test_exact_mode_sampler_is_the_trainer_bit_for_bit():
   params = _params()
   sampler = sampling.Sampler(TINY, W4A16, RL, exact=True)
   out = sampler(params, PROMPTS, PMASK, jax.random.key(4))
-  trainer = jax.jit(transformer.token_logprobs, static_argnames=("model_cfg", "policy"))(
+  trainer = jax.jit(logprobs.token_logprobs, static_argnames=("model_cfg", "policy"))(
       params, out.tokens, model_cfg=TINY, policy=W4A16, mask_BT=out.attention_mask)
   comp = np.asarray(out.completion_mask) > 0
   assert comp.sum() > 0

@@ -16,7 +16,7 @@ import tiny
 
 from lowrl.models import layout
 from lowrl import precision
-from lowrl.models import transformer
+from lowrl.models import init
 from lowrl.models.config import ModelConfig
 from lowrl.rl.corrections import CorrectionConfig
 from lowrl.rl.losses import LossConfig
@@ -135,7 +135,7 @@ def test_update_skips_a_non_finite_new_state():
   """lr = inf: loss and gradient are finite, the new parameters are not -> the step is skipped."""
   model = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
                       head_dim=16, d_ff=64, max_seq_len=16)
-  params = transformer.init_params(model, jax.random.key(0))
+  params = init.init_params(model, jax.random.key(0))
   logprob_fn = make_logprob_fn(model, precision.policy_for("fp32", layout.matmuls(model)))
   cfg = UpdateConfig(loss=LossConfig(), correction=CorrectionConfig(), mu=2)
   tx = optax.sgd(float("inf"))

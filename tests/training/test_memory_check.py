@@ -7,7 +7,7 @@ import pytest
 
 from configs import base
 from lowrl import memory
-from lowrl.models import transformer
+from lowrl.models import init, transformer
 from lowrl.training import loop, run_config
 from lowrl.training.setup import build
 from lowrl.training.reporting import log_setup
@@ -81,7 +81,7 @@ def test_the_estimate_is_the_runs_and_is_printed():
   est = setup.memory
   # The loop's state: params and Adam over the master tree, a reference, one stale version copy,
   # the RL sampler's KV cache (all rows, every device along `data`).
-  shapes = transformer.param_shapes(setup.model_cfg)
+  shapes = init.param_shapes(setup.model_cfg)
   n_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
   devices = jax.device_count()
   assert est.params == -(-n_bytes // devices)

@@ -12,7 +12,7 @@ import tiny
 from lowrl.rl.losses import aggregation_denominator
 from lowrl.training import schema
 from lowrl.training.setup import build
-from lowrl.models import transformer
+from lowrl.models import init
 from lowrl.training.rl_update import make_logprob_fn, make_rl_update
 from lowrl.training.batch import RLBatch
 
@@ -76,7 +76,7 @@ def test_micro_batches_equal_the_plain_step_within_the_summation_order_bound(agg
   |g_micro - g_plain| <= (2 gamma_{BT} + 3u) S + 2u (|p| + |g|) + 2u (B |p| + S),  S = sum_r |G_r|.
   """
   setup, _ = _update(aggregation, 1)
-  params = jax.tree.map(np.asarray, transformer.init_params(setup.model_cfg,
+  params = jax.tree.map(np.asarray, init.init_params(setup.model_cfg,
                                                                  jax.random.key(0)))
   batch = _batch(setup)
   rows, t = batch.loss_mask_BT.shape

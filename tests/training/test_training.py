@@ -13,7 +13,7 @@ import pytest
 import tiny
 
 from configs import base as base_config
-from lowrl.models import layout
+from lowrl.models import init, layout
 from lowrl import precision
 from lowrl.models import transformer
 from lowrl.rl.corrections import CorrectionConfig
@@ -96,7 +96,7 @@ def _update(policy_name="fp32", **cfg_kw):
 
 def test_update_recomputes_pi_old_and_moves_params():
   logprob_fn, tx, update = _update()
-  params = transformer.init_params(MODEL, jax.random.key(0))
+  params = init.init_params(MODEL, jax.random.key(0))
   batch = _batch(jax.random.key(1))
   logp, _ = jax.jit(logprob_fn)(params, batch, None)
   batch = batch._replace(logp_sampler_BT=logp * batch.loss_mask_BT)
@@ -113,7 +113,7 @@ def test_update_recomputes_pi_old_and_moves_params():
 
 def test_update_skips_non_finite_gradient():
   _, tx, update = _update()
-  params = transformer.init_params(MODEL, jax.random.key(0))
+  params = init.init_params(MODEL, jax.random.key(0))
   batch = _batch(jax.random.key(1))
   batch = batch._replace(adv_B=batch.adv_B.at[0].set(jnp.nan))
   opt_state = tx.init(params)
@@ -125,7 +125,7 @@ def test_update_skips_non_finite_gradient():
 
 def test_update_mu_passes():
   _, tx, update = _update(mu=3, num_minibatches=2)
-  params = transformer.init_params(MODEL, jax.random.key(0))
+  params = init.init_params(MODEL, jax.random.key(0))
   batch = _batch(jax.random.key(1))
   _, opt_state, m = update(params, tx.init(params), None, batch, jax.random.key(2))
   # Adam counts its steps: 3 passes x 2 minibatches.
@@ -202,7 +202,7 @@ def test_exact_mode_rollout_and_update_agree_bitwise_under_nvfp4():
   c.rl.update(dict(num_prompts=4, group_size=4, max_new_tokens=4))
   setup = build(c)
   trainer = Trainer(setup, log=lambda _: None)
-  params = transformer.init_params(setup.model_cfg, jax.random.key(0))
+  params = init.init_params(setup.model_cfg, jax.random.key(0))
   rollout, _ = trainer.rollout(params, params, 0, jax.random.key(1), stale=False)
   mask = rollout.out.completion_mask
   assert float(mask.sum()) > 0
@@ -259,7 +259,7 @@ def test_update_loss_is_decoupled_ppo(source, correction):
   cfg = UpdateConfig(loss=LossConfig(), correction=CorrectionConfig(mode=correction, tis_cap=1.5),
                      old_logp_source=source)
   update = jax.jit(make_rl_update(logprob_fn, optax.sgd(0.0), cfg))
-  params = transformer.init_params(MODEL, jax.random.key(0))
+  params = init.init_params(MODEL, jax.random.key(0))
   batch = _batch(jax.random.key(1))
   logp_new, _ = jax.jit(logprob_fn)(params, batch, None)
   mask = batch.loss_mask_BT
@@ -313,7 +313,7 @@ def _np_sampling_logq(logits, tokens, temperature, top_k, top_p):
 
 def test_logprob_fn_uses_the_sampled_distribution():
   policy = precision.policy_for("fp32", layout.matmuls(MODEL))
-  params = transformer.init_params(MODEL, jax.random.key(0))
+  params = init.init_params(MODEL, jax.random.key(0))
   batch = _batch(jax.random.key(1))
   logits = np.asarray(jax.jit(transformer.forward, static_argnums=(2, 3))(
       params, batch.tokens_BT, MODEL, policy))
@@ -347,8 +347,8 @@ def test_loop_rollout_scores_the_sampled_distribution():
   c.rl.log_kl_ref = False
   setup = build(c)
   trainer = Trainer(setup, log=lambda _: None)
-  sampler_params = transformer.init_params(setup.model_cfg, jax.random.key(0))
-  params = transformer.init_params(setup.model_cfg, jax.random.key(5))
+  sampler_params = init.init_params(setup.model_cfg, jax.random.key(0))
+  params = init.init_params(setup.model_cfg, jax.random.key(5))
   rollout, _ = trainer.rollout(sampler_params, params, 0, jax.random.key(1), stale=True)
   out = rollout.out
   mask = np.asarray(out.completion_mask) > 0
@@ -377,7 +377,7 @@ def test_tokens_outside_pi_old_support_leave_the_loss():
   logprob_fn = make_logprob_fn(MODEL, policy, sampling)
   cfg = UpdateConfig(loss=LossConfig(loss="cispo"), correction=CorrectionConfig(mode="tis"))
   update = jax.jit(make_rl_update(logprob_fn, optax.adam(1e-2), cfg))
-  params = transformer.init_params(MODEL, jax.random.key(0))
+  params = init.init_params(MODEL, jax.random.key(0))
   batch = _batch(jax.random.key(1))
   logp, _ = jax.jit(logprob_fn)(params, batch, None)
   mask = np.asarray(batch.loss_mask_BT)

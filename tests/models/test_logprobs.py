@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lowrl import precision
-from lowrl.models import layout, transformer
+from lowrl.models import blocks, decoder, layout, logprobs, transformer
 from lowrl.models.config import ModelConfig
 
 from model_scale_helpers import (DEEP, SHALLOW, U, _batch, _loss_and_grads, _params, _policy,
@@ -67,7 +67,7 @@ def _attention_reference():
   in one program (computed once, not op by op in every parametrization)."""
 
   def run(q, k, v, q_col, key_mask):
-    full = transformer.attend(q, k, v, q_col, key_mask, jnp.float32)
+    full = blocks.attend(q, k, v, q_col, key_mask, jnp.float32)
     qk_abs = jnp.einsum("btkgh,bskh->bkgts", jnp.abs(q), jnp.abs(k)) * q.shape[-1] ** -0.5
     return full, jnp.max(qk_abs), jnp.max(jnp.abs(v))
 
@@ -85,7 +85,7 @@ def test_chunked_attention_within_reassociation_bound(chunk):
   value sum, reassociated, by 2 gamma_S sum p |v|. So |do| <= (e^(2d) - 1 + 4u + 2 gamma_S) max|v|
   with sum p = 1. A chunk covering every row runs the identical program: equal bits."""
   (q, k, v, q_col, key_mask), full, qk_abs_max, v_abs_max = _attention_reference()
-  chunked = jax.jit(transformer.attend_chunked, static_argnums=(5, 6))(
+  chunked = jax.jit(blocks.attend_chunked, static_argnums=(5, 6))(
       q, k, v, q_col, key_mask, jnp.float32, chunk)
   assert chunked.shape == full.shape
   hd, keys = q.shape[-1], k.shape[1]
@@ -99,7 +99,7 @@ def test_chunked_attention_within_reassociation_bound(chunk):
 def test_chunked_attention_model_one_chunk_is_exact_and_gradients_flow():
   # FP32: the plain program is the FP32 head tests' (computed once; BF16 programs also compile
   # slower on the CPU). Chunked attention in BF16 compute (one chunk, over the stacked KV cache)
-  # is the bf16 case of test_model_scan.py::test_scan_kv_cache_decode_equals_unrolled.
+  # is the bf16 case of test_decoder.py::test_scan_kv_cache_decode_equals_unrolled.
   policy = _policy("fp32", ONE)
   tokens, mask = _batch(ONE)
   cfg = dataclasses.replace(ONE, attention="chunked", attention_chunk=tokens.shape[1])
@@ -147,9 +147,9 @@ def _full_path(cfg, policy):
 
   def run(p):
     logits = transformer.forward(p, tokens, cfg, policy, mask_BT=mask)[:, :-1]
-    h = transformer.Transformer(cfg, policy).apply(
+    h = decoder.Transformer(cfg, policy).apply(
         {"params": p}, tokens, transformer.positions_from_mask(mask), mask, head=False)[0]
-    return transformer.token_logprobs_and_entropy(p, tokens, cfg, policy, mask_BT=mask), logits, h
+    return logprobs.token_logprobs_and_entropy(p, tokens, cfg, policy, mask_BT=mask), logits, h
 
   return jax.jit(run)(_params(cfg))
 
@@ -175,7 +175,7 @@ def test_chunked_logprobs_within_online_logsumexp_bound(head, kind, chunk):
   (logp, ent), logits, h = _full_path(cfg, policy)
   tokens, mask = _batch(cfg)
   chunked = dataclasses.replace(cfg, logprob_chunk=chunk)
-  logp_c, ent_c = jax.jit(transformer.token_logprobs_and_entropy, static_argnums=(2, 3))(
+  logp_c, ent_c = jax.jit(logprobs.token_logprobs_and_entropy, static_argnums=(2, 3))(
       _params(cfg), tokens, chunked, policy, mask_BT=mask)
 
   head_w = layout.get_param(_params(cfg), layout.matmul(cfg, None, "lm_head").param_keys)
@@ -229,5 +229,5 @@ def test_chunked_logprobs_refuse_a_stochastically_rounded_head():
   policy = _policy("nvfp4_recipe", cfg, quantize_lm_head=True, stochastic_rounding="all")
   tokens, mask = _batch(cfg)
   with pytest.raises(ValueError, match="logprob_chunk"):
-    transformer.token_logprobs(_params(cfg), tokens, cfg, policy, mask_BT=mask,
+    logprobs.token_logprobs(_params(cfg), tokens, cfg, policy, mask_BT=mask,
                                quant_key=jax.random.key(0))

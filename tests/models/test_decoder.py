@@ -10,7 +10,7 @@ import pytest
 
 import tiny
 from lowrl import precision
-from lowrl.models import layout, transformer
+from lowrl.models import calibration, decoder, init, layout, logprobs, transformer
 from lowrl import sampling
 from lowrl.sampling import SamplingConfig
 
@@ -25,11 +25,11 @@ def test_layer_groups_split_at_the_bf16_suffix():
   policy = _policy("nvfp4_recipe", tiny.DEEP)
   tail = precision.bf16_tail_layers(tiny.DEEP.n_layers, 0.15)
   assert tail == (7,)
-  assert transformer.layer_groups(tiny.DEEP, policy) == ((0, 7), (7, 8))
-  assert transformer.layer_groups(tiny.DEEP, _policy("fp32", tiny.DEEP)) == ((0, 8),)
+  assert decoder.layer_groups(tiny.DEEP, policy) == ((0, 7), (7, 8))
+  assert decoder.layer_groups(tiny.DEEP, _policy("fp32", tiny.DEEP)) == ((0, 8),)
   # A BF16 layer in the middle splits the quantized layers into two runs.
   mid = _policy("nvfp4_recipe", tiny.DEEP, bf16_last_fraction=0.0, high_precision_paths=r"layers_3/.*")
-  assert transformer.layer_groups(tiny.DEEP, mid) == ((0, 3), (3, 4), (4, 8))
+  assert decoder.layer_groups(tiny.DEEP, mid) == ((0, 3), (3, 4), (4, 8))
 
 
 # 4 layers: layer 0 unquantized (a high-precision path), layers 1-2 quantized, layer 3 the BF16
@@ -53,7 +53,7 @@ def test_scan_equals_unrolled_forward_and_gradients():
           (i, p) for i in (1, 2) for p in ("attn/o_proj", "mlp/down_proj")]
   assert precision.bf16_tail_layers(SCAN_MODEL.n_layers, 0.15) == (3,)  # the recipe's 15%
   # Layer 0 and the tail are unquantized; the 2 quantized layers are one real scan.
-  assert transformer.layer_groups(SCAN_MODEL, policy) == ((0, 1), (1, 3), (3, 4))
+  assert decoder.layer_groups(SCAN_MODEL, policy) == ((0, 1), (1, 3), (3, 4))
   key = jax.random.key(7)
   (loss_a, aux_a), grads_a = _loss_and_grads(SCAN_MODEL, policy, key)
   (loss_b, aux_b), grads_b = _loss_and_grads(dataclasses.replace(SCAN_MODEL, scan_layers=True),
@@ -82,14 +82,14 @@ def test_scan_with_static_act_amax_and_calibration():
   # 2 layers, both quantized (no BF16 tail): one real scan, the fewest layers it takes; two NVFP4
   # matmuls per layer (attention and MLP), each with its own static amax per layer.
   policy = _policy("nvfp4_naive", SHALLOW, high_precision_paths=TWO_NVFP4)  # per-tensor scales
-  assert transformer.layer_groups(SHALLOW, policy) == ((0, 2),)
+  assert decoder.layer_groups(SHALLOW, policy) == ((0, 2),)
   paths = policy.act_paths(layout.matmuls(SHALLOW), "tensor")
   assert set(paths) == {f"layers_{i}/{p}" for i in (0, 1)
                         for p in ("attn/o_proj", "mlp/down_proj")}
   tokens, mask = _batch(SHALLOW)
   params = _params(SHALLOW)
   scanned = dataclasses.replace(SHALLOW, scan_layers=True)
-  calib = jax.jit(transformer.calibrate_act_amax, static_argnames=("model_cfg", "policy", "paths"))
+  calib = jax.jit(calibration.calibrate_act_amax, static_argnames=("model_cfg", "policy", "paths"))
   amax_a = calib(params, tokens, model_cfg=SHALLOW, policy=policy, paths=paths, mask_BT=mask)
   amax_b = calib(params, tokens, model_cfg=scanned, policy=policy, paths=paths, mask_BT=mask)
   assert set(amax_a) == set(paths) and _same(amax_a, amax_b)
@@ -117,7 +117,7 @@ def test_scan_kv_cache_decode_equals_unrolled(name, overrides, extra, groups):
   gives the unrolled model's tokens and log-probabilities bit for bit (chunk 16 >= every call's
   T, so the chunked attention runs the same rows in one chunk)."""
   policy = _policy(name, **overrides)
-  assert transformer.layer_groups(DEEP, policy) == groups
+  assert decoder.layer_groups(DEEP, policy) == groups
   prompts = jnp.asarray(np.random.default_rng(3).integers(0, DEEP.vocab_size, (3, 6), np.int32))
   pmask = jnp.ones((3, 6), bool).at[1, :2].set(False)
   config = SamplingConfig(max_new_tokens=5, temperature=0.0)
@@ -136,9 +136,9 @@ def test_scan_kv_cache_decode_equals_unrolled(name, overrides, extra, groups):
 def _count_dots(n_layers: int, scan: bool) -> int:
   cfg = dataclasses.replace(DEEP, n_layers=n_layers, scan_layers=scan)
   tokens, mask = _batch(cfg)
-  grad = jax.grad(lambda p: jnp.sum(transformer.token_logprobs(
+  grad = jax.grad(lambda p: jnp.sum(logprobs.token_logprobs(
       p, tokens, cfg, _policy("bf16", cfg), mask_BT=mask)))
-  return jax.jit(grad).lower(transformer.param_shapes(cfg)).as_text().count("dot_general")
+  return jax.jit(grad).lower(init.param_shapes(cfg)).as_text().count("dot_general")
 
 
 def test_scanned_program_does_not_grow_with_depth():

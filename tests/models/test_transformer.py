@@ -10,7 +10,7 @@ import tiny
 from lowrl.models import layout
 from lowrl import precision
 from lowrl.models import config as model_config
-from lowrl.models import transformer
+from lowrl.models import blocks, init, logprobs, transformer
 from lowrl.models.config import ModelConfig
 
 TINY, FULL = tiny.TINY, tiny.FULL
@@ -23,7 +23,7 @@ fwd_cache = jax.jit(transformer.forward_with_cache, static_argnames=("model_cfg"
 
 @functools.lru_cache(maxsize=None)
 def _params(cfg, seed=0):
-  return transformer.init_params(cfg, jax.random.key(seed))
+  return init.init_params(cfg, jax.random.key(seed))
 
 
 def _tokens(shape, seed=1, vocab=64):
@@ -63,12 +63,12 @@ def test_param_tree_matches_architecture():
 
 
 def test_init_is_deterministic_and_respects_param_dtype():
-  a = transformer.init_params(TINY, jax.random.key(7))
-  b = transformer.init_params(TINY, jax.random.key(7))
-  c = transformer.init_params(TINY, jax.random.key(8))
+  a = init.init_params(TINY, jax.random.key(7))
+  b = init.init_params(TINY, jax.random.key(7))
+  c = init.init_params(TINY, jax.random.key(8))
   assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
   assert not np.array_equal(a["embed"]["embedding"], c["embed"]["embedding"])
-  bf = jax.eval_shape(lambda: transformer.init_params(TINY, jax.random.key(7), jnp.bfloat16))
+  bf = jax.eval_shape(lambda: init.init_params(TINY, jax.random.key(7), jnp.bfloat16))
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(bf))
   # Kernels ~ N(0, 1/fan_in), embedding ~ N(0, 1/D), norms 1.
   assert np.std(a["layers_0"]["mlp"]["down_proj"]["kernel"]) == pytest.approx(64 ** -0.5, rel=0.1)
@@ -115,14 +115,14 @@ def test_rope_is_hf_rotate_half_and_relative():
   rng = np.random.default_rng(0)
   x = rng.normal(size=(2, 5, 3, 8)).astype(np.float32)
   pos = rng.integers(0, 100, size=(2, 5))
-  inv = transformer.rope_inv_freq(TINY)
+  inv = blocks.rope_inv_freq(TINY)
   np.testing.assert_allclose(inv, 1.0 / 10000.0 ** (np.arange(0, 8, 2) / 8), rtol=1e-6)
-  out = np.asarray(transformer.apply_rope(jnp.asarray(x), jnp.asarray(pos), inv))
+  out = np.asarray(blocks.apply_rope(jnp.asarray(x), jnp.asarray(pos), inv))
   np.testing.assert_allclose(out, _hf_rope(x, pos, inv), atol=1e-5)
   # q.k after RoPE depends only on the position difference.
   q, k = x[:1, :1], x[1:, :1]
-  dot = lambda i, j: float(np.sum(np.asarray(transformer.apply_rope(  # noqa: E731
-      jnp.asarray(q), jnp.full((1, 1), i), inv)) * np.asarray(transformer.apply_rope(
+  dot = lambda i, j: float(np.sum(np.asarray(blocks.apply_rope(  # noqa: E731
+      jnp.asarray(q), jnp.full((1, 1), i), inv)) * np.asarray(blocks.apply_rope(
           jnp.asarray(k), jnp.full((1, 1), j), inv))))
   assert dot(10, 3) == pytest.approx(dot(57, 50), abs=1e-4)
   assert dot(10, 3) != pytest.approx(dot(10, 4), abs=1e-3)
@@ -132,7 +132,7 @@ def test_llama3_rope_scaling():
   cfg = model_config.preset("llama3_2_1b")
   factor, low, high, orig = cfg.rope_llama3_scaling
   base = 1.0 / cfg.rope_theta ** (np.arange(0, 64, 2) / 64)
-  scaled = transformer.rope_inv_freq(cfg)
+  scaled = blocks.rope_inv_freq(cfg)
   wavelen = 2 * np.pi / base
   hi = wavelen < orig / high  # short wavelengths untouched
   lo = wavelen > orig / low  # long wavelengths slowed by `factor`
@@ -236,7 +236,7 @@ def test_token_logprobs_alignment_and_entropy():
   toks = _tokens((2, 8), seed=8)
   mask = jnp.ones((2, 8)).at[1, :2].set(0)
   logits = np.asarray(fwd(params, toks, TINY, FP32, mask_BT=mask), np.float64)
-  logp, ent = jax.jit(transformer.token_logprobs_and_entropy, static_argnums=(2, 3))(
+  logp, ent = jax.jit(logprobs.token_logprobs_and_entropy, static_argnums=(2, 3))(
       params, toks, TINY, FP32, mask_BT=mask)
   assert logp.dtype == ent.dtype == jnp.float32
   logsm = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
@@ -248,7 +248,7 @@ def test_token_logprobs_alignment_and_entropy():
         assert logp[b, t] == pytest.approx(logsm[b, t - 1, toks[b, t]], abs=1e-5)
         p = np.exp(logsm[b, t - 1])
         assert ent[b, t] == pytest.approx(-(p * logsm[b, t - 1]).sum(), abs=1e-5)
-  only_logp = jax.jit(transformer.token_logprobs, static_argnums=(2, 3))(params, toks, TINY, FP32,
+  only_logp = jax.jit(logprobs.token_logprobs, static_argnums=(2, 3))(params, toks, TINY, FP32,
                                                                          mask_BT=mask)
   np.testing.assert_array_equal(only_logp, logp)
 
@@ -277,7 +277,7 @@ def _leaves_by_keys(tree):
 
 @pytest.mark.parametrize("cfg", LAYOUT_CONFIGS, ids=range(len(LAYOUT_CONFIGS)))
 def test_layout_agrees_with_the_param_tree(cfg):
-  leaves = _leaves_by_keys(transformer.param_shapes(cfg))
+  leaves = _leaves_by_keys(init.param_shapes(cfg))
   matmuls = layout.matmuls(cfg)
   assert len(matmuls) == 7 * cfg.n_layers + 1
   assert len({m.full_path for m in matmuls}) == len(matmuls)
@@ -310,16 +310,16 @@ def test_layout_order_is_the_forward_execution_order(cfg, monkeypatch):
   # itself, by identity: a copy or another leaf has no index) and along which axis it
   # contracts. Traced abstractly (eval_shape): the same Python forward, nothing compiled.
   matmuls = layout.matmuls(cfg)
-  shapes = transformer.param_shapes(cfg)  # (an init trace: before the spy is in)
+  shapes = init.param_shapes(cfg)  # (an init trace: before the spy is in)
   calls = []
-  real = transformer.quantized_dot_general
+  real = blocks.quantized_dot_general
   index: dict[int, int] = {}
 
   def spy(lhs, rhs, dims, qcfg, **kw):
     calls.append((index.get(id(rhs)), tuple(rhs.shape), dims[0][1]))
     return real(lhs, rhs, dims, qcfg, **kw)
 
-  monkeypatch.setattr(transformer, "quantized_dot_general", spy)
+  monkeypatch.setattr(blocks, "quantized_dot_general", spy)
   policy = precision.PrecisionPolicy.unquantized(matmuls)
 
   def run(params):
@@ -340,7 +340,7 @@ def test_every_linear_layer_goes_through_qdot_with_the_policy_config(monkeypatch
                     d_ff=64, tie_embeddings=True)
   policy = precision.policy_for("nvfp4_recipe", layout.matmuls(cfg))
   calls = []
-  real = transformer.quantized_dot_general
+  real = blocks.quantized_dot_general
 
   def spy(lhs, rhs, dims, qcfg, key=None, preferred_element_type=None, lhs_amax=None,
           rhs_amax=None):
@@ -348,8 +348,8 @@ def test_every_linear_layer_goes_through_qdot_with_the_policy_config(monkeypatch
     return real(lhs, rhs, dims, qcfg, key=key, preferred_element_type=preferred_element_type,
                 lhs_amax=lhs_amax, rhs_amax=rhs_amax)
 
-  params = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.key(0)))
-  monkeypatch.setattr(transformer, "quantized_dot_general", spy)
+  params = jax.eval_shape(lambda: init.init_params(cfg, jax.random.key(0)))
+  monkeypatch.setattr(blocks, "quantized_dot_general", spy)
   out = jax.eval_shape(lambda p: transformer.forward(p, jnp.zeros((2, 5), jnp.int32), cfg,
                                                      policy), params)
   assert out.dtype == jnp.float32 and out.shape == (2, 5, 64)
@@ -396,7 +396,7 @@ def test_gradients_flow_under_nvfp4_recipe():
   policy = precision.policy_for("nvfp4_recipe", layout.matmuls(TINY))
 
   def loss(p):
-    return -jnp.mean(transformer.token_logprobs(p, toks, TINY, policy))
+    return -jnp.mean(logprobs.token_logprobs(p, toks, TINY, policy))
 
   grads = jax.jit(jax.grad(loss))(params)  # one program (grad of a jit would compile two)
   for path, g in jax.tree_util.tree_leaves_with_path(grads):

@@ -27,7 +27,7 @@ import pytest
 import tiny
 from lowrl import precision
 from lowrl.checkpoints import hf_quantized
-from lowrl.models import layout, transformer
+from lowrl.models import init, layout
 from lowrl.sampling import weights
 
 TINY = tiny.TINY  # D=32, q 32, k/v 16, F=64: every width a multiple of 16
@@ -37,7 +37,7 @@ _F32 = np.float32
 
 
 def _params():
-  params = transformer.init_params(TINY, jax.random.key(3))
+  params = init.init_params(TINY, jax.random.key(3))
   # Partitions of one fused group with clearly different ranges (as trained q/k/v are).
   for i, scale in ((0, 0.6), (1, 1.7)):
     attn = params[f"layers_{i}"]["attn"]
