@@ -40,10 +40,11 @@ import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from configs import base as base_config  # noqa: E402
 from lowrl import user_cache  # noqa: E402
 from lowrl.checkpoints import hf, hf_config, hf_quantized  # noqa: E402
 from lowrl.models import calibration, init, layout  # noqa: E402
-from lowrl.training import run_config, schema  # noqa: E402
+from lowrl.training import run_config  # noqa: E402
 from lowrl.training.setup import Setup, build  # noqa: E402
 from lowrl.training.trainer import Trainer  # noqa: E402
 from lowrl.training.checkpointing import verify_manifest  # noqa: E402
@@ -88,12 +89,13 @@ _PRECISION_BEFORE = {"act_format": "", "weight_scales": "per_linear"}
 def _with_new_knobs(saved: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """A saved run config with the knobs added since filled in: precision's with the behaviour the
   run had (`_PRECISION_BEFORE`: it quantized each linear with its own scale), the rest with the
-  schema's defaults (knobs that don't change the weights)."""
+  values of configs/base.py (knobs that don't change the weights)."""
   if "precision" in saved:
     for k, v in _PRECISION_BEFORE.items():
       if k not in saved.precision:
         saved.precision[k] = v
-  out = schema.TRAIN.defaults(precision=saved.precision)
+  out = base_config.get_config()
+  out.precision = saved.precision
 
   def merge(dst, src):
     for k, v in src.items():

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from configs import base as base_config
 from experiments.bench_gemm import Comparison, compare
 from lowrl import hardware as hardware_lib
 from lowrl import memory, precision
@@ -23,7 +24,7 @@ from lowrl.models import config as model_config
 from lowrl.models import init, layout
 from lowrl.sampling import SampleOutput, SamplingConfig
 from lowrl.sampling.rollout import Sampler
-from lowrl.training import optimizer, schema
+from lowrl.training import optimizer
 from lowrl.training.rl_update import make_logprob_fn, update_config_from
 from lowrl.training.step import BatchConfig, Rollout, make_step
 
@@ -108,11 +109,11 @@ def _train_setup(shape: Shape, seed: int = 0):
   """(cfg, params, opt_state, rollout, step_of(setting) -> unjitted step) of the loop's RL step
   on a synthetic rollout: random tokens, the completion all real, rewards 0/1."""
   cfg = shape.model_cfg()
-  rl = schema.TRAIN_RL.defaults()
+  rl = base_config.get_config("bf16").rl
   rl.group_size = shape.group_size
   rl.num_prompts = shape.train_batch // shape.group_size
   rl.max_new_tokens = shape.new_tokens
-  tx = optimizer.make_optimizer(schema.OPTIMIZER.defaults(), total_steps=1)
+  tx = optimizer.make_optimizer(base_config.get_config("bf16").optimizer, total_steps=1)
   update_cfg = update_config_from(rl, "nearest", max_len=shape.new_tokens)
   batch_cfg = BatchConfig.from_rl(rl, shape.new_tokens)
   sampling = SamplingConfig(max_new_tokens=shape.new_tokens, temperature=rl.temperature)

@@ -15,7 +15,6 @@ governed by the rules.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 from typing import NamedTuple, Protocol, Sequence
 
@@ -23,14 +22,14 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from lowrl import recipes
 from lowrl.quant.config import (BACKWARD_MODES, COMPUTE_DTYPES, FORMATS, GEMMS, NATIVE_FORMATS,
                                 QDotConfig, QuantConfig)
 
 FORMAT_NONE = "none"
 STOCHASTIC_ROUNDING_MODES = ("none", "grad", "all")
-# The named recipes; the values of each are data in configs/<name>.py (`recipe`).
-RECIPES = ("fp32", "bf16", "fp16", "mxfp8", "nvfp4_naive", "nvfp4_recipe", "nvfp4_moe_experts",
-           "nvfp4_w4a16")
+# The named recipes; their values are data in lowrl/recipes.py (`recipe`).
+RECIPES = tuple(recipes.RECIPES)
 # Mixture-of-experts matmuls by name (regexes over full paths, lowrl/models/layout.py): the routed
 # experts' stacked kernels, the shared expert's MLP, and the routers (the top-k router and the
 # shared expert's sigmoid gate). Routers are never quantized by `format`: make_policy gives them
@@ -196,8 +195,8 @@ def activation_scaling(cfg: QDotConfig) -> str:
 
 
 # The knobs of a precision section, each overridable alone (`--config.precision.KNOB=...`), and
-# their meanings. The values of the named recipes are data: configs/<recipe>.py spells out every
-# knob (copy one to make a recipe).
+# their meanings. The values of the named recipes are data: lowrl/recipes.py (a base recipe that
+# spells out every knob, the others as their changes to it).
 KNOBS = {
     "name": "label of the recipe in the precision table and logs (the values are the other knobs)",
     "format": "'none' or a lowrl.quant format (nvfp4, mxfp8_e4m3, ...) for the linear layers",
@@ -225,18 +224,11 @@ KNOBS = {
 
 
 def recipe(name: str) -> ml_collections.ConfigDict:
-  """A fresh precision ConfigDict of the named recipe (one of RECIPES): every knob of KNOBS.
-
-  The values live in the recipe's config file, configs/<name>.py (its `PRECISION` dict), the one
-  copy that the training binary (`--config=configs/<name>.py`), this function and the
-  simulator's `sampler_recipe` / `trainer_recipe` knobs all read.
-  """
+  """A fresh precision ConfigDict of the named recipe (one of RECIPES): every knob of KNOBS, with
+  the values of lowrl/recipes.py."""
   if name not in RECIPES:
     raise ValueError(f"Unknown precision recipe {name!r}; use one of {RECIPES}.")
-  # The config files are data modules of the repository's `configs` package (installed with
-  # lowrl); importing one imports nothing else.
-  module = importlib.import_module(f"configs.{name}")
-  return ml_collections.ConfigDict(dict(module.PRECISION))
+  return ml_collections.ConfigDict(dict(recipes.RECIPES[name]))
 
 
 def _check_config(c: ml_collections.ConfigDict) -> None:
@@ -344,8 +336,8 @@ def make_policy(config: ml_collections.ConfigDict,
   c = config
   missing = [k for k in KNOBS if k not in c]
   if missing:
-    raise ValueError(f"precision config lacks {missing}; start from a recipe file "
-                     "(configs/<recipe>.py) or lowrl.precision.recipe(name).")
+    raise ValueError(f"precision config lacks {missing}; start from a named recipe "
+                     "(lowrl/recipes.py) or lowrl.precision.recipe(name).")
   unknown = [k for k in c if k not in KNOBS]
   if unknown:
     raise ValueError(f"precision config has unknown knobs {unknown}; the knobs are {list(KNOBS)}.")

@@ -20,7 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Lowest first; ARCHITECTURE.md "Layering" shows the same order.
 LAYERS = (
-    ("lowrl.quant", "lowrl.hardware", "lowrl.distributed", "lowrl.metrics", "lowrl.user_cache"),
+    ("lowrl.quant", "lowrl.hardware", "lowrl.distributed", "lowrl.metrics", "lowrl.user_cache",
+     "lowrl.recipes"),
     ("lowrl.precision",),
     ("lowrl.models",),
     ("lowrl.sharding", "lowrl.quant_blocks", "lowrl.checkpoints", "lowrl.memory", "lowrl.tasks"),
@@ -29,13 +30,6 @@ LAYERS = (
     ("lowrl.training",),
     ("lowrl.asyncrl",),
 )
-# Known violations being removed in parallel work: the test of each is an xfail (strict: it
-# fails once the violation is gone, so the mark is removed with it).
-KNOWN_UPWARD = {
-    "lowrl.precision": "precision.recipe imports configs.<name> (importlib); the hconfigs stream "
-                       "moves the recipes to data the library reads without importing configs",
-}
-KNOWN_CIRCLES: dict = {}
 # A dynamic import whose name has no literal package prefix.
 UNKNOWN = "<computed name>"
 
@@ -113,11 +107,6 @@ def _violations(name: str, path: pathlib.Path, source: str | None = None) -> lis
 MODULES = sorted((ROOT / "lowrl").rglob("*.py"))
 
 
-def _known(marks: dict, key) -> list:
-  reason = marks.get(key)
-  return [] if reason is None else [pytest.mark.xfail(reason=reason, strict=True)]
-
-
 def _targets(path: pathlib.Path, modules: set[str], source: str | None = None) -> set[str]:
   """The lowrl modules (files) an import of `path` loads: `from lowrl.models import layout` is
   the module lowrl.models.layout, `from lowrl.sampling import Sampler` the package's __init__."""
@@ -174,8 +163,7 @@ def test_every_module_has_a_layer():
   assert not missing, f"add these to LAYERS (and ARCHITECTURE.md): {missing}"
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=_known(KNOWN_UPWARD, _module_name(p)))
-                                  for p in MODULES], ids=lambda p: _module_name(p))
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: _module_name(p))
 def test_imports_follow_the_layering(path):
   name = _module_name(path)
   bad = _violations(name, path)
@@ -196,15 +184,9 @@ def test_the_checker_sees_a_violation(tmp_path):
 
 
 def test_no_import_circle():
-  """No circle among lowrl's modules beyond the known ones (each its own xfail below)."""
-  circles = [sorted(c) for c in _circles(_import_graph()) if c not in KNOWN_CIRCLES]
+  """No circle among lowrl's modules (functions' imports included)."""
+  circles = [sorted(c) for c in _circles(_import_graph())]
   assert not circles, f"import circles (move the shared piece down a module): {circles}"
-
-
-@pytest.mark.parametrize("circle", [pytest.param(c, marks=_known(KNOWN_CIRCLES, c))
-                                    for c in KNOWN_CIRCLES], ids=lambda c: "<->".join(sorted(c)))
-def test_known_circle_is_gone(circle):
-  assert circle not in _circles(_import_graph())
 
 
 @pytest.mark.parametrize("graph, circles", [

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import base as base_config
 from experiments import estimate_memory
 import tiny
 from lowrl import hardware as hardware_lib
@@ -24,7 +25,7 @@ from lowrl.asyncrl import cost_model
 from lowrl.models import init, layout, logprobs, transformer
 from lowrl.models.config import preset
 from lowrl.precision import PrecisionPolicy
-from lowrl.training import optimizer as optimizer_lib, schema
+from lowrl.training import optimizer as optimizer_lib
 
 TINY = tiny.TINY  # V=64, D=32, L=2, H=4, K=2, hd=8, F=64, tied
 # Untied head, qkv bias, qk norm: every optional leaf of the param tree.
@@ -66,7 +67,7 @@ def test_params_grads_reference_are_the_param_tree_bytes(cfg, dtype):
 
 def test_optimizer_is_adams_two_fp32_moments():
   params = jax.eval_shape(lambda k: init.init_params(TINY_FULL, k), jax.random.key(0))
-  tx = optimizer_lib.make_optimizer(schema.OPTIMIZER.defaults(), total_steps=10)
+  tx = optimizer_lib.make_optimizer(base_config.get_config("bf16").optimizer, total_steps=10)
   state = jax.eval_shape(lambda p: optimizer_lib.init_opt_state(tx, p), params)
   leaves = jax.tree.leaves(state)
   moments = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]

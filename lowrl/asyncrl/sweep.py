@@ -19,7 +19,6 @@ setting whose config changed since (another fingerprint) is an error, not a sile
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import json
 import os
@@ -33,6 +32,7 @@ import numpy as np
 from lowrl.asyncrl import simulator, timing
 from lowrl.rl.drift import DRIFT_PARTS
 from lowrl.metrics.writer import MetricWriter
+from lowrl.training import run_config
 
 Log = Callable[[str], None]
 
@@ -85,25 +85,14 @@ class Setting:
 
   @property
   def fingerprint(self) -> str:
-    blob = json.dumps({"cfg": self.cfg.to_dict(), "seeds": self.seeds}, sort_keys=True,
-                      default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+    return run_config.digest({"cfg": self.cfg.to_dict(), "seeds": self.seeds}, 12)
 
 
-def _get(cfg: ml_collections.ConfigDict, path: str) -> Any:
-  node = cfg
-  for p in path.split("."):
-    node = node[p]
-  return node
+_get = run_config.get_path
 
 
 def _set(cfg: ml_collections.ConfigDict, path: str, value: Any) -> None:
-  *parents, leaf = path.split(".")
-  node = cfg
-  for p in parents:
-    node = node[p]
-  with node.ignore_type():  # a knob of several types (async_rl.lag: an int or 'auto')
-    node[leaf] = value
+  run_config.set_path(cfg, path, value, ignore_type=True)  # async_rl.lag: an int or 'auto'
 
 
 def _grid_settings(cfg: ml_collections.ConfigDict, which: str,

@@ -1,8 +1,10 @@
-"""Command-line plumbing shared by the absl binaries: config-file paths, --help, one-line errors.
+"""Command-line plumbing shared by the absl binaries: config files, --help, one-line errors.
 
-A config error is one line on stderr naming the flag (with a "did you mean" for a misspelt
-`--config.*` key) or the file, and exit status 2, not a traceback. `--help` prints the binary's
-docstring and its flags on stdout and exits 0.
+The binaries run from the repository root (`python -m experiments.train`), where config files are
+paths (`--config=configs/bf16.py`) and import `configs.base` as a package of the working
+directory; nothing here edits sys.path. A config error is one line on stderr naming the flag
+(with a "did you mean" for a misspelt `--config.*` key) or the file, and exit status 2, not a
+traceback. `--help` prints the binary's docstring and its flags on stdout and exits 0.
 """
 from __future__ import annotations
 
@@ -17,25 +19,6 @@ from absl import flags
 
 from lowrl import precision, user_cache
 from lowrl.training import run_config
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if REPO not in sys.path:
-  # Config files import `configs.base`, and absl loads the default config file when the flag is
-  # defined: the repository must be importable before that, from any working directory.
-  sys.path.append(REPO)
-
-
-def resolve_config_paths(argv: Sequence[str]) -> list[str]:
-  """`--config=configs/x.py[:arg]` relative to the repository when it is not relative to the
-  working directory, so the binaries run from anywhere."""
-  out = []
-  for arg in argv:
-    if arg.startswith("--config=") and not arg.startswith("--config."):
-      path, sep, rest = arg[len("--config="):].partition(":")
-      if path and not os.path.exists(path) and os.path.exists(os.path.join(REPO, path)):
-        arg = f"--config={os.path.join(REPO, path)}{sep}{rest}"
-    out.append(arg)
-  return out
 
 
 HELP_ARGS = ("--help", "-h", "-?", "--helpshort")
@@ -82,7 +65,6 @@ def make_flags_parser(default_spec: str, doc: str = "",
   """An absl `flags_parser` that resolves --config paths, answers --help (exit 0) and turns a
   flag error into one line (exit 2). `doc` and `module` name the binary for --help."""
   def parse(argv: list[str]) -> list[str]:
-    argv = resolve_config_paths(argv)
     wanted = _help_requested(argv)
     if wanted is not None:
       # absl's own --help prints only "Try --helpfull" under a console script and exits 1.
@@ -115,14 +97,15 @@ _TRACEBACK = "Traceback (most recent call last)"
 
 
 def _shown(path: str) -> str:
-  """`path` as the user would type it: relative to the repository when inside it."""
-  return os.path.relpath(path, REPO) if path.startswith(REPO + os.sep) else path
+  """`path` as the user would type it: relative to the working directory when inside it."""
+  cwd = os.getcwd()
+  return os.path.relpath(path, cwd) if path.startswith(cwd + os.sep) else path
 
 
 def missing_file_message(spec: str, default_spec: str) -> str:
   """The one-line error for a --config file that does not exist, naming what exists."""
   path = spec.partition(":")[0]
-  return (f"--config={spec}: no config file {path!r} in the working directory or the repository; "
+  return (f"--config={spec}: no config file {path!r} in the working directory; "
           f"a recipe is configs/<name>.py or configs/base.py:<name> with <name> one of "
           f"{', '.join(precision.RECIPES)} (this binary's default: {_shown(default_spec)}).")
 
@@ -133,6 +116,9 @@ def error_line(root: BaseException) -> str:
   text = str(root).strip()
   if _TRACEBACK in text:  # "Error whilst parsing config file: Traceback ...\nValueError: msg"
     return text.splitlines()[-1].strip().removeprefix("ValueError: ")
+  if isinstance(root, ModuleNotFoundError) and root.name in ("configs", "experiments"):
+    return (f"no module {root.name!r}: run the binary from the repository root "
+            "(python -m experiments.train ...), where the config files import configs.base.")
   if isinstance(root, AttributeError) and "get_config" in text:
     return "the file defines no get_config(); a config file's get_config() returns its ConfigDict."
   line = " ".join(text.split())
@@ -230,8 +216,9 @@ def define_run_flags(config_file: str, workdir: str, workdir_help: str) -> RunFl
   # absl files the flags of `python -m pkg.mod` (module __main__) under sys.argv[0].
   module = sys.argv[0] if caller["__name__"] == "__main__" else caller["__name__"]
 
-  default_spec = os.path.join(REPO, "configs", config_file)
-  sys.argv = resolve_config_paths(sys.argv)
+  # configs/ sits next to the binary's experiments/ directory.
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(caller["__file__"])))
+  default_spec = os.path.join(repo, "configs", config_file)
   try:  # ml_collections loads the config file and checks the overrides right here
     config = config_flags.DEFINE_config_file(
         "config", default_spec,

@@ -1,6 +1,6 @@
-"""The resolved config of a run: a fingerprint, the workdir copy, --print_config.
+"""The resolved config of a run: a fingerprint, the workdir copy, --print_config, dotted paths.
 
-The knobs, their defaults and checks are lowrl.training.schema's.
+The knobs' values are configs/base.py's; their meanings and checks lowrl.training.schema's.
 
 At start the loop writes `<workdir>/config.json` (the resolved config and its fingerprint); a
 resume compares the new config with it and refuses a change (listing the changed keys) unless
@@ -49,6 +49,34 @@ def did_you_mean(name: str, cfg: ml_collections.ConfigDict) -> str:
   return f" (did you mean --config.{close[0]}?)" if close else ""
 
 
+def get_path(cfg: ml_collections.ConfigDict, path: str) -> Any:
+  """The value at dotted `path` ("rl.loss") of `cfg`."""
+  node = cfg
+  for p in path.split("."):
+    node = node[p]
+  return node
+
+
+def set_path(cfg: ml_collections.ConfigDict, path: str, value: Any, *,
+             ignore_type: bool = False) -> None:
+  """Sets dotted `path` ("rl.loss") of `cfg` to `value`, as `--config.rl.loss=...` would;
+  `ignore_type` for a knob of several types (the simulator's async_rl.lag: an int or 'auto')."""
+  parent, _, leaf = path.rpartition(".")
+  node = get_path(cfg, parent) if parent else cfg
+  if ignore_type:
+    with node.ignore_type():
+      node[leaf] = value
+  else:
+    node[leaf] = value
+
+
+def digest(obj: Any, length: int = 16) -> str:
+  """SHA-256 (`length` hex digits) of `obj` as sorted JSON (str() for what JSON cannot hold):
+  the one fingerprint of configs, bases and sweep settings."""
+  blob = json.dumps(obj, sort_keys=True, default=str)
+  return hashlib.sha256(blob.encode()).hexdigest()[:length]
+
+
 def to_json(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
   """The config as plain JSON (tuples become lists)."""
   return json.loads(cfg.to_json_best_effort(sort_keys=True))
@@ -56,8 +84,7 @@ def to_json(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
 
 def fingerprint(cfg: ml_collections.ConfigDict) -> str:
   """SHA-256 (16 hex digits) of the config minus the cosmetic keys."""
-  flat = {k: v for k, v in flatten(to_json(cfg)).items() if k not in COSMETIC_KEYS}
-  return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:16]
+  return digest({k: v for k, v in flatten(to_json(cfg)).items() if k not in COSMETIC_KEYS})
 
 
 def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

@@ -8,8 +8,6 @@ and reused by every run (and every recipe) that asks for the same base (`base_st
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from typing import Any, Callable
 
 import jax
@@ -24,7 +22,7 @@ from lowrl.precision import PrecisionPolicy
 from lowrl.rl.masked import masked_mean
 from lowrl.tasks.base import Task
 from lowrl.tasks.batching import encode_sft
-from lowrl.training import run_logs
+from lowrl.training import run_config, run_logs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +74,8 @@ def fingerprint(task_cfg, model_cfg: ModelConfig, sft_cfg, seed: int) -> str:
   sft = dict(sft_cfg.to_dict() if hasattr(sft_cfg, "to_dict") else sft_cfg)
   sft.pop("base_dir", None)  # where the base is stored does not change it
   sft.pop("seed", None)  # the loop's sft.seed: resolved into `seed`
-  blob = json.dumps({"task": task_cfg.to_dict() if hasattr(task_cfg, "to_dict") else task_cfg,
-                     "model": repr(model_cfg), "sft": sft, "seed": seed},
-                    sort_keys=True, default=str)
-  return hashlib.sha256(blob.encode()).hexdigest()[:12]
+  return run_config.digest({"task": task_cfg.to_dict() if hasattr(task_cfg, "to_dict") else task_cfg,
+                            "model": repr(model_cfg), "sft": sft, "seed": seed}, 12)
 
 
 def train_base(task: Task, model_cfg: ModelConfig, sft_cfg: SFTConfig | ml_collections.ConfigDict,

@@ -1,5 +1,4 @@
-"""The binaries' command line: --help (exit 0), one-line config errors (exit 2), --print_config,
-any cwd.
+"""The binaries' command line: --help (exit 0), one-line config errors (exit 2), --print_config.
 
 Each case is a subprocess (imports jax) but fails or exits before anything compiles.
 """
@@ -22,23 +21,17 @@ def _run(command, cwd):
   return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def _train(args, cwd):
-  return _run([sys.executable, os.path.join(REPO, "experiments", "train.py"), *args], cwd)
+def _train(args, cwd=REPO):
+  """The README's command: `python -m experiments.train ...` from the repository root."""
+  return _run([sys.executable, "-m", "experiments.train", *args], cwd)
 
 
-# What the `lowrl-train` / `lowrl-simulate` console scripts run: the binary imported as a module
-# (not __main__), sys.argv[0] the script's name.
-_CONSOLE = ("import sys; sys.path.insert(0, {repo!r}); sys.argv[0] = {name!r}; "
-            "from experiments.{module} import run_main; run_main()")
-
-
-@pytest.mark.parametrize("module, name, own_flag", [
-    ("train", "lowrl-train", "--[no]allow_config_change"),
-    ("simulate", "lowrl-simulate", "--workdir: Sweep directory"),
+@pytest.mark.parametrize("module, own_flag", [
+    ("train", "--[no]allow_config_change"),
+    ("simulate", "--workdir: Sweep directory"),
 ])
-def test_help_prints_usage_and_exits_0(module, name, own_flag, tmp_path):
-  code = _CONSOLE.format(repo=REPO, name=name, module=module)
-  out = _run([sys.executable, "-c", code, "--help"], cwd=str(tmp_path))
+def test_help_prints_usage_and_exits_0(module, own_flag):
+  out = _run([sys.executable, "-m", f"experiments.{module}", "--help"], cwd=REPO)
   assert out.returncode == 0, out.stderr[-2000:]
   with open(os.path.join(REPO, "experiments", f"{module}.py")) as f:  # importing defines flags
     doc = ast.get_docstring(ast.parse(f.read()))
@@ -50,11 +43,11 @@ def test_help_prints_usage_and_exits_0(module, name, own_flag, tmp_path):
 
 
 def test_unknown_recipe_names_the_recipes(tmp_path):
-  out = _train(["--config=configs/nope.py", f"--workdir={tmp_path / 'run'}"], cwd=str(tmp_path))
+  out = _train(["--config=configs/nope.py", f"--workdir={tmp_path / 'run'}"])
   assert out.returncode == 2, out.stderr[-2000:]
   assert out.stderr.strip() == (
-      "error: --config=configs/nope.py: no config file 'configs/nope.py' in the working directory "
-      "or the repository; a recipe is configs/<name>.py or configs/base.py:<name> with <name> one "
+      "error: --config=configs/nope.py: no config file 'configs/nope.py' in the working directory; "
+      "a recipe is configs/<name>.py or configs/base.py:<name> with <name> one "
       f"of {', '.join(precision.RECIPES)} (this binary's default: configs/default.py).")
   assert not os.path.exists(tmp_path / "run")
 
@@ -70,12 +63,12 @@ def test_unknown_recipe_names_the_recipes(tmp_path):
      f"error: --config=configs/base.py:nope: Unknown precision recipe 'nope'; use one of "
      f"{precision.RECIPES}."),
     # A config file of one's own that does not parse (the rest of the line is Python's wording).
-    (["--config=broken.py"], "error: --config=broken.py: SyntaxError: "),
+    (["--config={tmp}/broken.py"], "error: --config={tmp}/broken.py: SyntaxError: "),
 ])
 def test_config_error_is_one_line_with_exit_2(args, message, tmp_path):
   (tmp_path / "broken.py").write_text("def get_config(:\n")
-  # From another directory: the config path resolves against the repository.
-  out = _train(args + [f"--workdir={tmp_path / 'run'}"], cwd=str(tmp_path))
+  args, message = [a.format(tmp=tmp_path) for a in args], message.format(tmp=tmp_path)
+  out = _train(args + [f"--workdir={tmp_path / 'run'}"])
   assert out.returncode == 2, out.stderr[-2000:]
   line = out.stderr.strip()
   assert (line.startswith(message) and "\n" not in line) if message.endswith(" ") else line == message
@@ -83,8 +76,7 @@ def test_config_error_is_one_line_with_exit_2(args, message, tmp_path):
 
 
 def test_print_config_lists_every_knob(tmp_path):
-  out = _train(["--config=configs/base.py:bf16", "--config.rl.steps=7", "--print_config"],
-               cwd=str(tmp_path))
+  out = _train(["--config=configs/base.py:bf16", "--config.rl.steps=7", "--print_config"])
   assert out.returncode == 0, out.stderr[-2000:]
   knobs = dict(line.partition("  # ")[::2] for line in out.stdout.splitlines())  # knob: meaning
   assert {"--config.rl.steps=7", "--config.precision.name='bf16'", "--config.task.path=''",
@@ -104,3 +96,6 @@ def test_error_line_keeps_the_last_line_of_a_folded_traceback():
   assert cli.error_line(folded) == "KeyError: 'lr'"
   assert cli.error_line(ValueError("bad\n  value")) == "bad value"
   assert cli.error_line(NameError("name 'x' is not defined")) == "NameError: name 'x' is not defined"
+  # A config file run outside the repository root, where `configs` is not importable.
+  line = cli.error_line(ModuleNotFoundError("No module named 'configs'", name="configs"))
+  assert "\n" not in line and "run the binary from the repository root" in line

@@ -164,11 +164,7 @@ def _tiny_config():
 ])
 def test_bad_values_name_their_flag(path, value):
   c = _tiny_config()
-  *parents, leaf = path.split(".")
-  node = c
-  for p in parents:
-    node = node[p]
-  node[leaf] = value
+  run_config.set_path(c, path, value)
   with pytest.raises(ValueError, match=f"--config.{path}"):
     build(c)
 

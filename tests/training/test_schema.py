@@ -1,44 +1,59 @@
-"""The config schema (lowrl.training.schema): defaults, checks naming the flag, both run kinds,
-and the recipe files as the one source of the precision recipes."""
+"""The config schema (lowrl.training.schema): checks naming the flag, both run kinds; the config
+files as data (configs/base.py's values, lowrl/recipes.py's recipes) resolving as on main."""
+import hashlib
 import importlib
+import json
+import os
 
 import ml_collections
 import pytest
 
+import tiny
 from configs import base
-from lowrl import precision
+from lowrl import precision, recipes
 from lowrl.asyncrl import simulator
 from lowrl.training import cli, run_config, schema
 from lowrl.training.setup import build
 
-RECIPE_FILES = {name: f"configs/{name}.py" for name in precision.RECIPES}
+# The resolved configs as they were on main before configs became data, generated there with
+# run_config.to_json(configs.<name>.get_config()) (and precision.recipe(name).to_dict(),
+# simulator.default_config()). A deliberate change of a value regenerates it the same way.
+ON_MAIN = json.loads((tiny.REPO / "tests" / "data" / "configs_on_main.json").read_text())
+_set = run_config.set_path
 
 
-def _set(cfg, path, value):
-  *parents, leaf = path.split(".")
-  node = cfg
-  for p in parents:
-    node = node[p]
-  node[leaf] = value
+# -- configs and recipes as data -----------------------------------------------------------------
 
 
-# -- recipes as data -----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(ON_MAIN["configs"]))
+def test_config_file_resolves_as_on_main(name):
+  got = run_config.to_json(importlib.import_module(f"configs.{name}").get_config())
+  if name == "ablate":
+    got.pop("grid")  # added since: the grid as data (tests/experiments/test_ablate_grid.py)
+  assert got == ON_MAIN["configs"][name]
+
+
+def test_recipes_and_simulator_defaults_resolve_as_on_main():
+  assert list(precision.RECIPES) == ON_MAIN["recipe_order"]  # names and table order
+  for name, want in ON_MAIN["recipes"].items():
+    assert precision.recipe(name).to_dict() == want, name
+    assert list(recipes.RECIPES[name]) == list(precision.KNOBS), name  # every knob, KNOBS' order
+  assert run_config.to_json(simulator.default_config()) == ON_MAIN["simulator_default"]
+  assert run_config.fingerprint(base.get_config()) == ON_MAIN["fingerprint_default"]
 
 
 @pytest.mark.parametrize("name", precision.RECIPES)
 def test_recipe_file_is_the_named_recipe(name):
-  # What `--config=configs/<name>.py` loads (the file, as absl loads it) has the precision section
-  # of precision.recipe(name): every knob of KNOBS, the name, nothing else.
-  cfg = cli._load_config_file(f"{cli.REPO}/{RECIPE_FILES[name]}")
+  # What `--config=configs/<name>.py` loads (the file, as absl loads it) is the base config under
+  # the named recipe.
+  cfg = cli._load_config_file(os.path.join(tiny.REPO, "configs", f"{name}.py"))
   assert cfg.precision.to_dict() == precision.recipe(name).to_dict()
-  # Every knob spelled out, in KNOBS' order (a file to read and copy).
-  assert list(importlib.import_module(f"configs.{name}").PRECISION) == list(precision.KNOBS)
   assert cfg.precision.name == name
   assert base.get_config(name).to_dict() == cfg.to_dict()
 
 
-def test_recipes_differ_from_bf16_only_where_their_file_says():
-  # Spot values from docs/reference.md / the recipe definitions, written here independently.
+def test_recipes_differ_from_bf16_only_where_they_say():
+  # Values from docs/reference.md / the papers' recipes, written here independently.
   expected = {
       "fp32": {"compute_dtype": "float32"},
       "bf16": {},
@@ -47,6 +62,10 @@ def test_recipes_differ_from_bf16_only_where_their_file_says():
       "nvfp4_naive": {"format": "nvfp4"},
       "nvfp4_recipe": {"format": "nvfp4", "backward": "dequantized", "act_per_token": True,
                        "four_over_six": True, "bf16_last_fraction": 0.15},
+      "nvfp4_moe_experts": {"format": "nvfp4", "backward": "dequantized", "act_per_token": True,
+                            "four_over_six": True,
+                            "high_precision_paths": r"(?!layers_\d+/mlp/experts/|lm_head$).*"},
+      "nvfp4_w4a16": {"format": "nvfp4", "act_format": "none", "backward": "dequantized"},
   }
   bf16 = precision.recipe("bf16").to_dict()
   for name, diff in expected.items():
@@ -57,10 +76,11 @@ def test_recipes_differ_from_bf16_only_where_their_file_says():
 def test_recipe_is_a_fresh_copy_and_unknown_names_are_refused():
   a = precision.recipe("bf16")
   a.format = "nvfp4"
-  assert precision.recipe("bf16").format == "none"
-  assert importlib.import_module("configs.bf16").PRECISION["format"] == "none"
+  assert precision.recipe("bf16").format == "none" and recipes.BF16["format"] == "none"
   with pytest.raises(ValueError, match="Unknown precision recipe 'nvfp5'"):
     precision.recipe("nvfp5")
+  with pytest.raises(ValueError, match=r"recipe 'x': unknown precision knobs \['fromat'\]"):
+    recipes.derive(recipes.BF16, "x", fromat="nvfp4")
 
 
 def test_copied_recipe_with_a_missing_or_extra_knob_names_it():
@@ -74,21 +94,59 @@ def test_copied_recipe_with_a_missing_or_extra_knob_names_it():
     precision.make_policy(ml_collections.ConfigDict(c), matmuls)
 
 
+def test_dotted_paths_and_digest():
+  c = base.get_config("bf16")
+  _set(c, "rl.loss", "dapo")
+  _set(c, "seed", 3)
+  assert (c.rl.loss, c.seed, run_config.get_path(c, "precision.format")) == ("dapo", 3, "none")
+  with pytest.raises(TypeError):
+    _set(c, "rl.steps", "many")  # the config file's type holds
+  with pytest.raises(KeyError):
+    run_config.get_path(c, "rl.nope.x")
+  lag = simulator.default_config()
+  _set(lag, "async_rl.lag", "auto", ignore_type=True)
+  assert lag.async_rl.lag == "auto"
+  # sha256 of the sorted JSON text, written out here.
+  text = '{"a": [1, 2], "b": "x"}'
+  assert run_config.digest({"b": "x", "a": (1, 2)}, 12) == hashlib.sha256(
+      text.encode()).hexdigest()[:12]
+
+
 # -- the training loop's schema ------------------------------------------------------------------
 
 
-def test_train_defaults_are_the_loop_defaults():
+def test_base_config_has_exactly_the_schema_knobs():
   c = base.get_config("bf16")
   assert set(run_config.flatten(c)) == set(schema.TRAIN.docs())
-  # A few values the README and the experiments rely on.
-  assert (c.rl.steps, c.rl.num_prompts, c.rl.group_size, c.optimizer.lr) == (40, 32, 8, 2e-4)
-  assert (c.task.name, c.sft.steps, c.model.d_model, c.mesh.shape) == ("sorting", 150, 128,
-                                                                        (-1, 1))
   assert c.rl.clip_eps_high is None
   c.rl.clip_eps_high = 0.3  # a typed placeholder: the command line can set a float
   with pytest.raises(TypeError):
     c.rl.clip_eps_high = "big"
   schema.TRAIN.validate(base.get_config("nvfp4_recipe"))  # the defaults are valid
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.rl.unlock().__delitem__("tis_cap"), "--config.rl.tis_cap is missing from the "
+     "config: add it to the config file (the loop's defaults: configs/base.py)."),
+    (lambda c: c.unlock().__setitem__("eval_everyy", 3), "--config.eval_everyy is not a knob of "
+     "the schema (lowrl.training.schema); drop it, or add its knob(...) line there."),
+    (lambda c: c.mesh.unlock().__setitem__("shap", (1,)), "--config.mesh.shap is not a knob"),
+])
+def test_missing_or_unknown_knob_is_one_line(edit, message):
+  c = base.get_config("bf16")
+  edit(c)
+  with pytest.raises(ValueError) as e:
+    schema.TRAIN.validate(c)
+  assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_loop_schema_holds_no_values_and_the_tiny_architecture_is_base_s():
+  with pytest.raises(ValueError, match="the schema holds no value of rl.steps"):
+    schema.TRAIN_RL.defaults()
+  model = base.get_config().model
+  assert {k: model[k] for k in schema.TINY_ARCHITECTURE} == schema.TINY_ARCHITECTURE
+  model.hf_checkpoint = "/some/checkpoint"
+  schema.TRAIN.section("model").validate(model)  # the base values read as unchanged
 
 
 def test_defaults_are_fresh_per_config():
@@ -145,8 +203,8 @@ def test_every_knob_has_a_meaning_and_choices_are_listed():
 
 def test_simulator_shares_the_loop_sections():
   sim, train = simulator.default_config(), base.get_config("bf16")
-  assert set(schema.RL.defaults().keys()) < set(sim.rl.keys())
-  assert set(sim.rl.keys()) == set(schema.SIM_RL.defaults().keys()) < set(train.rl.keys())
+  assert {k.name for k in schema.RL.knobs} < set(sim.rl.keys())
+  assert set(sim.rl.keys()) == {k.name for k in schema.SIM_RL.knobs} < set(train.rl.keys())
   # The loop's optimizer adds only the static loss scale (the simulator has no FP16 recipe need).
   assert set(sim.optimizer.keys()) | {"loss_scale"} == set(train.optimizer.keys())
   # The loop's model section adds the real-checkpoint knobs to the shared ones.

@@ -19,7 +19,7 @@ from lowrl.models import transformer
 from lowrl.rl.corrections import CorrectionConfig
 from lowrl.rl.losses import LossConfig
 from lowrl.sampling import SamplingConfig
-from lowrl.training import loop, optimizer, schema
+from lowrl.training import loop, optimizer, run_config, schema
 from lowrl.training.setup import build
 from lowrl.training.trainer import Trainer
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, make_rl_update
@@ -76,7 +76,7 @@ def test_fp32_master_matches_optax():
 ])
 def test_optimizer_config_errors(bad, match):
   with pytest.raises(ValueError, match=match):
-    schema.OPTIMIZER.validate(_opt_cfg(**bad))
+    schema.TRAIN_OPTIMIZER.validate(_opt_cfg(**bad))
 
 
 def _batch(key, b=8, t=10):
@@ -153,11 +153,7 @@ def _tiny_config():
 ])
 def test_build_rejects_bad_config(path, value, match):
   c = _tiny_config()
-  node = c
-  *parents, leaf = path.split(".")
-  for p in parents:
-    node = node[p]
-  node[leaf] = value
+  run_config.set_path(c, path, value)
   with pytest.raises(ValueError, match=match):
     build(c)
 
