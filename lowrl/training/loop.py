@@ -36,7 +36,7 @@ import numpy as np
 from lowrl import distributed, hardware, memory, precision, sharding
 from lowrl.checkpoints import hf
 from lowrl.metrics.writer import create_writer
-from lowrl.models import kv_cache, layout, transformer
+from lowrl.models import kv_cache, layout, routing, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.rl.mismatch import mismatch_metrics
 from lowrl.sampling import SampleOutput, Sampler, SamplingConfig, refit, rescore
@@ -50,6 +50,7 @@ from lowrl.training.checkpointing import Checkpointer, read_meta
 from lowrl.training.workdir_lock import WorkdirLock
 from lowrl.training.evaluation import eval_metrics
 from lowrl.training.kv_share import kv_share_metrics
+from lowrl.training import routing_replay
 from lowrl.training.loss_scaling import loss_scaled
 from lowrl.training.rl_update import UpdateConfig, make_logprob_fn, update_config_from
 from lowrl.training.schedule import AsyncSchedule, VersionBuffer
@@ -91,6 +92,11 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   task = _make_task(cfg.task, cfg.model.hf_checkpoint)
   max_len = task.max_prompt_len + max(rl.max_new_tokens, task.max_answer_len)
   model_cfg = _model_config(cfg.model, task, max_len)
+  if rl.routing_replay:
+    try:
+      routing.check_replay(model_cfg)
+    except ValueError as e:
+      raise ValueError(f"--config.rl.routing_replay: {e}") from None
   matmuls = layout.matmuls(model_cfg)
   trainer_policy = precision.make_policy(cfg.precision, matmuls)
   sampler_cfg = cfg.precision
@@ -297,7 +303,8 @@ class Trainer:
     self.tx = optimizer.make_optimizer(cfg.optimizer, cfg.rl.steps * cfg.rl.mu
                                        * cfg.rl.num_minibatches)
     self.logprob_fn = loss_scaled(
-        make_logprob_fn(setup.model_cfg, setup.trainer_policy, setup.sampling),
+        make_logprob_fn(setup.model_cfg, setup.trainer_policy, setup.sampling,
+                        replay=bool(cfg.rl.routing_replay)),
         cfg.optimizer.loss_scale)
     # The pure RL step the simulator also runs (lowrl.training.step), unjitted.
     # Every step runs on the mesh with explicit shardings: sampler and update take the same
@@ -317,7 +324,8 @@ class Trainer:
                         out_shardings=(p_sh, o_sh, repl))
     # Rollouts in the sampler's precision (exact mode: re-scored by the sampler's own policy).
     self.sampler = Sampler(setup.model_cfg, setup.sampler_policy, setup.sampling,
-                           exact=cfg.sampler_exact, plan=plan)
+                           exact=cfg.sampler_exact, plan=plan,
+                           record_routing=setup.model_cfg.is_moe)
     # Whether the exact-mode sampler's record can be the trainer's pi_old (sampler_scored_pi_old).
     self._exact_twin = (bool(cfg.sampler_exact) and setup.sampler_policy == setup.trainer_policy
                         and not setup.trainer_policy.act_paths(layout.matmuls(setup.model_cfg),
@@ -345,7 +353,8 @@ class Trainer:
       self._probe_fns = (
           jax.jit(probes.make_grad_fn(self.logprob_fn, setup.update_cfg, setup.batch_cfg),
                   in_shardings=grad_in, out_shardings=p_sh),
-          jax.jit(probes.make_grad_fn(make_logprob_fn(setup.model_cfg, fp32, setup.sampling),
+          jax.jit(probes.make_grad_fn(make_logprob_fn(setup.model_cfg, fp32, setup.sampling,
+                                                      replay=bool(cfg.rl.routing_replay)),
                                       setup.update_cfg, setup.batch_cfg, param_dtype="float32"),
                   in_shardings=grad_in, out_shardings=p_sh),
           jax.jit(probes.grad_agreement, out_shardings=repl),
@@ -517,15 +526,20 @@ class Trainer:
     out = self.sampler(held.weights, tokens_BP, mask_BP, k_sample, quant_key=sampler_qk,
                        trainer_params=sampler_params, trainer_quant_key=sampler_qk,
                        act_amax=act_amax)
-    logp_now_BT = (out.logprobs if self.sampler_scored_pi_old(sampler_params, params, stale)
-                   else self.score(params, self.setup.trainer_policy, out, k_quant))
-    logp_stale_BT = (self.score(sampler_params, self.setup.trainer_policy, out, k_quant) if stale
-                     else logp_now_BT)
+    routing_metrics = {}
+    if self.setup.model_cfg.is_moe:  # routing flips; rl.routing_replay (routing_replay.py)
+      logp_now_BT, logp_stale_BT, routing_metrics = routing_replay.trainer_scores(
+          self, out, sampler_params, params, k_quant, stale)
+    else:
+      logp_now_BT = (out.logprobs if self.sampler_scored_pi_old(sampler_params, params, stale)
+                     else self.score(params, self.setup.trainer_policy, out, k_quant))
+      logp_stale_BT = (self.score(sampler_params, self.setup.trainer_policy, out, k_quant)
+                       if stale else logp_now_BT)
     rewards, completions = self.rewards(out, examples)
     rollout = self.plan.put(Rollout(out, jnp.asarray(rewards), logp_now_BT, logp_stale_BT),
                             self.plan.batch)
     return rollout, {"rewards": rewards, "completions": completions, "examples": examples,
-                     "refit": refit_metrics,
+                     "refit": refit_metrics, "routing": routing_metrics,
                      "kv": kv_share_metrics(  # {} without a quantized KV cache
                          out, sampler_params, model_cfg=self.setup.model_cfg,
                          policy=self.setup.sampler_policy, config=self.setup.sampling,
@@ -577,7 +591,8 @@ class Trainer:
       probe_metrics = self.probe(params, opt_state, ref_params, rollout,
                                  jax.random.fold_in(key, _PROBE_STREAM))
     params, opt_state, metrics = self.step(params, opt_state, ref_params, rollout, k_upd)
-    return params, opt_state, {**metrics, **probe_metrics, **info["kv"], **info["refit"]}, info
+    return params, opt_state, {**metrics, **probe_metrics, **info["kv"], **info["refit"],
+                               **info["routing"]}, info
 
 
 class NonFiniteError(RuntimeError):

@@ -342,6 +342,9 @@ _DAPO_KNOBS = (
 TRAIN_RL = RL.extended(
     Knob("max_new_tokens", 8, "completion budget in tokens"),
     *_SAMPLING_KNOBS,
+    Knob("routing_replay", False, "MoE routing replay (R3): the trainer's forwards (pi_old and "
+         "the update) send each token to the experts the sampler chose, combine weights from "
+         "the trainer's own router (lowrl/models/routing.py)"),
     Knob("ref_reset_every", 0, "steps between resets of pi_ref to the current policy",
          AtLeast(0, hint="0 = never")),
     Knob("log_kl_ref", True, "keep pi_ref (the base) to log KL(pi || pi_ref) even when "

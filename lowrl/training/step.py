@@ -42,6 +42,9 @@ class RLBatch(NamedTuple):
   adv_B:           float32 per-sequence advantages.
   logp_trainer_BT: float32 or None: the trainer's log q of the same tokens with the params that
                    start the update (pi_old); None = the update recomputes it in its own program.
+  routing:         MoE routing replay: the sampler's expert choices {"layers_i": int32 [B, T, k]}
+                   (`SampleOutput.routing`), which a replaying logprob function reuses; None
+                   = the trainer routes as its own routers choose.
   """
 
   tokens_BT: jax.Array
@@ -50,6 +53,7 @@ class RLBatch(NamedTuple):
   logp_sampler_BT: jax.Array
   adv_B: jax.Array
   logp_trainer_BT: jax.Array | None = None
+  routing: Any = None
 
 
 class Rollout(NamedTuple):
@@ -131,7 +135,7 @@ def make_batch(out: SampleOutput, rewards_B: jax.Array, cfg: BatchConfig,
   # update's ratio and correction also use (lowrl.training.rl_update).
   batch = RLBatch(tokens_BT=out.tokens, input_mask_BT=out.attention_mask,
                   loss_mask_BT=loss_mask_BT, logp_sampler_BT=out.logprobs, adv_B=adv_B,
-                  logp_trainer_BT=logp_trainer_BT)
+                  logp_trainer_BT=logp_trainer_BT, routing=out.routing)
   metrics = {"reward/mean": jnp.mean(rewards_B),
              "reward/pass_rate": jnp.mean((rewards_B >= 1).astype(jnp.float32)),
              "response_length": jnp.mean(lengths_B.astype(jnp.float32)),
