@@ -179,7 +179,14 @@ def memory_estimate(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
       async_versions=schedule.max_versions if stale else 0,
       async_dtype=stored(cfg.async_rl.version_storage),
       kv_cache_dtype=sampler_policy.compute_dtype, sampler_batch=rows, ppo_epochs=rl.mu,
-      score_forwards=2 if stale else 1, minibatches=rl.num_minibatches)
+      score_forwards=2 if stale else 1, minibatches=rl.num_minibatches,
+      expert_parallel=_expert_parallel(model_cfg, plan))
+
+
+def _expert_parallel(model_cfg: ModelConfig, plan: sharding.ShardingPlan) -> int:
+  """Devices of the mesh's expert axis, where the routed experts are split over it."""
+  e = dict(plan.mesh.shape).get(sharding.EXPERT, 1)
+  return e if model_cfg.is_moe and plan.batch_shards % e == 0 else 1
 
 
 def describe_memory(setup: Setup) -> str:

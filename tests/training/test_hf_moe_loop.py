@@ -53,6 +53,9 @@ def test_two_rl_steps_from_moe_checkpoint(files, family, recipe, tmp_path, monke
   mesh = _metrics(tmp_path / "mesh")
   assert [m["step"] for m in mesh] == [1, 2]
   assert any(m["grad_norm"] > 0 for m in mesh)
+  # Exact mode holds for MoE: sampler = trainer (same weights and recipe), so the sampler's
+  # record is the trainer's pi_old bit for bit, and both route alike.
+  assert all(m["mismatch/abs_dlogp_max"] == 0 and m["routing/flips"] == 0 for m in mesh)
   if family == "qwen3_moe":
     make = sharding.plan_from_config
     monkeypatch.setattr(loop.sharding, "plan_from_config",
