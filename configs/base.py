@@ -101,6 +101,7 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.rl.temperature = 1.0  # rollout temperature
   c.rl.top_k = 0  # top-k sampling; 0 = off
   c.rl.top_p = 1.0  # nucleus sampling; 1 = off
+  c.rl.routing_replay = False  # MoE: the trainer reuses the sampler's expert choices (R3)
   c.rl.ref_reset_every = 0  # steps between pi_ref resets; 0 = never
   c.rl.log_kl_ref = True  # keep pi_ref to log KL(pi || pi_ref) even when kl_coef = 0
   c.rl.ref_storage = "param"  # where pi_ref's params live: param | bfloat16 | host

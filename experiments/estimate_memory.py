@@ -4,6 +4,8 @@ from `lowrl.memory` (no compile, no devices needed).
   python -m experiments.estimate_memory --model=qwen3_8b --hardware=h100_sxm --devices=8
   python -m experiments.estimate_memory --model=qwen3_8b --hardware=v5p --devices=64 \
       --remat=full --attention=chunked --logprob_chunk=8192
+  python -m experiments.estimate_memory --model=qwen3_30b_a3b --hardware=b200 --devices=8 \
+      --expert_parallel=8 --remat=full --attention=chunked --logprob_chunk=8192
 
 Prints the table of `lowrl.memory.format_estimate` (per-device bytes of every term, FLOPs of
 every phase, step time at --mfu) and whether it fits in --headroom of one device's HBM; exits
@@ -24,6 +26,9 @@ _HARDWARE = flags.DEFINE_enum("hardware", "h100_sxm", sorted(hardware_lib.HARDWA
 _DEVICES = flags.DEFINE_integer("devices", 8, "Devices in the slice (data x model).")
 _MODEL_PARALLEL = flags.DEFINE_integer("model_parallel", 1,
                                        "Devices on the mesh's model axis; divides --devices.")
+_EXPERT_PARALLEL = flags.DEFINE_integer("expert_parallel", 1,
+                                        "MoE: devices on the mesh's expert axis (expert "
+                                        "parallel; divides the data devices).")
 _BATCH = flags.DEFINE_integer("batch", 256, "Sequences per optimizer step (prompts x group).")
 _SAMPLER_BATCH = flags.DEFINE_integer("sampler_batch", 0,
                                       "Rows the sampler decodes at once; 0 = --batch.")
@@ -56,6 +61,7 @@ _HEADROOM = flags.DEFINE_float("headroom", 0.9, "Fraction of HBM the estimate ma
 
 
 def run(*, model: str, hardware: str, devices: int, model_parallel: int, batch: int,
+        expert_parallel: int = 1,
         sampler_batch: int, micro_batch: int, seq_len: int, max_new_tokens: int, remat: str,
         attention: str, attention_chunk: int, logprob_chunk: int, param_dtype: str, reference_dtype: str,
         async_versions: int, async_dtype: str, kv_cache_dtype: str, ppo_epochs: int, mfu: float,
@@ -73,7 +79,8 @@ def run(*, model: str, hardware: str, devices: int, model_parallel: int, batch: 
       param_dtype=param_dtype, keep_reference=reference_dtype != "none",
       reference_dtype="float32" if reference_dtype == "none" else reference_dtype,
       async_versions=async_versions, async_dtype=async_dtype, kv_cache_dtype=kv_cache_dtype,
-      ppo_epochs=ppo_epochs, sampler_batch=sampler_batch or None)
+      ppo_epochs=ppo_epochs, sampler_batch=sampler_batch or None,
+      expert_parallel=expert_parallel)
   lines = [f"{model} on {devices} x {hw.name}", memory.format_estimate(est, hw, mfu), ""]
   try:
     memory.check_fits(est, hw.hbm_bytes, headroom)
@@ -88,6 +95,7 @@ def main(argv):
   del argv
   text, fits = run(model=_MODEL.value, hardware=_HARDWARE.value, devices=_DEVICES.value,
                    model_parallel=_MODEL_PARALLEL.value, batch=_BATCH.value,
+                   expert_parallel=_EXPERT_PARALLEL.value,
                    sampler_batch=_SAMPLER_BATCH.value,
                    micro_batch=_MICRO_BATCH.value, seq_len=_SEQ_LEN.value,
                    max_new_tokens=_MAX_NEW.value, remat=_REMAT.value,

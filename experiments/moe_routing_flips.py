@@ -5,7 +5,9 @@ sequences under a sampler recipe and under the trainer's BF16 policy. Reported p
 recipe, mean and spread over seeds:
   flips      fraction of (token, layer) whose top-k expert set differs between the sampler's
              forward and the trainer's own forward (what replay removes: with replay the
-             trainer routes as the sampler did, 0 flips by construction);
+             trainer routes as the sampler did, 0 flips reach the update by construction);
+  flips (replay on)  the same fraction against what the trainer's routers would have chosen
+             inside the replayed forward (the loop's routing/flips metric with rl.routing_replay);
   |dlogp|    mean |log p_sampler - log p_trainer| over tokens, without and with replay.
 
   python -m experiments.moe_routing_flips [--seeds=3] [--batch=16] [--length=64]
@@ -47,7 +49,8 @@ def main(_):
   trainer = precision.policy_for("bf16", ms)
   record = jax.jit(routing.record_routing, static_argnums=(2, 3))
   logprobs = jax.jit(routing.token_logprobs_replayed, static_argnums=(2, 3))
-  rows: dict[str, list[tuple[float, float, float]]] = {}
+  routed = jax.jit(routing.forward_routed, static_argnums=(2, 3))
+  rows: dict[str, list[tuple[float, float, float, float]]] = {}
   for seed in range(_SEEDS.value):
     params = init.init_params(MODEL, jax.random.key(seed))
     tokens = jax.random.randint(jax.random.key(1000 + seed), (_BATCH.value, _LENGTH.value), 0,
@@ -59,18 +62,21 @@ def main(_):
       lp_sampler = logprobs(params, tokens, MODEL, sampler, None)
       lp_replay = logprobs(params, tokens, MODEL, trainer, used)
       flips = float(routing.routing_flips(used, own)["mean"])
+      would = routed(params, tokens, MODEL, trainer, used)[1]
       rows.setdefault(name, []).append(
-          (flips, float(jnp.abs(lp_sampler - lp_own)[:, 1:].mean()),
+          (flips, float(routing.routing_flips(used, would)["mean"]),
+           float(jnp.abs(lp_sampler - lp_own)[:, 1:].mean()),
            float(jnp.abs(lp_sampler - lp_replay)[:, 1:].mean())))
-  print(f"{'sampler (trainer: bf16)':<30} {'flips':>16} {'|dlogp| no replay':>20} "
-        f"{'|dlogp| replay':>20}")
+  print(f"{'sampler (trainer: bf16)':<30} {'flips':>16} {'flips (replay on)':>20} "
+        f"{'|dlogp| no replay':>20} {'|dlogp| replay':>20}")
   out = {}
   for name, vals in rows.items():
     a = np.asarray(vals)
     mean, std = a.mean(0), a.std(0)
     print(f"{name:<30} " + " ".join(f"{m:>10.4f} ± {s:<7.4f}" for m, s in zip(mean, std)))
-    out[name] = {"flips": mean[0], "flips_std": std[0], "dlogp_no_replay": mean[1],
-                 "dlogp_replay": mean[2]}
+    out[name] = {"flips": mean[0], "flips_std": std[0], "flips_replay_on": mean[1],
+                 "flips_replay_on_std": std[1], "dlogp_no_replay": mean[2],
+                 "dlogp_replay": mean[3]}
   print(json.dumps(out))
 
 

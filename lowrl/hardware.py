@@ -2,7 +2,9 @@
 the chip-to-chip interconnect, per chip.
 
 A leaf module: the cost model (lowrl.asyncrl.cost_model) and the memory/FLOP estimator
-(lowrl.memory) read their hardware from here; it imports nothing from lowrl.
+(lowrl.memory) read their hardware from here; it imports nothing from lowrl. Also how much
+memory one device has: `device_memory(name)` is what a `hardware` knob value stands for (a
+preset, auto: the backend's report, none), `host_memory()` the RAM this process may use.
 
 Units: TFLOP/s = 1e12 FLOP/s, TB/s = 1e12 bytes/s, GB = 1e9 bytes, GB/s = 1e9 bytes/s.
 """
@@ -10,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+
+import jax
 
 BF16 = "bf16"
 # Matmul input format (lowrl.quant format names, or "bf16") -> the dense tensor rate of the chip
@@ -111,3 +116,49 @@ def hardware(name: str) -> Hardware:
   if name not in HARDWARE:
     raise ValueError(f"unknown hardware {name!r}; use one of {sorted(HARDWARE)}.")
   return HARDWARE[name]
+
+
+# The `hardware` knob: a lowrl.hardware preset, "auto" (the backend's reported memory; none on
+# CPU) or "none" (no fit check).
+AUTO, NO_LIMIT = "auto", "none"
+HARDWARE_CHOICES = (AUTO, NO_LIMIT, *sorted(HARDWARE))
+GB = 1e9
+
+
+def device_memory(name: str) -> tuple[float | None, str]:
+  """(bytes of one device's memory, where that number comes from) of a `hardware` knob value.
+
+  A preset (HARDWARE_CHOICES): its HBM. "none": (None, ...): no fit check. "auto": the first
+  device's `memory_stats()["bytes_limit"]` where the backend reports one (GPU, TPU); on CPU the
+  host's RAM (`host_memory`) shared by the local CPU devices; None where a backend reports none.
+  """
+  if name not in HARDWARE_CHOICES:
+    raise ValueError(f"hardware={name!r}; use one of {HARDWARE_CHOICES}.")
+  if name == NO_LIMIT:
+    return None, "no fit check (hardware=none)"
+  if name != AUTO:
+    return HARDWARE[name].hbm_bytes, f"{name} HBM"
+  device = jax.devices()[0]
+  if device.platform == "cpu":
+    ram, source = host_memory()
+    n = jax.local_device_count()
+    return ram / n, f"{source} {ram / GB:.1f} GB / {n} CPU device(s)"
+  stats = device.memory_stats() or {}
+  if "bytes_limit" not in stats:
+    return None, f"no limit ({device.device_kind} reports no memory_stats bytes_limit)"
+  return float(stats["bytes_limit"]), f"{device.device_kind} memory_stats bytes_limit"
+
+
+def host_memory() -> tuple[float, str]:
+  """(bytes, what they are) of the RAM this process may use: the machine's physical memory, or
+  the cgroup (container) limit where that is smaller."""
+  ram, source = float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")), "host RAM"
+  for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    try:
+      with open(path) as f:
+        limit = f.read().strip()
+    except OSError:
+      continue
+    if limit.isdigit() and float(limit) < ram:
+      ram, source = float(limit), "cgroup memory limit"
+  return ram, source

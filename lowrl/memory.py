@@ -17,10 +17,15 @@ Sharding assumed (lowrl.sharding's FSDP x tensor-parallel mesh):
   divides them (replicated otherwise); the residual stream [B, T, D] is not split over `model`;
 - KV cache: rows over `data`, kv heads over `model` only when `model` divides n_kv_heads (else
   the heads are replicated: lowrl's KV cache does that today).
+- mixture of experts with `expert_parallel` = e > 1 (lowrl.sharding.expert_parallel_rules on a
+  (data / e, expert = e, model) mesh, the batch split over data x expert): the routed experts'
+  weights split over all devices, the other weights only over the data / e x model devices
+  (replicated over the expert axis). e = 1: every leaf FSDP as above.
 
 Memory terms (bytes per device; c = bytes of the compute dtype):
 - params: N x bytes(param_dtype); N = `model_cfg.num_params()` (the param tree is the master
-  copy: lowrl keeps no other, see lowrl/training/optimizer.py).
+  copy: lowrl keeps no other, see lowrl/training/optimizer.py); of a mixture of experts all E
+  experts (`param_counts`: total, routed-expert and active-per-token parameters).
 - grads: N x bytes(param_dtype), twice when micro_batch < batch / minibatches (gradient
   accumulation: the accumulator and the current micro-batch's gradient; PPO minibatches are
   optimizer steps of their own and accumulate nothing).
@@ -86,26 +91,20 @@ side, and the rows' padding.
 from __future__ import annotations
 
 import dataclasses
-import os
 import textwrap
 
 from typing import Mapping
 
-import jax
 
-from lowrl.hardware import BF16, HARDWARE, Hardware
+from lowrl.hardware import (AUTO, BF16, GB, HARDWARE_CHOICES, NO_LIMIT,  # noqa: F401 (API)
+                            Hardware, device_memory, host_memory)
 from lowrl.models import layout
 from lowrl.models.config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
-# The `hardware` knob: a lowrl.hardware preset, "auto" (the backend's reported memory; none on
-# CPU) or "none" (no fit check).
-AUTO, NO_LIMIT = "auto", "none"
-HARDWARE_CHOICES = (AUTO, NO_LIMIT, *sorted(HARDWARE))
 # FP32 [T, V] (or [T, chunk]) arrays live per sequence in the logprob forward + backward: the
 # logits, the softmax that logsumexp saves for its backward, the logits' cotangent.
 VOCAB_ARRAYS = 3
-GB = 1e9
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -157,6 +156,8 @@ class MemoryEstimate:
   decode_hbm_bytes: int  # bytes each device reads over the decode steps (weights + KV cache)
   flops: StepFlops
   settings: tuple[tuple[str, object], ...] = ()
+  n_params: int = 0      # parameters in all (`param_counts`)
+  n_active: int = 0      # parameters one token's forward uses (MoE: k of the E experts)
 
   @property
   def activations(self) -> int:
@@ -191,6 +192,16 @@ def matmul_weights(model_cfg: ModelConfig) -> int:
              for m in layout.matmuls(model_cfg))
 
 
+def param_counts(model_cfg: ModelConfig) -> tuple[int, int, int]:
+  """(all parameters, those of the routed experts (all E), those one token's forward uses: all
+  but the E - k experts it is not routed to)."""
+  n = model_cfg.num_params()
+  per_expert = sum(m.in_features * m.out_features for m in layout.matmuls(model_cfg)
+                   if m.n_experts)
+  experts = model_cfg.n_experts * per_expert
+  return n, experts, n - experts + model_cfg.n_experts_per_tok * per_expert
+
+
 def forward_flops(model_cfg: ModelConfig, tokens: int) -> int:
   """F(T) = 2 N_mm T + 4 L q T^2: one full forward of a sequence of `tokens` tokens."""
   attention = 4 * model_cfg.n_layers * model_cfg.q_dim * tokens * tokens
@@ -204,7 +215,7 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
              async_versions: int = 0, async_dtype: str = "float32",
              kv_cache_dtype: str = "bfloat16", sampler_batch: int | None = None,
              ppo_epochs: int = 1, score_forwards: int = 1,
-             minibatches: int = 1) -> MemoryEstimate:
+             minibatches: int = 1, expert_parallel: int = 1) -> MemoryEstimate:
   """Per-device memory and per-step FLOPs of GRPO-style RL on `model_cfg` (module docstring).
 
   Args:
@@ -226,6 +237,7 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
     ppo_epochs: optimizer passes over each batch.
     score_forwards: forwards per step that score the batch without a gradient (pi_old).
     minibatches: optimizer steps per pass over the batch (PPO minibatches).
+    expert_parallel: devices of `data` on the mesh's expert axis (MoE; divides mesh[0]).
   """
   cfg = model_cfg
   for flag, value, minimum in (("batch", batch, 1), ("micro_batch", micro_batch, 1),
@@ -261,8 +273,14 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
 
   data, model = mesh
   devices = data * model
-  n = cfg.num_params()
-  per_device = lambda b: _cdiv(n * b, devices)  # noqa: E731  (FSDP over every device)
+  _check_int("expert_parallel", expert_parallel, 1)
+  if expert_parallel > 1 and (not cfg.is_moe or data % expert_parallel):
+    raise ValueError(f"expert_parallel={expert_parallel} needs a mixture-of-experts model and "
+                     f"must divide the data devices mesh[0]={data}.")
+  n, n_experts, n_active = param_counts(cfg)
+  # FSDP over every device; with expert parallelism the non-expert weights over devices / e.
+  per_device = lambda b: (_cdiv(n_experts * b, devices)  # noqa: E731
+                          + _cdiv((n - n_experts) * b, devices // expert_parallel))
   params = per_device(p_bytes)
   grads = per_device(p_bytes) * (2 if micro_batch < step_batch else 1)
   optimizer = 2 * per_device(o_bytes)
@@ -341,11 +359,15 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
               ("logprob_chunk", cfg.logprob_chunk),
               ("kv_cache_dtype", kv_cache_dtype), ("ppo_epochs", ppo_epochs),
               ("score_forwards", score_forwards))
+  if cfg.is_moe:
+    settings += (("experts", f"{cfg.n_experts} (top-{cfg.n_experts_per_tok})"),
+                 ("expert_parallel", expert_parallel))
   return MemoryEstimate(
       n_devices=devices, params=params, grads=grads, optimizer=optimizer, reference=reference,
       async_versions=versions, kv_cache=kv_cache, act_layers=act_layers, act_scores=act_scores,
       act_head=act_head, act_logits=act_logits, sampler_prefill=sampler_prefill,
-      decode_hbm_bytes=decode_hbm, flops=flops, settings=settings)
+      decode_hbm_bytes=decode_hbm, flops=flops, settings=settings, n_params=n,
+      n_active=n_active)
 
 
 # The knobs that shrink each term, in `estimate`'s and ModelConfig's names (check_fits's default;
@@ -404,45 +426,6 @@ def check_fits(est: MemoryEstimate, hbm_bytes: float, headroom: float = 0.9,
                    f"optimizer and reference also shrink with {hints['devices']}.")
 
 
-def device_memory(name: str) -> tuple[float | None, str]:
-  """(bytes of one device's memory, where that number comes from) of a `hardware` knob value.
-
-  A preset (HARDWARE_CHOICES): its HBM. "none": (None, ...): no fit check. "auto": the first
-  device's `memory_stats()["bytes_limit"]` where the backend reports one (GPU, TPU); on CPU the
-  host's RAM (`host_memory`) shared by the local CPU devices; None where a backend reports none.
-  """
-  if name not in HARDWARE_CHOICES:
-    raise ValueError(f"hardware={name!r}; use one of {HARDWARE_CHOICES}.")
-  if name == NO_LIMIT:
-    return None, "no fit check (hardware=none)"
-  if name != AUTO:
-    return HARDWARE[name].hbm_bytes, f"{name} HBM"
-  device = jax.devices()[0]
-  if device.platform == "cpu":
-    ram, source = host_memory()
-    n = jax.local_device_count()
-    return ram / n, f"{source} {ram / GB:.1f} GB / {n} CPU device(s)"
-  stats = device.memory_stats() or {}
-  if "bytes_limit" not in stats:
-    return None, f"no limit ({device.device_kind} reports no memory_stats bytes_limit)"
-  return float(stats["bytes_limit"]), f"{device.device_kind} memory_stats bytes_limit"
-
-
-def host_memory() -> tuple[float, str]:
-  """(bytes, what they are) of the RAM this process may use: the machine's physical memory, or
-  the cgroup (container) limit where that is smaller."""
-  ram, source = float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")), "host RAM"
-  for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-    try:
-      with open(path) as f:
-        limit = f.read().strip()
-    except OSError:
-      continue
-    if limit.isdigit() and float(limit) < ram:
-      ram, source = float(limit), "cgroup memory limit"
-  return ram, source
-
-
 @dataclasses.dataclass(frozen=True)
 class StepTime:
   """Expected seconds of one RL step on `n_devices` chips (see `step_time`)."""
@@ -475,6 +458,9 @@ def _fmt_flops(x: float) -> str:
 def format_estimate(est: MemoryEstimate, hw: Hardware | None = None, mfu: float = 0.4) -> str:
   """A one-screen table of `est` (and, given `hw`, the HBM fit and the step time at `mfu`)."""
   lines = textwrap.wrap("settings: " + ", ".join(f"{k}={v}" for k, v in est.settings), 96)
+  if est.n_params:
+    lines.append(f"parameters: {est.n_params / 1e9:.2f} B, {est.n_active / 1e9:.2f} B active "
+                 "per token")
   lines += ["",
            f"{'per-device memory':<34}{'GB':>10}"]
   rows = [("params", est.params), ("grads", est.grads), ("optimizer (Adam, 2 moments)",

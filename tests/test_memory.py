@@ -325,3 +325,28 @@ def test_moe_params_flops_and_decode_reads_by_hand():
   assert est.decode_hbm_bytes == 7 * every_expert * 2 + kv
   qwen = preset("qwen3_30b_a3b")
   assert round(qwen.num_params() / 1e9, 1) == 30.5  # Qwen3-30B-A3B: 30.5B total
+
+
+def test_moe_param_counts_and_expert_parallel_state():
+  """param_counts from the param tree itself (its expert leaves: [E, in, out] kernels), and the
+  per-device state under expert parallelism: the experts over every device, the other weights
+  over the devices outside the expert axis (lowrl.sharding.expert_parallel_rules)."""
+  moe = tiny.MOE
+  leaves = jax.tree_util.tree_leaves_with_path(transformer.param_shapes(moe))
+  experts = sum(x.size for p, x in leaves if "experts" in jax.tree_util.keystr(p))
+  total = sum(x.size for _, x in leaves)
+  k, e = moe.n_experts_per_tok, moe.n_experts
+  assert memory.param_counts(moe) == (total, experts, total - experts + experts * k // e)
+  kw = dict(batch=8, micro_batch=8, seq_len=16, max_new_tokens=8, mesh=(8, 1),
+            param_dtype="float32", keep_reference=False)
+  fsdp = memory.estimate(moe, **kw)
+  ep = memory.estimate(moe, expert_parallel=4, **kw)
+  assert fsdp.params == -(-total * 4 // 8)
+  assert ep.params == -(-experts * 4 // 8) + -(-(total - experts) * 4 // 2)
+  assert ep.optimizer == 2 * ep.params and ep.act_layers == fsdp.act_layers
+  assert (ep.n_params, ep.n_active) == (total, total - experts + experts * k // e)
+  assert "active per token" in memory.format_estimate(ep)
+  with pytest.raises(ValueError, match="expert_parallel=3"):
+    memory.estimate(moe, expert_parallel=3, **kw)
+  with pytest.raises(ValueError, match="mixture-of-experts"):
+    memory.estimate(tiny.FULL, expert_parallel=2, **kw)

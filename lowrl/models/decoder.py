@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lowrl.models import kv_cache, layout
+from lowrl.models import kv_cache, layout, moe
 from lowrl.models.blocks import CALIB, ActAmax, Block, Embedder, QDense, RMSNorm, fold, qdot
 from lowrl.models.config import ModelConfig
 from lowrl.models.layout import BLOCK_MATMULS, LM_HEAD
@@ -122,33 +122,41 @@ class Transformer(nn.Module):
     cfg, policy = self.cfg, self.policy
     params = self.variables["params"]
     calibrating = self.is_mutable_collection(CALIB)
+    # Routing record/replay of MoE blocks (lowrl.models.routing): replayed ids enter the scan as
+    # per-layer inputs, recorded ones leave it stacked, both per layer like the amaxes.
+    replay = self.variables.get(moe.REPLAY)
+    mutable = [c for c, on in ((CALIB, calibrating),
+                               (moe.ROUTING, self.is_mutable_collection(moe.ROUTING))) if on]
     cache_kv = None if cache is None else dict(cache["layers"])
     for start, stop in layer_groups(cfg, policy):
       stack = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)  # noqa: E731
       layer_params = stack([params[layout.layer_key(i)] for i in range(start, stop)])
       amax = None if act_amax is None else stack(
           [_layer_amax(policy, i, act_amax) for i in range(start, stop)])
+      replay_ids = None if replay is None else stack(
+          [replay[layout.layer_key(i)] for i in range(start, stop)])
       block = Block(cfg, start, policy, self.param_dtype, parent=None)
 
       def body(carry, xs, block=block):
         x_BTD, kv = carry
-        p, index, amax_layer = xs
+        p, index, amax_layer, replay_layer = xs
         cache_layer = None if kv is None else {**kv, "layer": index}
-        out = block.apply({"params": p}, x_BTD, *layer_args[:1], cache_layer, *layer_args[1:],
-                          fold(quant_key, index), amax_layer,
-                          mutable=[CALIB] if calibrating else False)
-        (x_BTD, new_cache), recorded = out if calibrating else (out, None)
+        variables = {"params": p} if replay_layer is None else {"params": p,
+                                                                moe.REPLAY: replay_layer}
+        out = block.apply(variables, x_BTD, *layer_args[:1], cache_layer, *layer_args[1:],
+                          fold(quant_key, index), amax_layer, mutable=mutable or False)
+        (x_BTD, new_cache), recorded = out if mutable else (out, {})
         x_BTD = constrain_rows(x_BTD)
         kv = None if new_cache is None else {"k": new_cache["k"], "v": new_cache["v"]}
-        return (x_BTD, kv), (None if recorded is None else recorded[CALIB])
+        return (x_BTD, kv), {c: recorded.get(c, {}) for c in mutable}
 
       if cfg.remat != "none":
         body = jax.checkpoint(body, policy=_remat_policy(cfg), prevent_cse=False)
-      xs = (layer_params, jnp.arange(start, stop, dtype=jnp.int32), amax)
+      xs = (layer_params, jnp.arange(start, stop, dtype=jnp.int32), amax, replay_ids)
       (x_BTD, cache_kv), recorded = jax.lax.scan(body, (x_BTD, cache_kv), xs)
-      if calibrating:
+      for c in mutable:
         for j, i in enumerate(range(start, stop)):
-          self.put_variable(CALIB, layout.layer_key(i), jax.tree.map(lambda a: a[j], recorded))
+          self.put_variable(c, layout.layer_key(i), jax.tree.map(lambda a: a[j], recorded[c]))
     return x_BTD, cache_kv
 
 

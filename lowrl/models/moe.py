@@ -14,7 +14,8 @@ Routing replay ("R3"): `Transformer.apply` given a `replay` collection
 {layers_i: {mlp: {expert_ids: [B, T, k]}}} routes every token to those experts instead of its own
 top-k, while the combine weights are gathered from the trainer's full softmax (renormalised as
 usual), so the router still gets its gradient through them (never from zeroed probabilities).
-Under a mutable `routing` collection the block records its choices there (`forward_routing`).
+Under a mutable `routing` collection the block records its choices there (`expert_ids`) and,
+when replaying, the top-k its own router would have picked (`own_ids`; lowrl/models/routing.py).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from lowrl.quant.grouped_qdot import grouped_quantized_dot
 ROUTING = "routing"  # Flax collection the blocks record their expert choices in
 REPLAY = "replay"  # Flax collection of expert choices to reuse
 EXPERT_IDS = "expert_ids"
+OWN_IDS = "own_ids"  # recorded under replay: the experts the block's own router would pick
 
 
 def route(logits_NE: jax.Array, k: int, norm_topk_prob: bool,
@@ -147,6 +149,8 @@ class MoeMlp(nn.Module):
     weights_BTk, ids_BTk = route(logits_BTE, k, cfg.norm_topk_prob, replay)
     if self.is_mutable_collection(ROUTING):
       self.sow(ROUTING, EXPERT_IDS, ids_BTk)
+      if replay is not None:  # what this forward's router would have chosen (the flip metric)
+        self.sow(ROUTING, OWN_IDS, route(logits_BTE, k, cfg.norm_topk_prob)[1])
 
     # Sort the N*k (token, expert) pairs by expert (stable: token order within an expert).
     x_ND = x_BTD.reshape(batch * steps, d)

@@ -51,6 +51,8 @@ class SampleOutput:
     prompt_lengths: [B] int32.
     completion_lengths: [B] int32, = completion_mask.sum(-1).
     prompt_width: P (static), the first completion column.
+    routing: MoE models recording their routing (lowrl/sampling/replay.py): the sampler's
+      expert choices {"layers_i": int32 [B, L, k]}; None otherwise.
   """
 
   tokens: jax.Array
@@ -61,6 +63,7 @@ class SampleOutput:
   prompt_lengths: jax.Array
   completion_lengths: jax.Array
   prompt_width: int = struct.field(pytree_node=False, default=0)
+  routing: Any = None
 
   @property
   def attention_mask(self) -> jax.Array:

@@ -10,7 +10,7 @@ from lowrl import sharding
 from lowrl.models import blocks
 from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
-from lowrl.sampling import weights
+from lowrl.sampling import replay, weights
 from lowrl.sampling.distributions import SamplingConfig
 from lowrl.sampling.generate import SampleOutput, generate
 from lowrl.sampling.rescore import rescore
@@ -31,14 +31,22 @@ class Sampler:
   distribution sampled from up to KV-cache rounding, and the trainer's pi_old matches it bit
   for bit. It is offered only for row-local policies (`check_row_local`).
 
+  `record_routing` (MoE models, routing replay): the output also carries the sampler's expert
+  choices per token and layer (`SampleOutput.routing`, lowrl/sampling/replay.py), recorded with
+  the weights exact mode re-scores with.
+
   Example:
     sampler = Sampler(model_cfg, policy, SamplingConfig(max_new_tokens=16), exact=True)
     out = sampler(params, prompts_BP, mask_BP, rng)
   """
 
   def __init__(self, model_cfg: ModelConfig, policy: PrecisionPolicy, config: SamplingConfig,
-               *, exact: bool = False, plan: ShardingPlan | None = None):
+               *, exact: bool = False, plan: ShardingPlan | None = None,
+               record_routing: bool = False):
     config.check(model_cfg)
+    if record_routing and not model_cfg.is_moe:
+      raise ValueError("record_routing needs a mixture-of-experts model (n_experts > 0).")
+    self.record_routing = record_routing
     # Exact mode records re-scored logprobs as the sampling distribution, so it re-scores with
     # the sampler's own policy; a trainer in another precision scores with `rescore(...)`.
     self.model_cfg, self.policy, self.config = model_cfg, policy, config
@@ -54,9 +62,10 @@ class Sampler:
     """Generates; in exact mode re-scores with (trainer_params or params) in the sampler's
     precision, with the same static `act_amax` (trainer_params: the master weights of packed
     `params`, or the same weights)."""
-    if self.exact and trainer_params is None and weights.is_packed(params):
-      raise ValueError("Exact mode re-scores with the trainer's weights: pass trainer_params "
-                       "(the packed sampler weights are not a trainer parameter tree).")
+    if ((self.exact or self.record_routing) and trainer_params is None
+        and weights.is_packed(params)):
+      raise ValueError("Exact mode and routing records run with the trainer's weights: pass "
+                       "trainer_params (the packed sampler weights are not a parameter tree).")
     batch, p = prompt_tokens_BP.shape
     shape = (batch, p + self.config.max_new_tokens)
     cache = self._cache if self._cache is not None and \
@@ -70,4 +79,9 @@ class Sampler:
       out = rescore(out, params if trainer_params is None else trainer_params,
                     model_cfg=self.model_cfg, policy=self.policy, config=self.config,
                     quant_key=trainer_quant_key, plan=self.plan, act_amax=act_amax)
+    if self.record_routing:
+      key = quant_key if trainer_quant_key is None else trainer_quant_key
+      out = replay.record(out, params if trainer_params is None else trainer_params,
+                          model_cfg=self.model_cfg, policy=self.policy, quant_key=key,
+                          plan=self.plan, act_amax=act_amax)
     return out

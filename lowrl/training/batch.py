@@ -2,7 +2,7 @@
 consumed by the update (`lowrl.training.rl_update`); a leaf of the training package."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 
@@ -18,6 +18,9 @@ class RLBatch(NamedTuple):
   adv_B:           float32 per-sequence advantages.
   logp_trainer_BT: float32 or None: the trainer's log q of the same tokens with the params that
                    start the update (pi_old); None = the update recomputes it in its own program.
+  routing:         MoE routing replay: the sampler's expert choices {"layers_i": int32 [B, T, k]}
+                   (`SampleOutput.routing`), which a replaying logprob function reuses; None
+                   = the trainer routes as its own routers choose.
   """
 
   tokens_BT: jax.Array
@@ -26,3 +29,4 @@ class RLBatch(NamedTuple):
   logp_sampler_BT: jax.Array
   adv_B: jax.Array
   logp_trainer_BT: jax.Array | None = None
+  routing: Any = None

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from lowrl.models import logprobs, transformer
+from lowrl.models import logprobs, routing, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.models.row_sharding import constrain_rows_tree
 from lowrl.precision import PrecisionPolicy
@@ -108,7 +108,7 @@ def update_config_from(rl: ml_collections.ConfigDict, master_rounding: str,
 
 
 def make_logprob_fn(model_cfg: ModelConfig, policy: PrecisionPolicy,
-                    sampling: SamplingConfig | None = None
+                    sampling: SamplingConfig | None = None, *, replay: bool = False
                     ) -> Callable[[Any, TokenBatch | RLBatch, jax.Array | None], tuple[jax.Array, jax.Array]]:
   """(params, batch, quant_key) -> (logp_BT, entropy_BT) of the batch's tokens, FP32.
 
@@ -119,19 +119,28 @@ def make_logprob_fn(model_cfg: ModelConfig, policy: PrecisionPolicy,
   logits, the same transform the sampler's `logprobs` and `rescore(...).logprobs` use. None, or
   a config that leaves the distribution unchanged, = the raw model. A token outside the top-k /
   top-p support gets logp ~ -1e30 (probability exactly 0).
+
+  `replay` (rl.routing_replay, MoE models): a batch's `routing` (the sampler's expert choices,
+  `RLBatch.routing`) is replayed by the forward (lowrl.models.routing; the router keeps its
+  gradient through the combine weights); a batch without one routes as the model does.
   """
   if sampling is not None and sampling.greedy:
     raise ValueError("The trained distribution needs rl.temperature > 0 (greedy has no logprobs).")
+  if replay:
+    routing.check_replay(model_cfg)
   transform = sampling is not None and sampling.modifies_distribution
 
   def logprob_fn(params, batch, quant_key):
     tokens_BT, mask_BT = batch.tokens_BT, batch.input_mask_BT
     quant_key = policy.quant_key(quant_key)
-    if not transform:
+    replay_ids = getattr(batch, "routing", None) if replay else None
+    if replay_ids is None and not transform:
       return logprobs.token_logprobs_and_entropy(params, tokens_BT, model_cfg, policy,
                                                     mask_BT=mask_BT, quant_key=quant_key)
-    logits_BTV = transformer.forward(params, tokens_BT, model_cfg, policy, mask_BT=mask_BT,
-                                     quant_key=quant_key)
+    logits_BTV = routing.replayed_logits(params, tokens_BT, model_cfg, policy, replay_ids,
+                                         mask_BT=mask_BT, quant_key=quant_key)
+    if not transform:
+      return logprobs.logprobs_from_logits(logits_BTV, tokens_BT, mask_BT)
     q_logits_BTV = sampling_logits(logits_BTV, sampling)
     # OUTSIDE_SUPPORT_LOGP stands in for -inf: exp() of it is exactly 0 like -inf, but products
     # with 0 (entropy, CISPO's coef * logp) stay 0, not NaN.

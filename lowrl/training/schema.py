@@ -1,7 +1,7 @@
 """The config schema: every knob of a run once, with its check and its meaning; not its value.
 
 The sections of the training loop (`TRAIN`; its values are the data of configs/base.py;
-`loop.build` validates it) and the ones the simulator shares (`lowrl.asyncrl.simulator.SCHEMA`,
+`setup.build` validates it) and the ones the simulator shares (`lowrl.asyncrl.simulator.SCHEMA`,
 these plus its own, with its values still in its table: `Knob.default`; `simulator.build`
 validates it), built with lowrl.training.knobs (`knob(name, meaning, check)`, `Section`, `Schema`:
 `validate` raises a one-line ValueError naming the `--config.*` flag and the fix, a knob missing
@@ -158,6 +158,9 @@ _DAPO_KNOBS = (
 TRAIN_RL = RL.extended(
     knob("max_new_tokens", "completion budget in tokens"),
     *_SAMPLING_KNOBS,
+    knob("routing_replay", "MoE routing replay (R3): the trainer's forwards (pi_old and "
+         "the update) send each token to the experts the sampler chose, combine weights from "
+         "the trainer's own router (lowrl/models/routing.py)"),
     knob("ref_reset_every", "steps between resets of pi_ref to the current policy",
          AtLeast(0, hint="0 = never")),
     knob("log_kl_ref", "keep pi_ref (the base) to log KL(pi || pi_ref) even when "

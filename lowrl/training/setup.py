@@ -17,7 +17,7 @@ import optax
 
 from lowrl import hardware, memory, precision, quant_blocks, sharding
 from lowrl.checkpoints import hf, hf_config
-from lowrl.models import init, kv_cache, layout
+from lowrl.models import init, kv_cache, layout, routing
 from lowrl.models.config import ModelConfig
 from lowrl.sampling import SamplingConfig
 from lowrl.tasks.base import Task
@@ -47,6 +47,7 @@ class LoopConfig:
   diagnostics_every: int  # diagnostics.every
   refit_check_every: int
   sampler_exact: bool
+  routing_replay: bool  # rl.routing_replay (MoE)
   keep_reference: bool  # rl.kl_coef > 0 or rl.log_kl_ref: the run holds reference params
   ref_storage: str  # rl.ref_storage
   ref_reset_every: int  # rl.ref_reset_every
@@ -71,6 +72,7 @@ class LoopConfig:
                num_text_samples=cfg.num_text_samples, max_skipped_steps=cfg.max_skipped_steps,
                diagnostics_every=cfg.diagnostics.every,
                refit_check_every=cfg.refit_check_every, sampler_exact=bool(cfg.sampler_exact),
+               routing_replay=bool(rl.routing_replay),
                keep_reference=bool(rl.kl_coef > 0 or rl.log_kl_ref),
                ref_storage=rl.ref_storage, ref_reset_every=rl.ref_reset_every,
                version_storage=cfg.async_rl.version_storage,
@@ -124,6 +126,11 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   task = _make_task(cfg.task, cfg.model.hf_checkpoint)
   max_len = task.max_prompt_len + max(rl.max_new_tokens, task.max_answer_len)
   model_cfg = _model_config(cfg.model, task, max_len)
+  if rl.routing_replay:
+    try:
+      routing.check_replay(model_cfg)
+    except ValueError as e:
+      raise ValueError(f"--config.rl.routing_replay: {e}") from None
   matmuls = layout.matmuls(model_cfg)
   trainer_policy = precision.make_policy(cfg.precision, matmuls)
   sampler_cfg = cfg.precision
@@ -218,7 +225,14 @@ def memory_estimate(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
       async_versions=schedule.max_versions if stale else 0,
       async_dtype=stored(cfg.async_rl.version_storage),
       kv_cache_dtype=sampler_policy.compute_dtype, sampler_batch=rows, ppo_epochs=rl.mu,
-      score_forwards=2 if stale else 1, minibatches=rl.num_minibatches)
+      score_forwards=2 if stale else 1, minibatches=rl.num_minibatches,
+      expert_parallel=_expert_parallel(model_cfg, plan))
+
+
+def _expert_parallel(model_cfg: ModelConfig, plan: sharding.ShardingPlan) -> int:
+  """Devices of the mesh's expert axis, where the routed experts are split over it."""
+  e = dict(plan.mesh.shape).get(sharding.EXPERT, 1)
+  return e if model_cfg.is_moe and plan.batch_shards % e == 0 else 1
 
 
 def describe_memory(setup: Setup) -> str:

@@ -111,7 +111,7 @@ def make_batch(out: SampleOutput, rewards_B: jax.Array, cfg: BatchConfig,
   # update's ratio and correction also use (lowrl.training.rl_update).
   batch = RLBatch(tokens_BT=out.tokens, input_mask_BT=out.attention_mask,
                   loss_mask_BT=loss_mask_BT, logp_sampler_BT=out.logprobs, adv_B=adv_B,
-                  logp_trainer_BT=logp_trainer_BT)
+                  logp_trainer_BT=logp_trainer_BT, routing=out.routing)
   metrics = {"reward/mean": jnp.mean(rewards_B),
              "reward/pass_rate": jnp.mean((rewards_B >= 1).astype(jnp.float32)),
              "response_length": jnp.mean(lengths_B.astype(jnp.float32)),

@@ -14,7 +14,7 @@ from lowrl.rl.mismatch import mismatch_metrics
 from lowrl.sampling import SampleOutput, Sampler, refit, rescore
 from lowrl.sampling.act_scales import calibration_paths
 from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
-from lowrl.training import diagnostics, optimizer, probes
+from lowrl.training import diagnostics, optimizer, probes, routing_replay
 from lowrl.training.evaluation import eval_metrics
 from lowrl.training.kv_share import kv_share_metrics
 from lowrl.training.loss_scaling import loss_scaled
@@ -35,7 +35,8 @@ class Trainer:
     knobs = setup.loop
     self.tx = setup.tx
     self.logprob_fn = loss_scaled(
-        make_logprob_fn(setup.model_cfg, setup.trainer_policy, setup.sampling), knobs.loss_scale)
+        make_logprob_fn(setup.model_cfg, setup.trainer_policy, setup.sampling,
+                        replay=knobs.routing_replay), knobs.loss_scale)
     # The pure RL step the simulator also runs (lowrl.training.step), unjitted.
     # Every step runs on the mesh with explicit shardings: sampler and update take the same
     # sharded params (no gather in between), batches are split over the batch axes.
@@ -54,7 +55,8 @@ class Trainer:
                         out_shardings=(p_sh, o_sh, repl))
     # Rollouts in the sampler's precision (exact mode: re-scored by the sampler's own policy).
     self.sampler = Sampler(setup.model_cfg, setup.sampler_policy, setup.sampling,
-                           exact=knobs.sampler_exact, plan=plan)
+                           exact=knobs.sampler_exact, plan=plan,
+                           record_routing=setup.model_cfg.is_moe)
     # Whether the exact-mode sampler's record can be the trainer's pi_old (sampler_scored_pi_old).
     self._exact_twin = (knobs.sampler_exact and setup.sampler_policy == setup.trainer_policy
                         and not setup.trainer_policy.act_paths(layout.matmuls(setup.model_cfg),
@@ -82,7 +84,8 @@ class Trainer:
       self._probe_fns = (
           jax.jit(probes.make_grad_fn(self.logprob_fn, setup.update_cfg, setup.batch_cfg),
                   in_shardings=grad_in, out_shardings=p_sh),
-          jax.jit(probes.make_grad_fn(make_logprob_fn(setup.model_cfg, fp32, setup.sampling),
+          jax.jit(probes.make_grad_fn(make_logprob_fn(setup.model_cfg, fp32, setup.sampling,
+                                                      replay=knobs.routing_replay),
                                       setup.update_cfg, setup.batch_cfg, param_dtype="float32"),
                   in_shardings=grad_in, out_shardings=p_sh),
           jax.jit(probes.grad_agreement, out_shardings=repl),
@@ -255,15 +258,20 @@ class Trainer:
     out = self.sampler(held.weights, tokens_BP, mask_BP, k_sample, quant_key=sampler_qk,
                        trainer_params=sampler_params, trainer_quant_key=sampler_qk,
                        act_amax=act_amax)
-    logp_now_BT = (out.logprobs if self.sampler_scored_pi_old(sampler_params, params, stale)
-                   else self.score(params, self.setup.trainer_policy, out, k_quant))
-    logp_stale_BT = (self.score(sampler_params, self.setup.trainer_policy, out, k_quant) if stale
-                     else logp_now_BT)
+    routing_metrics = {}
+    if self.setup.model_cfg.is_moe:  # routing flips; rl.routing_replay (routing_replay.py)
+      logp_now_BT, logp_stale_BT, routing_metrics = routing_replay.trainer_scores(
+          self, out, sampler_params, params, k_quant, stale)
+    else:
+      logp_now_BT = (out.logprobs if self.sampler_scored_pi_old(sampler_params, params, stale)
+                     else self.score(params, self.setup.trainer_policy, out, k_quant))
+      logp_stale_BT = (self.score(sampler_params, self.setup.trainer_policy, out, k_quant)
+                       if stale else logp_now_BT)
     rewards, completions = self.rewards(out, examples)
     rollout = self.plan.put(Rollout(out, jnp.asarray(rewards), logp_now_BT, logp_stale_BT),
                             self.plan.batch)
     return rollout, {"rewards": rewards, "completions": completions, "examples": examples,
-                     "refit": refit_metrics,
+                     "refit": refit_metrics, "routing": routing_metrics,
                      "kv": kv_share_metrics(  # {} without a quantized KV cache
                          out, sampler_params, model_cfg=self.setup.model_cfg,
                          policy=self.setup.sampler_policy, config=self.setup.sampling,
@@ -315,4 +323,5 @@ class Trainer:
       probe_metrics = self.probe(params, opt_state, ref_params, rollout,
                                  jax.random.fold_in(key, _PROBE_STREAM))
     params, opt_state, metrics = self.step(params, opt_state, ref_params, rollout, k_upd)
-    return params, opt_state, {**metrics, **probe_metrics, **info["kv"], **info["refit"]}, info
+    return params, opt_state, {**metrics, **probe_metrics, **info["kv"], **info["refit"],
+                               **info["routing"]}, info

@@ -101,13 +101,90 @@ def test_routing_flips_counts_sets_not_orders():
   assert float(routing.routing_flips(a, b, mask)["mean"]) == 0.0
 
 
-def test_replay_refuses_scanned_layers_and_dense_models(params):
-  with pytest.raises(ValueError, match="scan_layers"):
-    routing.record_routing(params, TOKENS, dataclasses.replace(MOE, scan_layers=True), _policy())
+def test_scanned_layers_record_and_replay_as_unrolled(params):
+  """Under model.scan_layers the replayed ids enter the layer scan and the recorded ones leave it:
+  the same routing, and logits within FP32 rounding of the unrolled forward's (same operations;
+  XLA may fuse a scan body's differently: ~1e-6 relative)."""
+  scanned = dataclasses.replace(MOE, scan_layers=True)
+  policy = _policy()
+  logits, own = _record(params, TOKENS, MOE, policy)
+  s_logits, s_own = _record(params, TOKENS, scanned, policy)
+  for k in own:
+    np.testing.assert_array_equal(np.asarray(s_own[k]), np.asarray(own[k]))
+  np.testing.assert_allclose(np.asarray(s_logits), np.asarray(logits), rtol=0,
+                             atol=1e-5 * float(jnp.abs(logits).max()))
+  forced = {k: jnp.broadcast_to(jnp.array([3, 1], jnp.int32), (2, 8, 2)) for k in own}
+  fwd = jax.jit(routing.forward_routed, static_argnums=(2, 3))
+  want, want_own = fwd(params, TOKENS, MOE, policy, forced)
+  got, got_own = fwd(params, TOKENS, scanned, policy, forced)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                             atol=1e-5 * float(jnp.abs(want).max()))
+  for k in own:  # what the routers would have chosen in the replayed forward
+    np.testing.assert_array_equal(np.asarray(got_own[k]), np.asarray(want_own[k]))
+  assert float(routing.routing_flips(forced, got_own)["mean"]) > 0
+  # Layer 0's router sees the same input whatever is replayed: its own choice is the model's.
+  np.testing.assert_array_equal(np.asarray(got_own["layers_0"]), np.asarray(own["layers_0"]))
+
+
+def test_replay_refuses_dense_models(params):
   dense = dataclasses.replace(MOE, n_experts=0, n_experts_per_tok=0, moe_d_ff=0,
                               norm_topk_prob=False, shared_expert_d_ff=0)
   with pytest.raises(ValueError, match="mixture-of-experts"):
     routing.record_routing(params, TOKENS, dense, _policy())
+  with pytest.raises(ValueError, match="logprob_chunk=0"):
+    routing.check_replay(dataclasses.replace(MOE, logprob_chunk=16))
+
+
+def _replayed_block_reference(p, x_BTD, ids_BTk):
+  """The replayed MoE MLP written from its definition (transformers' Qwen2MoeSparseMoeBlock with
+  the top-k indices given): every expert on every token, the k given ones combined with their
+  softmax probabilities renormalised, plus the sigmoid-gated shared expert. FP32 throughout."""
+  probs_BTE = jax.nn.softmax(x_BTD @ p["router"]["kernel"], axis=-1)
+  onehot_BTkE = jax.nn.one_hot(ids_BTk, probs_BTE.shape[-1])
+  w_BTk = jnp.einsum("btke,bte->btk", onehot_BTkE, probs_BTE)
+  w_BTk = w_BTk / w_BTk.sum(-1, keepdims=True)
+  e = p["experts"]
+  h = jax.nn.silu(jnp.einsum("btd,edf->btef", x_BTD, e["gate_proj"]["kernel"]))
+  h = h * jnp.einsum("btd,edf->btef", x_BTD, e["up_proj"]["kernel"])
+  y_BTED = jnp.einsum("btef,efd->bted", h, e["down_proj"]["kernel"])
+  out = jnp.einsum("btk,btke,bted->btd", w_BTk, onehot_BTkE, y_BTED)
+  s = p["shared_expert"]
+  shared = (jax.nn.silu(x_BTD @ s["gate_proj"]["kernel"]) * (x_BTD @ s["up_proj"]["kernel"])) @ s[
+      "down_proj"]["kernel"]
+  return out + jax.nn.sigmoid(x_BTD @ p["shared_expert_gate"]["kernel"]) * shared
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_replayed_block_gradients_equal_the_reference(params, jit):
+  """d(sum of squares of the replayed block's output)/d(params) against autodiff of
+  `_replayed_block_reference`: the router's gradient flows through the gathered probabilities
+  (not zeroed ones), every replayed expert's kernels get theirs, unselected experts none. FP32,
+  same products in other orders: the bound is ~1e-5 of each gradient's scale."""
+  x = jax.random.normal(jax.random.key(3), (2, 8, MOE.d_model))
+  ids = jax.random.randint(jax.random.key(4), (2, 8, 1), 0, 3)
+  ids = jnp.concatenate([ids, (ids + 1) % 3], axis=-1)  # distinct pairs from experts {0, 1, 2}
+  p = params["layers_0"]["mlp"]
+  module = moe.MoeMlp(MOE, 0, _policy(), dense=transformer.QDense)
+  ours = lambda q: jnp.sum(module.apply(  # noqa: E731
+      {"params": q, moe.REPLAY: {moe.EXPERT_IDS: ids}}, x, None, None) ** 2)
+  ref = lambda q: jnp.sum(_replayed_block_reference(q, x, ids) ** 2)  # noqa: E731
+  grad = jax.jit(jax.grad(ours)) if jit else jax.grad(ours)
+  got, want = grad(p), jax.grad(ref)(p)
+  for path, g in jax.tree_util.tree_leaves_with_path(got):
+    w = dict(jax.tree_util.tree_leaves_with_path(want))[path]
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0,
+                               atol=1e-5 * float(jnp.abs(w).max()) + 1e-30, err_msg=str(path))
+  assert float(jnp.abs(got["router"]["kernel"]).sum()) > 0
+  for proj in ("gate_proj", "up_proj", "down_proj"):
+    per_expert = np.abs(np.asarray(got["experts"][proj]["kernel"])).sum(axis=(1, 2))
+    assert (per_expert[:3] > 0).all() and per_expert[3] == 0, proj
+  # Finite difference of the replayed block along the router's gradient (FP32, step 1e-2
+  # relative: the second-order term dominates the error, a few percent).
+  g = got["router"]["kernel"]
+  eps = 1e-2 / float(jnp.linalg.norm(g))
+  shifted = dict(p, router={"kernel": p["router"]["kernel"] + eps * g})
+  fd = (float(ours(shifted)) - float(ours(p))) / eps
+  assert fd == pytest.approx(float(jnp.sum(g * g)), rel=0.05)
 
 
 def test_sampler_prequantized_experts_compute_what_the_trainer_does(params):

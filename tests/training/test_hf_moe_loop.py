@@ -54,6 +54,9 @@ def test_two_rl_steps_from_moe_checkpoint(files, family, recipe, tmp_path, monke
   mesh = _metrics(tmp_path / "mesh")
   assert [m["step"] for m in mesh] == [1, 2]
   assert any(m["grad_norm"] > 0 for m in mesh)
+  # Exact mode holds for MoE: sampler = trainer (same weights and recipe), so the sampler's
+  # record is the trainer's pi_old bit for bit, and both route alike.
+  assert all(m["mismatch/abs_dlogp_max"] == 0 and m["routing/flips"] == 0 for m in mesh)
   if family == "qwen3_moe":
     make = sharding.plan_from_config
     monkeypatch.setattr(loop.sharding, "plan_from_config",
@@ -69,3 +72,32 @@ def test_two_rl_steps_from_moe_checkpoint(files, family, recipe, tmp_path, monke
   source_cfg, source = load_hf_checkpoint(dirs[family])
   assert exported_cfg == source_cfg
   assert 0 < max(jax.tree.leaves(jax.tree.map(_max_abs_diff, exported, source)))
+
+
+def test_routing_replay_on_and_off(files, tmp_path, monkeypatch):
+  """An NVFP4 routed-expert sampler (nvfp4_moe_experts) and an FP32 trainer on Qwen3-MoE, 2 RL
+  steps with rl.routing_replay off and on. Step 1 samples the same rollout in both, so its
+  sampler-side numbers agree; its tokens' routings differ between sampler and trainer
+  (routing/flips > 0: with replay, what the trainer's routers would have chosen), and replaying
+  them changes pi_old (the mismatch metrics; here NVFP4's own error, ~0.25 |dlogp|, dominates the
+  ~3% flipped near-ties, so replay need not lower them). The replay run on the expert-parallel
+  mesh and on one device: the same discrete metrics (tolerances of test_hf_loop.assert_same_run)."""
+  runs = {}
+  for replay in (False, True):
+    cfg = _moe_config(files, "qwen3_moe", "fp32", **{"rl.routing_replay": replay})
+    cfg.sampler_precision.recipe = "nvfp4_moe_experts"
+    loop.run(cfg, str(tmp_path / f"mesh_{replay}"), log=lambda _: None)
+    runs[replay] = _metrics(tmp_path / f"mesh_{replay}")
+  off, on = runs[False][0], runs[True][0]
+  for k in ("reward/mean", "response_length"):
+    assert off[k] == on[k], k
+  assert off["routing/flips"] > 0 and on["routing/flips"] > 0
+  assert on["mismatch/abs_dlogp_mean"] != off["mismatch/abs_dlogp_mean"]
+  make = sharding.plan_from_config
+  monkeypatch.setattr(loop.sharding, "plan_from_config",
+                      lambda m, devices=None: make(m, jax.devices()[:1]))
+  cfg = _moe_config(files, "qwen3_moe", "fp32", **{"rl.routing_replay": True,
+                                                    "mesh.shape": (1, 1, 1)})
+  cfg.sampler_precision.recipe = "nvfp4_moe_experts"
+  loop.run(cfg, str(tmp_path / "one"), log=lambda _: None)
+  assert_same_run(runs[True], _metrics(tmp_path / "one"))
