@@ -332,7 +332,7 @@ def test_moe_param_counts_and_expert_parallel_state():
   per-device state under expert parallelism: the experts over every device, the other weights
   over the devices outside the expert axis (lowrl.sharding.expert_parallel_rules)."""
   moe = tiny.MOE
-  leaves = jax.tree_util.tree_leaves_with_path(transformer.param_shapes(moe))
+  leaves = jax.tree_util.tree_leaves_with_path(init.param_shapes(moe))
   experts = sum(x.size for p, x in leaves if "experts" in jax.tree_util.keystr(p))
   total = sum(x.size for _, x in leaves)
   k, e = moe.n_experts_per_tok, moe.n_experts

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from lowrl.models import decoder, layout, logprobs, moe, transformer
+from lowrl.models import blocks, decoder, layout, logprobs, moe, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
 
@@ -61,7 +61,7 @@ def record_routing(params: Any, tokens_BT: jax.Array, model_cfg: ModelConfig,
                    policy: PrecisionPolicy, *, mask_BT: jax.Array | None = None,
                    quant_key: jax.Array | None = None,
                    replay: Routing | None = None,
-                   act_amax: transformer.ActAmax | None = None
+                   act_amax: blocks.ActAmax | None = None
                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """(FP32 logits [B, T, V], the routing this forward used); with `replay` it uses that one.
   `act_amax`: static activation scales, as in `transformer.forward`."""

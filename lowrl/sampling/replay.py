@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lowrl.models import routing, transformer
+from lowrl.models import blocks, logprobs, routing
 from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
 from lowrl.sampling.distributions import SamplingConfig, sampling_logprobs
@@ -52,7 +52,7 @@ def _score_program(model_cfg: ModelConfig, policy: PrecisionPolicy, config: Samp
       logits_BLV, own = routing.forward_routed(params, tokens_BL, model_cfg, policy, replay,
                                                mask_BT=mask_BL, quant_key=quant_key)
       if not config.modifies_distribution:
-        return transformer.logprobs_from_logits(logits_BLV, tokens_BL, mask_BL)[0], own
+        return logprobs.logprobs_from_logits(logits_BLV, tokens_BL, mask_BL)[0], own
       logq_BL = sampling_logprobs(logits_BLV[:, :-1], tokens_BL[:, 1:], config)
       return jnp.pad(logq_BL, ((0, 0), (1, 0))), own
   return _jit(fn, plan)
@@ -68,7 +68,7 @@ def _placed(plan: ShardingPlan | None, params, *arrays):
 def record(out: SampleOutput, params: Params, *, model_cfg: ModelConfig,
            policy: PrecisionPolicy, quant_key: jax.Array | None = None,
            plan: ShardingPlan | None = None,
-           act_amax: transformer.ActAmax | None = None) -> SampleOutput:
+           act_amax: blocks.ActAmax | None = None) -> SampleOutput:
   """`out` with `routing` = the sampler's expert choices {"layers_i": int32 [B, L, k]}.
 
   `params`: the sampler's (unpacked) weights; `policy`, `quant_key`, `act_amax`: the sampler's.

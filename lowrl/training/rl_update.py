@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from lowrl.models import logprobs, routing, transformer
+from lowrl.models import logprobs, routing
 from lowrl.models.config import ModelConfig
 from lowrl.models.row_sharding import constrain_rows_tree
 from lowrl.precision import PrecisionPolicy

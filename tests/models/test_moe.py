@@ -164,7 +164,7 @@ def test_replayed_block_gradients_equal_the_reference(params, jit):
   ids = jax.random.randint(jax.random.key(4), (2, 8, 1), 0, 3)
   ids = jnp.concatenate([ids, (ids + 1) % 3], axis=-1)  # distinct pairs from experts {0, 1, 2}
   p = params["layers_0"]["mlp"]
-  module = moe.MoeMlp(MOE, 0, _policy(), dense=transformer.QDense)
+  module = moe.MoeMlp(MOE, 0, _policy(), dense=blocks.QDense)
   ours = lambda q: jnp.sum(module.apply(  # noqa: E731
       {"params": q, moe.REPLAY: {moe.EXPERT_IDS: ids}}, x, None, None) ** 2)
   ref = lambda q: jnp.sum(_replayed_block_reference(q, x, ids) ** 2)  # noqa: E731

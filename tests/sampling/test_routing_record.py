@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tiny import MOE
-from lowrl.models import layout, transformer
+from lowrl.models import init, layout
 from lowrl.precision import policy_for
 from lowrl.sampling import Sampler, SamplingConfig, replay
 from lowrl.training.rl_update import TokenBatch, make_logprob_fn
@@ -18,7 +18,7 @@ CONFIG = SamplingConfig(max_new_tokens=6, temperature=0.8)
 
 @pytest.fixture(scope="module")
 def rollout():
-  params = transformer.init_params(MOE, jax.random.key(0))
+  params = init.init_params(MOE, jax.random.key(0))
   policy = policy_for("fp32", layout.matmuls(MOE))
   prompts = jax.random.randint(jax.random.key(1), (4, 5), 1, MOE.vocab_size)
   out = Sampler(MOE, policy, CONFIG, record_routing=True)(
