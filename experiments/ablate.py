@@ -43,6 +43,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from lowrl import grid as lowrl_grid
 from lowrl import precision, user_cache
 from lowrl.training import loop, optimizer, run_config, run_logs
 
@@ -91,46 +92,49 @@ def _lr_tag(lr: float) -> str:
   return f"{lr:.0e}".replace("e-0", "e-")
 
 
+def _value(cfg: ml_collections.ConfigDict, v: Any, row: str) -> Any:
+  """An override value of a row: "$knob" is the grid config's top-level knob."""
+  if isinstance(v, str) and v.startswith("$"):
+    if v[1:] not in cfg:
+      raise run_config.ConfigError(f"row {row}: {v} names no knob of the grid config; use one "
+                                   f"of {sorted(k for k in cfg if k not in ('run', 'rows'))}.")
+    v = cfg[v[1:]]
+  return v
+
+
+def _settings_of_row(cfg: ml_collections.ConfigDict, row: dict[str, Any]) -> list[Setting]:
+  known = {"name", "group", "recipe", "precision", "sampler", "overrides", "each"}
+  if set(row) - known or not {"name", "group", "recipe"} <= set(row):
+    raise run_config.ConfigError(f"--config.rows: row {row!r} needs name, group, recipe and may "
+                                 f"have only {sorted(known)}.")
+  changes = dict(row.get("precision", {}))
+  label = changes.pop("label", None)
+  try:
+    prec = _recipe(row["recipe"], label, **changes)
+  except (ValueError, KeyError) as e:
+    raise run_config.ConfigError(f"--config.rows: row {row['name']}: {e}") from e
+  overrides = tuple((k, _value(cfg, v, row["name"])) for k, v in row.get("overrides", {}).items())
+  if not row.get("each"):
+    return [Setting(row["name"], row["group"], prec, row.get("sampler", ""), overrides)]
+  if row["each"] != "lrs":
+    raise run_config.ConfigError(f"--config.rows: row {row['name']}: each={row['each']!r}; "
+                                 "only 'lrs' is known.")
+  return [Setting(f"{row['name']}@{_lr_tag(lr)}", row["group"], prec, row.get("sampler", ""),
+                  (("optimizer.lr", float(lr)),) + overrides) for lr in cfg.lrs]
+
+
 def settings(cfg: ml_collections.ConfigDict) -> list[Setting]:
-  """The grid of `cfg` (configs/ablate.py), the `twin` setting first; only `cfg.groups`."""
-  scale = (("optimizer.loss_scale", float(cfg.fp16_loss_scale)),)
-  groups = {
-      "recipe": [
-          Setting("fp32", "recipe", _recipe("fp32")),
-          Setting("bf16", "recipe", _recipe("bf16")),
-          Setting("fp16", "recipe", _recipe("fp16"), overrides=scale),
-          Setting("mxfp8", "recipe", _recipe("mxfp8")),
-          Setting("nvfp4_naive", "recipe", _recipe("nvfp4_naive")),
-          Setting("+per_token", "recipe", _recipe("nvfp4_naive", "nvfp4_pt", act_per_token=True)),
-          Setting("+4/6", "recipe", _recipe("nvfp4_naive", "nvfp4_pt_46", act_per_token=True,
-                                            four_over_six=True)),
-          Setting("+bf16_tail", "recipe", _recipe("nvfp4_naive", "nvfp4_pt_46_tail",
-                                                  act_per_token=True, four_over_six=True,
-                                                  bf16_last_fraction=0.15)),
-          Setting("nvfp4_recipe", "recipe", _recipe("nvfp4_recipe")),  # + dequantized backward
-          Setting("nvfp4_recipe_qbwd", "recipe",
-                  _recipe("nvfp4_recipe", "nvfp4_recipe_qbwd", backward="quantized")),
-      ],
-      "sampler_only": [Setting(f"s={s}/t=bf16", "sampler_only", _recipe("bf16"), sampler=s)
-                       for s in ("mxfp8", "nvfp4_naive", "nvfp4_recipe")],
-      "sr": [s for lr in cfg.lrs for s in (
-          Setting(f"fp32_master@{_lr_tag(lr)}", "sr", _recipe("bf16"),
-                  overrides=(("optimizer.lr", float(lr)),)),
-          Setting(f"bf16_rtn@{_lr_tag(lr)}", "sr", _recipe("bf16"),
-                  overrides=(("optimizer.lr", float(lr)), ("optimizer.master_dtype", "bfloat16"))),
-          Setting(f"bf16_sr@{_lr_tag(lr)}", "sr", _recipe("bf16"),
-                  overrides=(("optimizer.lr", float(lr)), ("optimizer.master_dtype", "bfloat16"),
-                             ("optimizer.master_rounding", "stochastic"))),
-          Setting(f"fp16@{_lr_tag(lr)}", "sr", _recipe("fp16"),
-                  overrides=(("optimizer.lr", float(lr)),) + scale))],
-      "kl_reset": [
-          Setting("kl", "kl_reset", _recipe("bf16"),
-                  overrides=(("rl.kl_coef", float(cfg.kl_coef)),)),
-          Setting("kl+reset", "kl_reset", _recipe("bf16"),
-                  overrides=(("rl.kl_coef", float(cfg.kl_coef)),
-                             ("rl.ref_reset_every", int(cfg.ref_reset_every)))),
-      ],
-  }
+  """The grid of `cfg` (configs/ablate.py `rows`), the `twin` setting first; only `cfg.groups`.
+  Within a group the rows repeated over `lrs` come after the others, learning rate by learning
+  rate (all of one lr together)."""
+  groups: dict[str, list[Setting]] = {}
+  for row in cfg.rows:
+    groups.setdefault(row["group"], [])
+  for g in groups:
+    rows = [r for r in cfg.rows if r["group"] == g]
+    once = [s for r in rows if not r.get("each") for s in _settings_of_row(cfg, r)]
+    each = [_settings_of_row(cfg, r) for r in rows if r.get("each")]
+    groups[g] = once + [s for per_lr in zip(*each) for s in per_lr]
   unknown = set(cfg.groups) - set(groups)
   if unknown:
     raise run_config.ConfigError(f"--config.groups: unknown groups {sorted(unknown)}; use some of "
@@ -188,11 +192,7 @@ def validate(cfg: ml_collections.ConfigDict) -> list[tuple[Setting, ml_collectio
 
 def read_results(workdir: str) -> list[dict[str, Any]]:
   """The lines of `<workdir>/results.jsonl` (a line cut short by a kill is dropped)."""
-  path = os.path.join(workdir, RESULTS)
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.endswith("\n")]
+  return lowrl_grid.read_results(os.path.join(workdir, RESULTS))
 
 
 def summarize_metrics(lines: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -242,49 +242,50 @@ def run_grid(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print,
   # The binaries' compilation cache (--compile_cache; a cache the caller set up is kept): seeds,
   # settings sharing programs and later grids reuse compiles.
   user_cache.enable_compile_cache()
-  done = {(r["setting"], r["seed"]): r for r in read_results(workdir)}
   twin_setting = grid[0][0]
   base_dir = os.path.join(workdir, "base")
-  total = len(grid) * len(cfg.seeds)
-  log(f"[ablate] {len(grid)} settings x {len(cfg.seeds)} seeds = {total} runs in {workdir}; "
-      f"twin {twin_setting.name}; {len(done)} already finished")
-  base = None
-  i = 0
-  for setting, _ in grid:
-    for seed in cfg.seeds:
-      i += 1
-      c = setting.config(cfg.run, int(seed))
-      c.sft.base_dir = base_dir
-      fp = run_config.fingerprint(c)
-      prev = done.get((setting.name, int(seed)))
-      if prev is not None:
-        if prev["fingerprint"] != fp:
-          raise run_config.ConfigError(
-              f"{workdir}/{RESULTS} holds setting {setting.name} seed {seed} with another config "
-              f"(fingerprint {prev['fingerprint']} != {fp}); use a new --workdir.")
-        continue
-      run_dir = os.path.join(workdir, "runs", fp)
-      log(f"[ablate] run {i}/{total}: {setting.name} seed {seed} -> {run_dir}")
-      t0 = time.time()
-      summary = loop.run(c, run_dir, log=lambda s: None)
-      if base is None:
-        base = loop.load_base(c, run_dir, log=lambda s: None)
-      twin_c = twin_setting.config(cfg.run, int(seed))
-      twin_c.sft.base_dir = base_dir
-      twin_dir = os.path.join(workdir, "runs", run_config.fingerprint(twin_c))
-      kl = _twin_kl(c, run_dir, twin_c, twin_dir, base)
-      line = {"setting": setting.name, "group": setting.group, "seed": int(seed),
-              "fingerprint": fp, "run_dir": os.path.relpath(run_dir, workdir),
-              "precision": dict(setting.precision)["name"], "sampler": setting.sampler,
-              "overrides": dict(setting.overrides),
-              "eval_start": summary["eval_start"], "eval_end": summary["eval_end"],
-              **summarize_metrics(run_logs.read_metrics(run_dir)), **kl,
-              "wall_s": time.time() - t0}
-      with open(os.path.join(workdir, RESULTS), "a") as f:
-        f.write(json.dumps(line) + "\n")
-      log(f"[ablate] {setting.name} seed {seed}: pass@1 {line['eval_start']['pass_at_1']:.3f} -> "
-          f"{line['eval_end']['pass_at_1']:.3f}, twin KL {kl['twin_kl_end']:.2e}, "
-          f"{line['wall_s']:.0f}s")
+  log(f"[ablate] {len(grid)} settings x {len(cfg.seeds)} seeds = {len(grid) * len(cfg.seeds)} "
+      f"runs in {workdir}; twin {twin_setting.name}")
+
+  def seed_config(setting: Setting, seed: int) -> ml_collections.ConfigDict:
+    c = setting.config(cfg.run, int(seed))
+    c.sft.base_dir = base_dir
+    return c
+
+  jobs = [lowrl_grid.Job.of({"setting": s.name, "seed": int(seed)},
+                            run_config.fingerprint(seed_config(s, seed)), s)
+          for s, _ in grid for seed in cfg.seeds]
+  base = []  # the shared base, loaded once (the first run trains it)
+
+  def work(job: lowrl_grid.Job) -> dict[str, Any]:
+    setting, seed = job.payload, dict(job.key)["seed"]
+    c = seed_config(setting, seed)
+    run_dir = os.path.join(workdir, "runs", job.fingerprint)
+    log(f"[ablate] {job.label} -> {run_dir}")
+    t0 = time.time()
+    summary = loop.run(c, run_dir, log=lambda s: None)
+    if not base:
+      base.append(loop.load_base(c, run_dir, log=lambda s: None))
+    twin_c = seed_config(twin_setting, seed)
+    twin_dir = os.path.join(workdir, "runs", run_config.fingerprint(twin_c))
+    kl = _twin_kl(c, run_dir, twin_c, twin_dir, base[0])
+    line = {"group": setting.group, "run_dir": os.path.relpath(run_dir, workdir),
+            "precision": dict(setting.precision)["name"], "sampler": setting.sampler,
+            "overrides": dict(setting.overrides),
+            "eval_start": summary["eval_start"], "eval_end": summary["eval_end"],
+            **summarize_metrics(run_logs.read_metrics(run_dir)), **kl,
+            "wall_s": time.time() - t0}
+    log(f"[ablate] {setting.name} seed {seed}: pass@1 {line['eval_start']['pass_at_1']:.3f} -> "
+        f"{line['eval_end']['pass_at_1']:.3f}, twin KL {kl['twin_kl_end']:.2e}, "
+        f"{line['wall_s']:.0f}s")
+    return line
+
+  try:
+    lowrl_grid.run(jobs, os.path.join(workdir, RESULTS), work, log=log, tag="ablate")
+  except ValueError as e:
+    if "another config" in str(e) or "not JSON" in str(e):
+      raise run_config.ConfigError(str(e)) from None
+    raise
   results = read_results(workdir)
   log(f"[ablate] done: {len(results)} runs, {sum(r['wall_s'] for r in results):.0f}s of runs "
       f"in all; report: python -m experiments.report --workdir={workdir}")

@@ -58,8 +58,8 @@ def test_grid_resumes_skipping_finished_runs(grid):
   logs = []
   again = ablate.run_grid(cfg, work, log=logs.append)
   assert again == results
-  assert not [x for x in logs if x.startswith("[ablate] run ")]
-  assert "4 already finished" in logs[0]
+  assert not [x for x in logs if " -> " in x and "runs" in x]
+  assert any("4 jobs, 4 already done, 0 to run" in x for x in logs)
   # A finished line whose config changed since is an error, not a silent mix.
   changed = ml_collections.ConfigDict(cfg.to_dict())
   changed.run.optimizer.lr = 1e-4
@@ -103,3 +103,28 @@ def test_quick_grid_runs_every_group_and_evaluates_in_rollout_sized_rows():
   assert set(quick.only) <= {s.name for s in chosen}
   r = quick.run
   assert r.eval_num_prompts * r.eval_samples == r.rl.num_prompts * r.rl.group_size
+
+
+def test_rows_are_data_knobs_and_lrs_expand():
+  """configs/ablate.py's rows: "$knob" reads the grid's knob, "each": "lrs" repeats a row per
+  learning rate (lr-major within the group), a malformed row is a one-line error."""
+  cfg = ablate_config.get_config()
+  cfg.kl_coef = 0.125
+  cfg.lrs = (1e-3, 1e-5)
+  by_name = {s.name: s for s in ablate.settings(cfg)}
+  assert dict(by_name["kl"].overrides) == {"rl.kl_coef": 0.125}
+  sr = [s.name for s in ablate.settings(cfg) if s.group == "sr"]
+  assert sr == [f"{m}@{lr}" for lr in ("1e-3", "1e-5")
+                for m in ("fp32_master", "bf16_rtn", "bf16_sr", "fp16")]
+  assert dict(by_name["bf16_sr@1e-5"].overrides)["optimizer.lr"] == 1e-5
+  assert by_name["bf16_sr@1e-5"].config(cfg.run, 0).optimizer.master_rounding == "stochastic"
+  for bad, match in (({"name": "x", "group": "g", "recipe": "bf16",
+                       "overrides": {"rl.kl_coef": "$nope"}}, r"\$nope names no knob"),
+                     ({"name": "x", "group": "g", "recipe": "bf16", "each": "seeds"},
+                      "only 'lrs'"),
+                     ({"name": "x", "group": "g"}, "needs name, group, recipe"),
+                     ({"name": "x", "group": "g", "recipe": "bf16",
+                       "precision": {"no_such_knob": 1}}, "unknown precision knobs")):
+    cfg.rows = (*ablate_config.ROWS, bad)
+    with pytest.raises(run_config.ConfigError, match=match):
+      ablate.settings(cfg)
