@@ -69,6 +69,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.kl_coef = 0.05  # KL reference reset group: beta of the KL penalty
   c.ref_reset_every = 10  # KL reference reset group: steps between pi_ref resets
 
+  # experiments/paired.py: rollout batches sampled once from the base in BF16, scored by every
+  # forward-ladder rung (all `batches`) and differentiated by every backward mode (the first
+  # `grad_batches`); `heldout` other batches measure one update's outcome. quick_*: the quick grid's.
+  c.paired = ml_collections.ConfigDict(dict(
+      batches=20, grad_batches=20, heldout=4, quick_batches=12, quick_grad_batches=10,
+      quick_heldout=2))
+
   run = base.get_config("bf16")
   # 8 layers: the BF16 tail (15%) is one layer; scanned so compile time does not grow with depth.
   run.model.update(d_model=64, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=192,

@@ -28,7 +28,12 @@ policy (trainer precision) is compared with the final policy of the `twin` setti
 seed (same base, prompts, sampling keys) by KL(run || twin) per completion token on the held-out
 prompts (`Trainer.policy_kl`: completions sampled from the run's policy, both policies score
 them); `twin_kl_start` is the same between the two precisions' views of the base (quantization
-alone). Computed from the two runs' final checkpoints, so no run trains a second model.
+alone). Computed from the two runs' final checkpoints, so no run trains a second model. Each line
+also holds held-out pass@k (k = 1, 2, 4, ... up to eval_samples) of the base and of the final
+policy (`pass_at_k_start` / `pass_at_k_end`).
+
+The grid is data (configs/ablate.py ROWS) and runs on lowrl.grid (one resumable runner). The
+paired forward-only and backward measurements on the same base: experiments/paired.py.
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ import numpy as np
 
 from lowrl import grid as lowrl_grid
 from lowrl import precision, user_cache
+from lowrl.tasks import eval as eval_tasks
 from lowrl.training import loop, optimizer, run_config, run_logs
 
 Log = Callable[[str], None]
@@ -211,19 +217,35 @@ def summarize_metrics(lines: list[dict[str, Any]]) -> dict[str, float | None]:
           "update_erasure": mean("update_erasure")}
 
 
-def _twin_kl(cfg: ml_collections.ConfigDict, workdir: str, twin_cfg: ml_collections.ConfigDict,
-             twin_dir: str, base) -> dict[str, float]:
-  """KL(run || twin) of the final policies and of the base under both precisions."""
+def _pass_at_k(trainer: loop.Trainer, params, key: jax.Array) -> dict[str, float]:
+  """pass@k on the held-out prompts for k = 1, 2, 4, ... up to `eval_samples` (the unbiased
+  estimate from `eval_samples` samples per prompt at the rollout temperature, trainer policy)."""
+  tp = trainer.setup.trainer_policy
+  n = int(trainer.setup.cfg.eval_samples)
+  chunks = trainer._eval_samples(params, key, quant_key=loop._quant_key(tp, key),  # noqa: SLF001
+                                 act_amax=trainer.act_amax(params, tp))
+  rewards = np.concatenate([trainer.rewards(out, ex)[0] for out, ex in chunks]).reshape(-1, n)
+  ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n} | {n})
+  return {str(k): eval_tasks.pass_at_k_from_rewards(rewards, k) for k in ks}
+
+
+def _after_run(cfg: ml_collections.ConfigDict, workdir: str, twin_cfg: ml_collections.ConfigDict,
+               twin_dir: str, base) -> dict[str, Any]:
+  """KL(run || twin) of the final policies and of the base under both precisions, and pass@k of
+  the base and the final policy (held-out)."""
   trainer = loop.Trainer(loop.build(cfg), log=lambda _: None)
   twin = loop.Trainer(loop.build(twin_cfg), log=lambda _: None)
   key = jax.random.key(cfg.seed)
-  start = trainer.policy_kl(trainer.place(optimizer.to_master(base, cfg.optimizer.master_dtype)),
-                            trainer.place(base), twin.setup.trainer_policy, key)
-  end = trainer.policy_kl(loop.final_params(cfg, workdir, trainer),
-                          loop.final_params(twin_cfg, twin_dir, twin), twin.setup.trainer_policy,
-                          key)
+  start_params = trainer.place(optimizer.to_master(base, cfg.optimizer.master_dtype))
+  end_params = loop.final_params(cfg, workdir, trainer)
+  start = trainer.policy_kl(start_params, trainer.place(base), twin.setup.trainer_policy, key)
+  end = trainer.policy_kl(end_params, loop.final_params(twin_cfg, twin_dir, twin),
+                          twin.setup.trainer_policy, key)
+  k_pass = jax.random.fold_in(key, 7)
   return {"twin_kl_start": start["kl"], "twin_kl_k3_start": start["kl_k3"],
-          "twin_kl_end": end["kl"], "twin_kl_k3_end": end["kl_k3"]}
+          "twin_kl_end": end["kl"], "twin_kl_k3_end": end["kl_k3"],
+          "pass_at_k_start": _pass_at_k(trainer, start_params, k_pass),
+          "pass_at_k_end": _pass_at_k(trainer, end_params, k_pass)}
 
 
 def run_grid(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print,
@@ -268,7 +290,7 @@ def run_grid(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print,
       base.append(loop.load_base(c, run_dir, log=lambda s: None))
     twin_c = seed_config(twin_setting, seed)
     twin_dir = os.path.join(workdir, "runs", run_config.fingerprint(twin_c))
-    kl = _twin_kl(c, run_dir, twin_c, twin_dir, base[0])
+    kl = _after_run(c, run_dir, twin_c, twin_dir, base[0])
     line = {"group": setting.group, "run_dir": os.path.relpath(run_dir, workdir),
             "precision": dict(setting.precision)["name"], "sampler": setting.sampler,
             "overrides": dict(setting.overrides),

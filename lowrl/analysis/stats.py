@@ -309,10 +309,11 @@ def markdown_table(verdicts: Sequence[Verdict], digits: int = 3) -> str:
   """The claims table of a report: claim, design, n, effect [95% CI], p, Holm p, verdict."""
   lines = ["| claim | design | n | effect [95% CI] | p | Holm p | verdict |",
            "|---|---|---|---|---|---|---|"]
+  cell = lambda text: text.replace("|", "\\|")  # noqa: E731 (a | would end the cell)
   for v in verdicts:
     r = v.claim.result
     ci = f" [{fmt_num(r.ci_low, digits)}, {fmt_num(r.ci_high, digits)}]"
-    lines.append(f"| {v.claim.statement} | {v.claim.design} | {r.n} | "
+    lines.append(f"| {cell(v.claim.statement)} | {cell(v.claim.design)} | {r.n} | "
                  f"{fmt_num(r.mean, digits)}{ci} | {fmt_p(r.p)} | {fmt_p(v.p_holm)} | "
                  f"**{v.verdict}** |")
   return "\n".join(lines)
