@@ -28,6 +28,9 @@ backward        on the first `grad_batches` batches, the RL loss's gradient (low
                  AdamW, fresh state) from the base on each mode's gradient of the batch, and the
                  change of the FP32 policy-gradient surrogate -mean(A * log pi) on `heldout`
                  other batches (pi_old = the base; lower is better): per batch and mode.
+distance        for every finished run of the grid (results.jsonl), its distance to BF16 in two
+                 parts, static and trajectory (`distance`), on held-out tokens sampled once from
+                 the base in BF16; paired by seed in the report.
 """
 from __future__ import annotations
 
@@ -197,6 +200,52 @@ def backward(cfg, setups: dict[str, loop.Setup], params, rollouts, heldout, log:
   return {"units": "batches", "heldout_base": base_loss, "modes": rows}
 
 
+def _row_kl(params, ref_params, outs, setup: loop.Setup, policy, ref_policy) -> np.ndarray:
+  """Per row of `outs` (SampleOutputs): KL(q_{params, policy} || q_{ref_params, ref_policy})."""
+  key = jax.random.key(setup.cfg.seed)
+  return np.concatenate([np.asarray(_kl_per_row(
+      params, ref_params, o.tokens, o.attention_mask, o.completion_mask,
+      jax.random.fold_in(key, i), model_cfg=setup.model_cfg, policy=policy,
+      ref_policy=ref_policy, sampling=setup.sampling)) for i, o in enumerate(outs)])
+
+
+def distance(cfg, workdir: str, line: dict[str, Any], twin_line: dict[str, Any],
+             settings: dict[str, ablate.Setting], base, log: Log) -> dict[str, Any]:
+  """The run's distance to BF16 in two parts on identical tokens (the held-out prompts'
+  completions sampled once from the base in BF16, `eval_samples` each; the same for every run of
+  the seed), exact full-vocabulary KL per token averaged per prompt:
+    static      KL(run's weights under its recipe || the same weights in BF16): the
+                quantization of the forward alone, at the start (the base) and the end;
+    trajectory  KL(run's weights in BF16 || its BF16 twin's weights in BF16): where training
+                took the weights, at the end (0 at the start: both are the base).
+  The loop keeps only its two newest checkpoints, so the points are the start and the end."""
+  base_dir = os.path.join(workdir, "base")
+  seed = int(line["seed"])
+  c = settings[line["setting"]].config(cfg.run, seed)
+  c.sft.base_dir = base_dir
+  tc = settings[twin_line["setting"]].config(cfg.run, seed)
+  tc.sft.base_dir = base_dir
+  twin = loop.Trainer(loop.build(tc), log=lambda _: None)
+  setup = loop.build(c)
+  bf16 = twin.setup.trainer_policy
+  base_t = twin.place(optimizer.to_master(base, tc.optimizer.master_dtype))
+  # The same held-out tokens for every run of this seed: sampled from the base in BF16.
+  outs = [o for o, _ in twin._eval_samples(base_t, jax.random.fold_in(jax.random.key(seed), 11),  # noqa: SLF001
+                                           quant_key=None, act_amax=None)]
+  end = loop.final_params(c, os.path.join(workdir, line["run_dir"]))
+  twin_end = loop.final_params(tc, os.path.join(workdir, twin_line["run_dir"]), twin)
+  start = optimizer.to_master(base, c.optimizer.master_dtype)
+  n = int(c.eval_samples)
+  per_prompt = lambda rows: rows.reshape(-1, n).mean(1).tolist()  # noqa: E731
+  out = {"setting": line["setting"], "seed": seed, "units": "held-out prompts",
+         "static_start": per_prompt(_row_kl(start, start, outs, setup, setup.trainer_policy, bf16)),
+         "static_end": per_prompt(_row_kl(end, end, outs, setup, setup.trainer_policy, bf16)),
+         "trajectory_end": per_prompt(_row_kl(end, twin_end, outs, setup, bf16, bf16))}
+  log(f"[paired] distance {line['setting']} seed {seed}: static {np.mean(out['static_start']):.4f}"
+      f" -> {np.mean(out['static_end']):.4f}, trajectory {np.mean(out['trajectory_end']):.4f}")
+  return out
+
+
 def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[dict[str, Any]]:
   """Runs (or resumes) the paired measurements of the grid config `cfg` on `<workdir>`'s base;
   returns the lines of `<workdir>/paired.jsonl`."""
@@ -217,6 +266,14 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[
   jobs = [lowrl_grid.Job.of({"measurement": m, "point": "base"},
                             f"{fp}-{m}-{n['batches']}-{n['grad_batches']}-{n['heldout']}")
           for m in ("forward_ladder", "backward")]
+  # The distance parts of every finished run of the grid (experiments.ablate's results.jsonl).
+  grid_lines = ablate.read_results(workdir)
+  twins = {r["seed"]: r for r in grid_lines if r["setting"] == cfg.twin}
+  for r in grid_lines:
+    if r["setting"] in settings and r["seed"] in twins:
+      jobs.append(lowrl_grid.Job.of(
+          {"measurement": "distance", "point": f"{r['setting']} seed {r['seed']}"},
+          f"{r['fingerprint']}-{twins[r['seed']]['fingerprint']}", (r, twins[r["seed"]])))
   state: dict[str, Any] = {}
 
   def inputs():
@@ -224,13 +281,15 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[
       twin = loop.Trainer(loop.build(twin_cfg), log=lambda _: None)
       base = loop.load_base(twin_cfg, os.path.join(workdir, "runs", "paired"), log=log)
       params = twin.place(optimizer.to_master(base, twin_cfg.optimizer.master_dtype))
-      state.update(twin=twin, params=params,
+      state.update(twin=twin, params=params, base=base,
                    rollouts=sample_batches(twin, params, n["batches"]),
                    heldout=sample_batches(twin, params, n["heldout"], first_step=10_000))
     return state
 
   def work(job: lowrl_grid.Job) -> dict[str, Any]:
     s = inputs()
+    if dict(job.key)["measurement"] == "distance":
+      return distance(cfg, workdir, *job.payload, settings, s["base"], log)
     if dict(job.key)["measurement"] == "forward_ladder":
       return forward_ladder(cfg, setups, s["twin"].setup, s["params"], s["rollouts"], log)
     return backward(cfg, bwd, s["params"], s["rollouts"][:n["grad_batches"]], s["heldout"], log)
@@ -238,10 +297,16 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[
   return lowrl_grid.run(jobs, os.path.join(workdir, RESULTS), work, log=log, tag="paired")
 
 
-def read_results(workdir: str) -> dict[str, dict[str, Any]]:
-  """{measurement: its line} of `<workdir>/paired.jsonl` ({} when absent)."""
-  return {r["measurement"]: r
-          for r in lowrl_grid.read_results(os.path.join(workdir, RESULTS))}
+def read_results(workdir: str) -> dict[str, Any]:
+  """{measurement: its line} of `<workdir>/paired.jsonl` ({} when absent); "distance": the list
+  of the distance lines (one per run)."""
+  out: dict[str, Any] = {"distance": []}
+  for r in lowrl_grid.read_results(os.path.join(workdir, RESULTS)):
+    if r["measurement"] == "distance":
+      out["distance"].append(r)
+    else:
+      out[r["measurement"]] = r
+  return out
 
 
 def main(argv):

@@ -172,9 +172,44 @@ def grid_claims(results: list[dict[str, Any]]) -> list[stats.Claim]:
   return [x for x in c if x is not None]
 
 
-def paired_claims(paired: dict[str, dict[str, Any]]) -> list[stats.Claim]:
-  """The claims of experiments/paired.py's measurements (prompts / batches as units)."""
-  out = []
+def distance_claims(lines: list[dict[str, Any]]) -> list[stats.Claim]:
+  """Seed-paired claims on the trajectory part of the distance to BF16 (experiments/paired.py
+  `distance`: one line per run, per-prompt values averaged to one number per run)."""
+  rows = [{"setting": r["setting"], "seed": r["seed"],
+           **{k: float(np.mean(r[k])) for k in ("static_start", "static_end", "trajectory_end")}}
+          for r in lines]
+  traj = _get("trajectory_end")
+  c = [_seed_claim(rows, "trajectory_recipe_vs_naive", "The recipe's weights stay closer to its "
+                   "BF16 twin's than naive NVFP4's (trajectory part, both in BF16)",
+                   "nvfp4_recipe", "nvfp4_naive", traj, -1,
+                   "exact KL(run's weights ‖ twin's weights), both in BF16, at the end")]
+  for prev, cur in zip(BUILD_UP, BUILD_UP[1:]):
+    c.append(_seed_claim(rows, f"trajectory_{cur}", f"{cur} (after {prev}) also lowers the "
+                         "trajectory part", cur, prev, traj, -1,
+                         "trajectory part at the end"))
+  return [x for x in c if x is not None]
+
+
+def _distance_table(lines: list[dict[str, Any]]) -> list[str]:
+  if not lines:
+    return []
+  by: dict[str, list[dict]] = {}
+  for r in lines:
+    by.setdefault(r["setting"], []).append(r)
+  md = ["### Distance to BF16 in two parts (exact KL per token on identical held-out tokens)", "",
+        "| setting | seeds | static start | static end | trajectory end |", "|---|---|---|---|---|"]
+  for name, rs in by.items():
+    cells = [stats.fmt_num(float(np.mean([np.mean(r[k]) for r in rs])), 4)
+             for k in ("static_start", "static_end", "trajectory_end")]
+    md.append(f"| {name} | {len(rs)} | " + " | ".join(cells) + " |")
+  return md + ["", "Static: the run's weights under its recipe vs the same weights in BF16. "
+               "Trajectory: the run's weights vs its BF16 twin's, both in BF16 (0 at the start). "
+               "Mean over seeds of the per-prompt means.", ""]
+
+
+def paired_claims(paired: dict[str, Any]) -> list[stats.Claim]:
+  """The claims of experiments/paired.py's measurements (prompts / batches / seeds as units)."""
+  out = distance_claims(paired.get("distance", []))
   lad = paired.get("forward_ladder", {}).get("kl", {})
   for prev, cur in zip(LADDER, LADDER[1:]):
     if prev in lad and cur in lad:
@@ -384,7 +419,7 @@ def write_report(workdir: str, out_md: str) -> str:
   notes = [f"- {v.claim.statement}: {v.claim.note}" for v in verdicts if v.claim.note]
   if notes:
     md += ["Also (not Holm-adjusted):", "", *notes, ""]
-  md += _paired_section(paired)
+  md += _paired_section(paired) + _distance_table(paired.get("distance", []))
   with open(os.path.splitext(out_md)[0] + "_claims.json", "w") as f:
     json.dump([v.row() for v in verdicts], f, indent=1)
   md += NOT_YET

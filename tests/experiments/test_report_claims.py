@@ -96,3 +96,21 @@ def test_paired_measurement_claims():
   assert v["backward_heldout_delta_dequantized_vs_high_precision"].verdict == "not resolved"
   md = "\n".join(report._paired_section(paired))  # noqa: SLF001
   assert "| dequantized | 20 |" in md and "| +bf16_tail | 200 |" in md
+
+
+def test_distance_claims_pair_the_trajectory_part_by_seed():
+  rng = np.random.default_rng(2)
+  lines = []
+  for s in SEEDS:
+    lvl = 0.1 + 0.05 * (s - 2)  # a seed moves both settings alike
+    for name, shift in (("nvfp4_naive", 0.0), ("nvfp4_recipe", -0.01)):
+      per_prompt = lvl + shift + rng.normal(0, 1e-4, 16)
+      lines.append({"setting": name, "seed": s, "static_start": list(per_prompt * 0 + 0.2),
+                    "static_end": list(per_prompt * 0 + 0.2), "trajectory_end": list(per_prompt)})
+  v = _by_name(stats.judge(report.distance_claims(lines)))
+  assert set(v) == {"trajectory_recipe_vs_naive"}
+  r = v["trajectory_recipe_vs_naive"]
+  assert r.verdict == "held" and r.claim.result.n == 5
+  assert r.claim.result.mean == pytest.approx(-0.01, abs=2e-4)
+  md = "\n".join(report._distance_table(lines))  # noqa: SLF001
+  assert "| nvfp4_recipe | 5 | 0.2000 | 0.2000 |" in md
