@@ -5,8 +5,8 @@ by every setting: an 8-layer decoder on sorting 3-6 letters, one mid-trained bas
 setting and seed (`run.sft.seed`), the probes on (`run.diagnostics.every`). `groups` chooses which
 parts of the grid run (experiments/ablate.py `settings` lists them); `seeds` run for every
 setting; `twin` is the setting every run's policy is compared with (KL to the BF16 twin); `lrs`
-the learning rates of the stochastic-rounding group. `rows` is the grid itself, as data (ROWS:
-one dict per setting, read by experiments/ablate.py `settings`). `quick=True` is a small grid at small sizes
+the learning rates of the stochastic-rounding group. `grid` is the grid itself, as data (GRID:
+one row per setting, read by experiments/ablate.py `settings`). `quick=True` is a small grid at small sizes
 (9 minutes on 2 idle CPU cores, measured) that exercises every part; the other
 values are then ignored.
 """
@@ -17,40 +17,50 @@ import ml_collections
 from configs import base
 
 
-# The grid, one row per setting: name, group, the trainer's precision (a named recipe with some of
-# its knobs changed, `label` its name in the logs), the sampler's recipe ('' = the trainer's) and
-# further `--config.run.*` values. An override value "$knob" is this config's top-level knob (so
-# --config.kl_coef changes the rows that use it); a row with "each": "lrs" is repeated for every
-# learning rate of `lrs`, named "<name>@<lr>" with optimizer.lr set.
-_PT = {"act_per_token": True}
-_PT46 = {**_PT, "four_over_six": True}
-_SCALE = {"optimizer.loss_scale": "$fp16_loss_scale"}
-ROWS = (
-    {"name": "fp32", "group": "recipe", "recipe": "fp32"},
-    {"name": "bf16", "group": "recipe", "recipe": "bf16"},
-    {"name": "fp16", "group": "recipe", "recipe": "fp16", "overrides": _SCALE},
-    {"name": "mxfp8", "group": "recipe", "recipe": "mxfp8"},
-    {"name": "nvfp4_naive", "group": "recipe", "recipe": "nvfp4_naive"},
-    {"name": "+per_token", "group": "recipe", "recipe": "nvfp4_naive",
-     "precision": {"label": "nvfp4_pt", **_PT}},
-    {"name": "+4/6", "group": "recipe", "recipe": "nvfp4_naive",
-     "precision": {"label": "nvfp4_pt_46", **_PT46}},
-    {"name": "+bf16_tail", "group": "recipe", "recipe": "nvfp4_naive",
-     "precision": {"label": "nvfp4_pt_46_tail", **_PT46, "bf16_last_fraction": 0.15}},
-    {"name": "nvfp4_recipe", "group": "recipe", "recipe": "nvfp4_recipe"},  # + dequantized bwd
-    {"name": "nvfp4_recipe_qbwd", "group": "recipe", "recipe": "nvfp4_recipe",
-     "precision": {"label": "nvfp4_recipe_qbwd", "backward": "quantized"}},
-    *({"name": f"s={s}/t=bf16", "group": "sampler_only", "recipe": "bf16", "sampler": s}
+# The grid as data, one row per setting: {"name", "group", "overrides"}; `overrides` maps dotted
+# paths of `run` to values, applied in order: "precision" (a recipe name) replaces run.precision
+# by that recipe, then "precision.<knob>" change it ("precision.name" labels the changed recipe);
+# any other path (sampler_precision.recipe, optimizer.lr, ...) is set as --config.run.<path>
+# would. A value "$knob" is this config's top-level knob (so --config.kl_coef changes the rows
+# that use it); a row with "each": "lrs" is repeated for every learning rate of `lrs`, named
+# "<name>@<lr>" with optimizer.lr set first.
+_PT = {"precision": "nvfp4_naive", "precision.act_per_token": True}  # + per-token act scales
+_PT46 = {**_PT, "precision.four_over_six": True}  # + 4/6 block scaling
+_SCALE = {"optimizer.loss_scale": "$fp16_loss_scale"}  # every FP16-compute setting
+GRID = (
+    {"name": "fp32", "group": "recipe", "overrides": {"precision": "fp32"}},
+    {"name": "bf16", "group": "recipe", "overrides": {"precision": "bf16"}},
+    {"name": "fp16", "group": "recipe", "overrides": {"precision": "fp16", **_SCALE}},
+    {"name": "mxfp8", "group": "recipe", "overrides": {"precision": "mxfp8"}},
+    {"name": "nvfp4_naive", "group": "recipe", "overrides": {"precision": "nvfp4_naive"}},
+    # The 4-bitter recipe built up one component at a time.
+    {"name": "+per_token", "group": "recipe", "overrides": {**_PT, "precision.name": "nvfp4_pt"}},
+    {"name": "+4/6", "group": "recipe", "overrides": {**_PT46, "precision.name": "nvfp4_pt_46"}},
+    {"name": "+bf16_tail", "group": "recipe",
+     "overrides": {**_PT46, "precision.bf16_last_fraction": 0.15,
+                   "precision.name": "nvfp4_pt_46_tail"}},
+    {"name": "nvfp4_recipe", "group": "recipe",  # + dequantized backward
+     "overrides": {"precision": "nvfp4_recipe"}},
+    {"name": "nvfp4_recipe_qbwd", "group": "recipe",
+     "overrides": {"precision": "nvfp4_recipe", "precision.backward": "quantized",
+                   "precision.name": "nvfp4_recipe_qbwd"}},
+    # The trainer in BF16, the sampler in a low-precision recipe.
+    *({"name": f"s={s}/t=bf16", "group": "sampler_only",
+       "overrides": {"precision": "bf16", "sampler_precision.recipe": s}}
       for s in ("mxfp8", "nvfp4_naive", "nvfp4_recipe")),
-    {"name": "fp32_master", "group": "sr", "recipe": "bf16", "each": "lrs"},
-    {"name": "bf16_rtn", "group": "sr", "recipe": "bf16", "each": "lrs",
-     "overrides": {"optimizer.master_dtype": "bfloat16"}},
-    {"name": "bf16_sr", "group": "sr", "recipe": "bf16", "each": "lrs",
-     "overrides": {"optimizer.master_dtype": "bfloat16", "optimizer.master_rounding": "stochastic"}},
-    {"name": "fp16", "group": "sr", "recipe": "fp16", "each": "lrs", "overrides": _SCALE},
-    {"name": "kl", "group": "kl_reset", "recipe": "bf16", "overrides": {"rl.kl_coef": "$kl_coef"}},
-    {"name": "kl+reset", "group": "kl_reset", "recipe": "bf16",
-     "overrides": {"rl.kl_coef": "$kl_coef", "rl.ref_reset_every": "$ref_reset_every"}},
+    # Master weights at each learning rate: FP32, BF16 rounded to nearest, BF16 stochastic, FP16.
+    {"name": "fp32_master", "group": "sr", "each": "lrs", "overrides": {"precision": "bf16"}},
+    {"name": "bf16_rtn", "group": "sr", "each": "lrs",
+     "overrides": {"precision": "bf16", "optimizer.master_dtype": "bfloat16"}},
+    {"name": "bf16_sr", "group": "sr", "each": "lrs",
+     "overrides": {"precision": "bf16", "optimizer.master_dtype": "bfloat16",
+                   "optimizer.master_rounding": "stochastic"}},
+    {"name": "fp16", "group": "sr", "each": "lrs", "overrides": {"precision": "fp16", **_SCALE}},
+    {"name": "kl", "group": "kl_reset",
+     "overrides": {"precision": "bf16", "rl.kl_coef": "$kl_coef"}},
+    {"name": "kl+reset", "group": "kl_reset",
+     "overrides": {"precision": "bf16", "rl.kl_coef": "$kl_coef",
+                   "rl.ref_reset_every": "$ref_reset_every"}},
 )
 
 
@@ -65,7 +75,7 @@ def get_config() -> ml_collections.ConfigDict:
   # (its fp32_master setting is the bf16 setting: one run).
   c.lrs = (2e-4, 2e-5, 2e-6)
   c.fp16_loss_scale = 1024.0  # static loss scale of every FP16-compute setting
-  c.rows = ROWS  # the grid (see ROWS)
+  c.grid = GRID  # the settings (see GRID)
   c.kl_coef = 0.05  # KL reference reset group: beta of the KL penalty
   c.ref_reset_every = 10  # KL reference reset group: steps between pi_ref resets
 

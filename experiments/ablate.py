@@ -32,7 +32,7 @@ alone). Computed from the two runs' final checkpoints, so no run trains a second
 also holds held-out pass@k (k = 1, 2, 4, ... up to eval_samples) of the base and of the final
 policy (`pass_at_k_start` / `pass_at_k_end`).
 
-The grid is data (configs/ablate.py ROWS) and runs on lowrl.grid (one resumable runner). The
+The grid is data (configs/ablate.py GRID) and runs on lowrl.grid (one resumable runner). The
 paired forward-only and backward measurements on the same base: experiments/paired.py.
 """
 from __future__ import annotations
@@ -103,41 +103,48 @@ def _value(cfg: ml_collections.ConfigDict, v: Any, row: str) -> Any:
   if isinstance(v, str) and v.startswith("$"):
     if v[1:] not in cfg:
       raise run_config.ConfigError(f"row {row}: {v} names no knob of the grid config; use one "
-                                   f"of {sorted(k for k in cfg if k not in ('run', 'rows'))}.")
+                                   f"of {sorted(k for k in cfg if k not in ('run', 'grid'))}.")
     v = cfg[v[1:]]
   return v
 
 
 def _settings_of_row(cfg: ml_collections.ConfigDict, row: dict[str, Any]) -> list[Setting]:
-  known = {"name", "group", "recipe", "precision", "sampler", "overrides", "each"}
-  if set(row) - known or not {"name", "group", "recipe"} <= set(row):
-    raise run_config.ConfigError(f"--config.rows: row {row!r} needs name, group, recipe and may "
-                                 f"have only {sorted(known)}.")
-  changes = dict(row.get("precision", {}))
-  label = changes.pop("label", None)
+  """The Setting(s) of one row of `cfg.grid` (configs/ablate.py GRID says how a row applies)."""
+  known = {"name", "group", "overrides", "each"}
+  ov = dict(row.get("overrides", {}))
+  if set(row) - known or not {"name", "group"} <= set(row) or "precision" not in ov:
+    raise run_config.ConfigError(f"--config.grid: row {row!r} needs name, group and overrides "
+                                 "with a 'precision' recipe, and may have only "
+                                 f"{sorted(known)}.")
+  name = row["name"]
+  recipe = _value(cfg, ov.pop("precision"), name)
+  label = ov.pop("precision.name", None)
+  changes = {k.split(".", 1)[1]: _value(cfg, ov.pop(k), name)
+             for k in [k for k in ov if k.startswith("precision.")]}
+  sampler = _value(cfg, ov.pop("sampler_precision.recipe", ""), name)
   try:
-    prec = _recipe(row["recipe"], label, **changes)
+    prec = _recipe(recipe, label, **changes)
   except (ValueError, KeyError) as e:
-    raise run_config.ConfigError(f"--config.rows: row {row['name']}: {e}") from e
-  overrides = tuple((k, _value(cfg, v, row["name"])) for k, v in row.get("overrides", {}).items())
+    raise run_config.ConfigError(f"--config.grid: row {name}: {e}") from e
+  overrides = tuple((k, _value(cfg, v, name)) for k, v in ov.items())
   if not row.get("each"):
-    return [Setting(row["name"], row["group"], prec, row.get("sampler", ""), overrides)]
+    return [Setting(name, row["group"], prec, sampler, overrides)]
   if row["each"] != "lrs":
-    raise run_config.ConfigError(f"--config.rows: row {row['name']}: each={row['each']!r}; "
-                                 "only 'lrs' is known.")
-  return [Setting(f"{row['name']}@{_lr_tag(lr)}", row["group"], prec, row.get("sampler", ""),
+    raise run_config.ConfigError(f"--config.grid: row {name}: each={row['each']!r}; only "
+                                 "'lrs' is known.")
+  return [Setting(f"{name}@{_lr_tag(lr)}", row["group"], prec, sampler,
                   (("optimizer.lr", float(lr)),) + overrides) for lr in cfg.lrs]
 
 
 def settings(cfg: ml_collections.ConfigDict) -> list[Setting]:
-  """The grid of `cfg` (configs/ablate.py `rows`), the `twin` setting first; only `cfg.groups`.
+  """The grid of `cfg` (configs/ablate.py `grid`), the `twin` setting first; only `cfg.groups`.
   Within a group the rows repeated over `lrs` come after the others, learning rate by learning
   rate (all of one lr together)."""
   groups: dict[str, list[Setting]] = {}
-  for row in cfg.rows:
+  for row in cfg.grid:
     groups.setdefault(row["group"], [])
   for g in groups:
-    rows = [r for r in cfg.rows if r["group"] == g]
+    rows = [r for r in cfg.grid if r["group"] == g]
     once = [s for r in rows if not r.get("each") for s in _settings_of_row(cfg, r)]
     each = [_settings_of_row(cfg, r) for r in rows if r.get("each")]
     groups[g] = once + [s for per_lr in zip(*each) for s in per_lr]

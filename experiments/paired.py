@@ -71,9 +71,9 @@ def sizes(cfg: ml_collections.ConfigDict) -> dict[str, int]:
 
 
 def all_settings(cfg: ml_collections.ConfigDict) -> dict[str, ablate.Setting]:
-  """Every setting of the grid's rows, whatever `groups` / `only` choose."""
+  """Every setting of the grid's rows (`cfg.grid`), whatever `groups` / `only` choose."""
   c = ml_collections.ConfigDict(cfg.to_dict())
-  c.groups = tuple(sorted({r["group"] for r in cfg.rows}))
+  c.groups = tuple(sorted({r["group"] for r in cfg.grid}))
   c.only = ()
   return {s.name: s for s in ablate.settings(c)}
 
@@ -276,20 +276,24 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[
           f"{r['fingerprint']}-{twins[r['seed']]['fingerprint']}", (r, twins[r["seed"]])))
   state: dict[str, Any] = {}
 
+  def base():
+    if "base" not in state:
+      state["base"] = loop.load_base(twin_cfg, os.path.join(workdir, "runs", "paired"), log=log)
+    return state["base"]
+
   def inputs():
-    if not state:
+    if "twin" not in state:
       twin = loop.Trainer(loop.build(twin_cfg), log=lambda _: None)
-      base = loop.load_base(twin_cfg, os.path.join(workdir, "runs", "paired"), log=log)
-      params = twin.place(optimizer.to_master(base, twin_cfg.optimizer.master_dtype))
-      state.update(twin=twin, params=params, base=base,
+      params = twin.place(optimizer.to_master(base(), twin_cfg.optimizer.master_dtype))
+      state.update(twin=twin, params=params,
                    rollouts=sample_batches(twin, params, n["batches"]),
                    heldout=sample_batches(twin, params, n["heldout"], first_step=10_000))
     return state
 
   def work(job: lowrl_grid.Job) -> dict[str, Any]:
-    s = inputs()
     if dict(job.key)["measurement"] == "distance":
-      return distance(cfg, workdir, *job.payload, settings, s["base"], log)
+      return distance(cfg, workdir, *job.payload, settings, base(), log)
+    s = inputs()
     if dict(job.key)["measurement"] == "forward_ladder":
       return forward_ladder(cfg, setups, s["twin"].setup, s["params"], s["rollouts"], log)
     return backward(cfg, bwd, s["params"], s["rollouts"][:n["grad_batches"]], s["heldout"], log)

@@ -106,7 +106,7 @@ def test_quick_grid_runs_every_group_and_evaluates_in_rollout_sized_rows():
 
 
 def test_rows_are_data_knobs_and_lrs_expand():
-  """configs/ablate.py's rows: "$knob" reads the grid's knob, "each": "lrs" repeats a row per
+  """configs/ablate.py's grid rows: "$knob" reads the grid's knob, "each": "lrs" repeats a row per
   learning rate (lr-major within the group), a malformed row is a one-line error."""
   cfg = ablate_config.get_config()
   cfg.kl_coef = 0.125
@@ -118,13 +118,14 @@ def test_rows_are_data_knobs_and_lrs_expand():
                 for m in ("fp32_master", "bf16_rtn", "bf16_sr", "fp16")]
   assert dict(by_name["bf16_sr@1e-5"].overrides)["optimizer.lr"] == 1e-5
   assert by_name["bf16_sr@1e-5"].config(cfg.run, 0).optimizer.master_rounding == "stochastic"
-  for bad, match in (({"name": "x", "group": "g", "recipe": "bf16",
-                       "overrides": {"rl.kl_coef": "$nope"}}, r"\$nope names no knob"),
-                     ({"name": "x", "group": "g", "recipe": "bf16", "each": "seeds"},
+  bf16 = {"precision": "bf16"}
+  for bad, match in (({"name": "x", "group": "g", "overrides": {**bf16, "rl.kl_coef": "$nope"}},
+                      r"\$nope names no knob"),
+                     ({"name": "x", "group": "g", "overrides": bf16, "each": "seeds"},
                       "only 'lrs'"),
-                     ({"name": "x", "group": "g"}, "needs name, group, recipe"),
-                     ({"name": "x", "group": "g", "recipe": "bf16",
-                       "precision": {"no_such_knob": 1}}, "unknown precision knobs")):
-    cfg.rows = (*ablate_config.ROWS, bad)
+                     ({"name": "x", "group": "g"}, "needs name, group and overrides"),
+                     ({"name": "x", "group": "g", "overrides": {**bf16, "precision.nope": 1}},
+                      "unknown precision knobs")):
+    cfg.grid = (*ablate_config.GRID, bad)
     with pytest.raises(run_config.ConfigError, match=match):
       ablate.settings(cfg)
