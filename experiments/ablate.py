@@ -321,22 +321,30 @@ def run_grid(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print,
   return results
 
 
-def main(argv):
-  from lowrl.training import schema  # noqa: PLC0415
+def grid_main(flags, argv, fn: Callable[[ml_collections.ConfigDict, str, Log], Any]) -> None:
+  """The body of a grid binary's main: the config of `flags` (configs/ablate.py by default),
+  `fn(cfg, workdir, log)`, a ConfigError as a one-line exit."""
+  from absl import logging  # noqa: PLC0415 - binaries only
 
-  cfg = _FLAGS.start(argv, schema.TRAIN.docs("run."))
+  from lowrl.training import cli, schema  # noqa: PLC0415
+
+  cfg = flags.start(argv, schema.TRAIN.docs("run."))
   if cfg is None:
     return
   logging.set_verbosity(logging.WARNING)
   try:
-    run_grid(cfg, _FLAGS.workdir.value, log=lambda s: print(s, flush=True),
-             command="python -m experiments.ablate " + " ".join(sys.argv[1:]))
+    fn(cfg, flags.workdir.value, lambda s: print(s, flush=True))
   except run_config.ConfigError as e:
     cli.fail(str(e))
 
 
+def main(argv):
+  grid_main(_FLAGS, argv, lambda cfg, workdir, log: run_grid(
+      cfg, workdir, log=log, command="python -m experiments.ablate " + " ".join(sys.argv[1:])))
+
+
 if __name__ == "__main__":
-  from absl import app, logging
+  from absl import app
 
   from lowrl.training import cli
 

@@ -177,7 +177,7 @@ def backward(cfg, setups: dict[str, loop.Setup], params, rollouts, heldout, log:
     return float(np.mean([float(surrogate(p, h)) for h in heldout]))
 
   params = optimizer.to_master(params, any_setup.cfg.optimizer.master_dtype)
-  ref_params = params if update_cfg.kl_coef else None
+  ref_params = params if loop.uses_reference(any_setup.cfg) else None
   base_loss = heldout_loss(params)
   rows = {m: {"cos_fp32": [], "rel_err_fp32": [], "cos_exact": [], "rel_err_exact": [],
               "heldout_delta": []} for m in setups}
@@ -314,20 +314,11 @@ def read_results(workdir: str) -> dict[str, Any]:
 
 
 def main(argv):
-  from lowrl.training import schema  # noqa: PLC0415
-
-  cfg = _FLAGS.start(argv, schema.TRAIN.docs("run."))
-  if cfg is None:
-    return
-  logging.set_verbosity(logging.WARNING)
-  try:
-    run(cfg, _FLAGS.workdir.value, log=lambda s: print(s, flush=True))
-  except run_config.ConfigError as e:
-    cli.fail(str(e))
+  ablate.grid_main(_FLAGS, argv, lambda cfg, workdir, log: run(cfg, workdir, log=log))
 
 
 if __name__ == "__main__":
-  from absl import app, logging
+  from absl import app
 
   from lowrl.training import cli
 

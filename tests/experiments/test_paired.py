@@ -20,6 +20,9 @@ def measured(tmp_path_factory):
   cfg.run = tiny.loop_config("bf16", os.path.join(work, "unused"), steps=2)
   cfg.run.sft.seed = 0
   cfg.run.diagnostics.every = 0
+  # The quantized backward's NVFP4 blocks of 16 run along batch x time, split over the 8 test
+  # devices: 16 rows of 5 + 3 tokens give 2 x 8 per shard.
+  cfg.run.rl.update(num_prompts=4, max_new_tokens=3)
   cfg.paired.update(batches=3, grad_batches=2, heldout=1)
   logs = []
   lines = paired.run(cfg, work, log=logs.append)
