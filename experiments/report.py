@@ -369,10 +369,10 @@ NOT_YET = ["## What this grid cannot test yet", "",
            "whose probability goes to 0, pass@k for k up to 64. The grid's mean KL to a reference "
            "that was just reset is 0 by construction and is not a claim here; `kl_reset_pass_k` "
            "is the grid's proxy (pass@k at k = eval_samples).",
-           "- **Distance to BF16 in two parts at 0/25/50/100% of every run** (static: the run's "
-           "weights under its recipe vs in BF16; trajectory: the run's vs its twin's weights, both "
-           "in BF16): the loop keeps only its two newest checkpoints; the grid measures the start "
-           "and the end (twin KL).",
+           "- **Distance to BF16 in two parts at 25% and 50% of every run**: experiments.paired "
+           "measures the static and trajectory parts at the start and the end (table above); the "
+           "loop keeps only its two newest checkpoints, so the middle points need it to keep "
+           "more.",
            "",
            "Full grid: `python -m experiments.ablate --workdir=W && python -m experiments.paired "
            "--workdir=W && python -m experiments.report --workdir=W` (configs/ablate.py; 5 "
@@ -391,8 +391,11 @@ def write_report(workdir: str, out_md: str) -> str:
   pngs = _plots(workdir, agg, out_md)
   wall = sum(r["wall_s"] for r in results)
   md = ["# Recipe ablation in the real training loop", "",
-        f"Reproduce: `{meta.get('command', 'python -m experiments.ablate --workdir=W')}` then "
-        f"`python -m experiments.report --workdir={workdir}`.", "",
+        f"Reproduce: `{meta.get('command', 'python -m experiments.ablate --workdir=W')}`, "
+        f"`python -m experiments.paired --workdir={workdir}"
+        f"{' --config.quick=True' if meta.get('quick') else ''}` (paired measurements: "
+        f"{'present' if os.path.exists(os.path.join(workdir, paired_exp.RESULTS)) else 'not run'}"
+        f"), then `python -m experiments.report --workdir={workdir}`.", "",
         f"{len(results)} runs ({len(agg)} settings x seeds {meta.get('seeds', '?')}); wall time "
         f"of the runs {wall / 60:.1f} min in all ({meta.get('machine', 'this machine')}). Numbers "
         "in the settings table are mean ± population std over seeds (description; the claims "
