@@ -51,6 +51,8 @@ def test_grid_runs_every_setting_and_seed(grid):
       assert r["twin_kl_end"] == 0.0 and r["update_erasure"] == 0.0
     for k in ("twin_kl_start", "twin_kl_end", "grad_cos", "final_reward"):
       assert r[k] is not None
+    # eval_samples = 1: pass@1 only, from the same kind of samples as eval's pass_at_1.
+    assert set(r["pass_at_k_end"]) == {"1"} and 0 <= r["pass_at_k_end"]["1"] <= 1
 
 
 def test_grid_resumes_skipping_finished_runs(grid):
@@ -71,7 +73,8 @@ def test_report_writes_markdown_and_pngs(grid, tmp_path):
   _, work, _, _ = grid
   out = str(tmp_path / "results.md")
   text = report.write_report(work, out)
-  assert "bf16_rtn@1e-3" in text and "RL gains over the base at BF16" in text
+  assert "bf16_rtn@1e-3" in text and "RL at BF16 raises held-out pass@1" in text
+  assert "| claim | design | n | effect [95% CI] | p | Holm p | verdict |" in text
   pngs = sorted(p for p in os.listdir(tmp_path) if p.endswith(".png"))
   assert pngs == ["results_curves.png", "results_settings.png"]
   for p in pngs:
