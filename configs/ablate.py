@@ -5,16 +5,10 @@ by every setting: an 8-layer decoder on sorting 3-6 letters, one mid-trained bas
 setting and seed (`run.sft.seed`), the probes on (`run.diagnostics.every`). `groups` chooses which
 parts of the grid run (experiments/ablate.py `settings` lists them); `seeds` run for every
 setting; `twin` is the setting every run's policy is compared with (KL to the BF16 twin); `lrs`
-the learning rates of the stochastic-rounding group. `quick=True` is a small grid at small sizes
+the learning rates of the stochastic-rounding group. `grid` is the grid itself, as data (GRID:
+one row per setting, read by experiments/ablate.py `settings`). `quick=True` is a small grid at small sizes
 (9 minutes on 2 idle CPU cores, measured) that exercises every part; the other
 values are then ignored.
-
-`grid` is the grid as data, one row per setting: {"name", "group", "overrides"}, where
-`overrides` maps dotted paths of `run` to values, applied in order to a copy of `run`:
-"precision" (a recipe name of lowrl/recipes.py) replaces run.precision by that recipe, then
-"precision.<knob>" change it ("precision.name" labels the changed recipe), any other path
-(`sampler_precision.recipe`, `optimizer.lr`, ...) is set as `--config.run.<path>` would. (The
-rows equal what experiments/ablate.py `settings` builds; the runner reads them from here.)
 """
 from __future__ import annotations
 
@@ -23,49 +17,51 @@ import ml_collections
 from configs import base
 
 
-def _lr_tag(lr: float) -> str:
-  return f"{lr:.0e}".replace("e-0", "e-")
-
-
-def grid(lrs: tuple[float, ...], fp16_loss_scale: float, kl_coef: float,
-         ref_reset_every: int) -> tuple[dict, ...]:
-  """The ablation's settings as rows {name, group, overrides} (the module docstring says how a
-  row applies)."""
-  scale = {"optimizer.loss_scale": float(fp16_loss_scale)}  # every FP16-compute setting
-  pt = {"precision": "nvfp4_naive", "precision.act_per_token": True}  # + per-token act scales
-  pt46 = {**pt, "precision.four_over_six": True}  # + 4/6 block scaling
-  recipe = [
-      ("fp32", {"precision": "fp32"}),
-      ("bf16", {"precision": "bf16"}),
-      ("fp16", {"precision": "fp16", **scale}),
-      ("mxfp8", {"precision": "mxfp8"}),
-      ("nvfp4_naive", {"precision": "nvfp4_naive"}),
-      # The 4-bitter recipe built up one component at a time.
-      ("+per_token", {**pt, "precision.name": "nvfp4_pt"}),
-      ("+4/6", {**pt46, "precision.name": "nvfp4_pt_46"}),
-      ("+bf16_tail", {**pt46, "precision.bf16_last_fraction": 0.15,
-                      "precision.name": "nvfp4_pt_46_tail"}),
-      ("nvfp4_recipe", {"precision": "nvfp4_recipe"}),  # + dequantized backward
-      ("nvfp4_recipe_qbwd", {"precision": "nvfp4_recipe", "precision.backward": "quantized",
-                             "precision.name": "nvfp4_recipe_qbwd"}),
-  ]
-  # The trainer in BF16, the sampler in a low-precision recipe.
-  sampler_only = [(f"s={s}/t=bf16", {"precision": "bf16", "sampler_precision.recipe": s})
-                  for s in ("mxfp8", "nvfp4_naive", "nvfp4_recipe")]
-  # Master weights at each learning rate: FP32, BF16 rounded to nearest, BF16 stochastic, FP16.
-  sr = [row for lr in lrs for row in (
-      (f"fp32_master@{_lr_tag(lr)}", {"precision": "bf16", "optimizer.lr": float(lr)}),
-      (f"bf16_rtn@{_lr_tag(lr)}", {"precision": "bf16", "optimizer.lr": float(lr),
-                                   "optimizer.master_dtype": "bfloat16"}),
-      (f"bf16_sr@{_lr_tag(lr)}", {"precision": "bf16", "optimizer.lr": float(lr),
-                                  "optimizer.master_dtype": "bfloat16",
-                                  "optimizer.master_rounding": "stochastic"}),
-      (f"fp16@{_lr_tag(lr)}", {"precision": "fp16", "optimizer.lr": float(lr), **scale}))]
-  kl = {"precision": "bf16", "rl.kl_coef": float(kl_coef)}
-  kl_reset = [("kl", kl), ("kl+reset", {**kl, "rl.ref_reset_every": int(ref_reset_every)})]
-  groups = {"recipe": recipe, "sampler_only": sampler_only, "sr": sr, "kl_reset": kl_reset}
-  return tuple({"name": name, "group": group, "overrides": overrides}
-               for group, rows in groups.items() for name, overrides in rows)
+# The grid as data, one row per setting: {"name", "group", "overrides"}; `overrides` maps dotted
+# paths of `run` to values, applied in order: "precision" (a recipe name) replaces run.precision
+# by that recipe, then "precision.<knob>" change it ("precision.name" labels the changed recipe);
+# any other path (sampler_precision.recipe, optimizer.lr, ...) is set as --config.run.<path>
+# would. A value "$knob" is this config's top-level knob (so --config.kl_coef changes the rows
+# that use it); a row with "each": "lrs" is repeated for every learning rate of `lrs`, named
+# "<name>@<lr>" with optimizer.lr set first.
+_PT = {"precision": "nvfp4_naive", "precision.act_per_token": True}  # + per-token act scales
+_PT46 = {**_PT, "precision.four_over_six": True}  # + 4/6 block scaling
+_SCALE = {"optimizer.loss_scale": "$fp16_loss_scale"}  # every FP16-compute setting
+GRID = (
+    {"name": "fp32", "group": "recipe", "overrides": {"precision": "fp32"}},
+    {"name": "bf16", "group": "recipe", "overrides": {"precision": "bf16"}},
+    {"name": "fp16", "group": "recipe", "overrides": {"precision": "fp16", **_SCALE}},
+    {"name": "mxfp8", "group": "recipe", "overrides": {"precision": "mxfp8"}},
+    {"name": "nvfp4_naive", "group": "recipe", "overrides": {"precision": "nvfp4_naive"}},
+    # The 4-bitter recipe built up one component at a time.
+    {"name": "+per_token", "group": "recipe", "overrides": {**_PT, "precision.name": "nvfp4_pt"}},
+    {"name": "+4/6", "group": "recipe", "overrides": {**_PT46, "precision.name": "nvfp4_pt_46"}},
+    {"name": "+bf16_tail", "group": "recipe",
+     "overrides": {**_PT46, "precision.bf16_last_fraction": 0.15,
+                   "precision.name": "nvfp4_pt_46_tail"}},
+    {"name": "nvfp4_recipe", "group": "recipe",  # + dequantized backward
+     "overrides": {"precision": "nvfp4_recipe"}},
+    {"name": "nvfp4_recipe_qbwd", "group": "recipe",
+     "overrides": {"precision": "nvfp4_recipe", "precision.backward": "quantized",
+                   "precision.name": "nvfp4_recipe_qbwd"}},
+    # The trainer in BF16, the sampler in a low-precision recipe.
+    *({"name": f"s={s}/t=bf16", "group": "sampler_only",
+       "overrides": {"precision": "bf16", "sampler_precision.recipe": s}}
+      for s in ("mxfp8", "nvfp4_naive", "nvfp4_recipe")),
+    # Master weights at each learning rate: FP32, BF16 rounded to nearest, BF16 stochastic, FP16.
+    {"name": "fp32_master", "group": "sr", "each": "lrs", "overrides": {"precision": "bf16"}},
+    {"name": "bf16_rtn", "group": "sr", "each": "lrs",
+     "overrides": {"precision": "bf16", "optimizer.master_dtype": "bfloat16"}},
+    {"name": "bf16_sr", "group": "sr", "each": "lrs",
+     "overrides": {"precision": "bf16", "optimizer.master_dtype": "bfloat16",
+                   "optimizer.master_rounding": "stochastic"}},
+    {"name": "fp16", "group": "sr", "each": "lrs", "overrides": {"precision": "fp16", **_SCALE}},
+    {"name": "kl", "group": "kl_reset",
+     "overrides": {"precision": "bf16", "rl.kl_coef": "$kl_coef"}},
+    {"name": "kl+reset", "group": "kl_reset",
+     "overrides": {"precision": "bf16", "rl.kl_coef": "$kl_coef",
+                   "rl.ref_reset_every": "$ref_reset_every"}},
+)
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -79,9 +75,16 @@ def get_config() -> ml_collections.ConfigDict:
   # (its fp32_master setting is the bf16 setting: one run).
   c.lrs = (2e-4, 2e-5, 2e-6)
   c.fp16_loss_scale = 1024.0  # static loss scale of every FP16-compute setting
+  c.grid = GRID  # the settings (see GRID)
   c.kl_coef = 0.05  # KL reference reset group: beta of the KL penalty
   c.ref_reset_every = 10  # KL reference reset group: steps between pi_ref resets
-  c.grid = grid(c.lrs, c.fp16_loss_scale, c.kl_coef, c.ref_reset_every)
+
+  # experiments/paired.py: rollout batches sampled once from the base in BF16, scored by every
+  # forward-ladder rung (all `batches`) and differentiated by every backward mode (the first
+  # `grad_batches`); `heldout` other batches measure one update's outcome. quick_*: the quick grid's.
+  c.paired = ml_collections.ConfigDict(dict(
+      batches=20, grad_batches=20, heldout=4, quick_batches=12, quick_grad_batches=10,
+      quick_heldout=2))
 
   run = base.get_config("bf16")
   # 8 layers: the BF16 tail (15%) is one layer; scanned so compile time does not grow with depth.

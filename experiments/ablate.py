@@ -28,7 +28,12 @@ policy (trainer precision) is compared with the final policy of the `twin` setti
 seed (same base, prompts, sampling keys) by KL(run || twin) per completion token on the held-out
 prompts (`Trainer.policy_kl`: completions sampled from the run's policy, both policies score
 them); `twin_kl_start` is the same between the two precisions' views of the base (quantization
-alone). Computed from the two runs' final checkpoints, so no run trains a second model.
+alone). Computed from the two runs' final checkpoints, so no run trains a second model. Each line
+also holds held-out pass@k (k = 1, 2, 4, ... up to eval_samples) of the base and of the final
+policy (`pass_at_k_start` / `pass_at_k_end`).
+
+The grid is data (configs/ablate.py GRID) and runs on lowrl.grid (one resumable runner). The
+paired forward-only and backward measurements on the same base: experiments/paired.py.
 """
 from __future__ import annotations
 
@@ -43,7 +48,9 @@ import jax
 import ml_collections
 import numpy as np
 
+from lowrl import grid as lowrl_grid
 from lowrl import precision, user_cache
+from lowrl.tasks import eval as eval_tasks
 from lowrl.training import loop, optimizer, run_config, run_logs
 from lowrl.training.setup import build
 from lowrl.training.state import final_params
@@ -94,46 +101,56 @@ def _lr_tag(lr: float) -> str:
   return f"{lr:.0e}".replace("e-0", "e-")
 
 
+def _value(cfg: ml_collections.ConfigDict, v: Any, row: str) -> Any:
+  """An override value of a row: "$knob" is the grid config's top-level knob."""
+  if isinstance(v, str) and v.startswith("$"):
+    if v[1:] not in cfg:
+      raise run_config.ConfigError(f"row {row}: {v} names no knob of the grid config; use one "
+                                   f"of {sorted(k for k in cfg if k not in ('run', 'grid'))}.")
+    v = cfg[v[1:]]
+  return v
+
+
+def _settings_of_row(cfg: ml_collections.ConfigDict, row: dict[str, Any]) -> list[Setting]:
+  """The Setting(s) of one row of `cfg.grid` (configs/ablate.py GRID says how a row applies)."""
+  known = {"name", "group", "overrides", "each"}
+  ov = dict(row.get("overrides", {}))
+  if set(row) - known or not {"name", "group"} <= set(row) or "precision" not in ov:
+    raise run_config.ConfigError(f"--config.grid: row {row!r} needs name, group and overrides "
+                                 "with a 'precision' recipe, and may have only "
+                                 f"{sorted(known)}.")
+  name = row["name"]
+  recipe = _value(cfg, ov.pop("precision"), name)
+  label = ov.pop("precision.name", None)
+  changes = {k.split(".", 1)[1]: _value(cfg, ov.pop(k), name)
+             for k in [k for k in ov if k.startswith("precision.")]}
+  sampler = _value(cfg, ov.pop("sampler_precision.recipe", ""), name)
+  try:
+    prec = _recipe(recipe, label, **changes)
+  except (ValueError, KeyError) as e:
+    raise run_config.ConfigError(f"--config.grid: row {name}: {e}") from e
+  overrides = tuple((k, _value(cfg, v, name)) for k, v in ov.items())
+  if not row.get("each"):
+    return [Setting(name, row["group"], prec, sampler, overrides)]
+  if row["each"] != "lrs":
+    raise run_config.ConfigError(f"--config.grid: row {name}: each={row['each']!r}; only "
+                                 "'lrs' is known.")
+  return [Setting(f"{name}@{_lr_tag(lr)}", row["group"], prec, sampler,
+                  (("optimizer.lr", float(lr)),) + overrides) for lr in cfg.lrs]
+
+
 def settings(cfg: ml_collections.ConfigDict) -> list[Setting]:
-  """The grid of `cfg` (configs/ablate.py), the `twin` setting first; only `cfg.groups`."""
-  scale = (("optimizer.loss_scale", float(cfg.fp16_loss_scale)),)
-  groups = {
-      "recipe": [
-          Setting("fp32", "recipe", _recipe("fp32")),
-          Setting("bf16", "recipe", _recipe("bf16")),
-          Setting("fp16", "recipe", _recipe("fp16"), overrides=scale),
-          Setting("mxfp8", "recipe", _recipe("mxfp8")),
-          Setting("nvfp4_naive", "recipe", _recipe("nvfp4_naive")),
-          Setting("+per_token", "recipe", _recipe("nvfp4_naive", "nvfp4_pt", act_per_token=True)),
-          Setting("+4/6", "recipe", _recipe("nvfp4_naive", "nvfp4_pt_46", act_per_token=True,
-                                            four_over_six=True)),
-          Setting("+bf16_tail", "recipe", _recipe("nvfp4_naive", "nvfp4_pt_46_tail",
-                                                  act_per_token=True, four_over_six=True,
-                                                  bf16_last_fraction=0.15)),
-          Setting("nvfp4_recipe", "recipe", _recipe("nvfp4_recipe")),  # + dequantized backward
-          Setting("nvfp4_recipe_qbwd", "recipe",
-                  _recipe("nvfp4_recipe", "nvfp4_recipe_qbwd", backward="quantized")),
-      ],
-      "sampler_only": [Setting(f"s={s}/t=bf16", "sampler_only", _recipe("bf16"), sampler=s)
-                       for s in ("mxfp8", "nvfp4_naive", "nvfp4_recipe")],
-      "sr": [s for lr in cfg.lrs for s in (
-          Setting(f"fp32_master@{_lr_tag(lr)}", "sr", _recipe("bf16"),
-                  overrides=(("optimizer.lr", float(lr)),)),
-          Setting(f"bf16_rtn@{_lr_tag(lr)}", "sr", _recipe("bf16"),
-                  overrides=(("optimizer.lr", float(lr)), ("optimizer.master_dtype", "bfloat16"))),
-          Setting(f"bf16_sr@{_lr_tag(lr)}", "sr", _recipe("bf16"),
-                  overrides=(("optimizer.lr", float(lr)), ("optimizer.master_dtype", "bfloat16"),
-                             ("optimizer.master_rounding", "stochastic"))),
-          Setting(f"fp16@{_lr_tag(lr)}", "sr", _recipe("fp16"),
-                  overrides=(("optimizer.lr", float(lr)),) + scale))],
-      "kl_reset": [
-          Setting("kl", "kl_reset", _recipe("bf16"),
-                  overrides=(("rl.kl_coef", float(cfg.kl_coef)),)),
-          Setting("kl+reset", "kl_reset", _recipe("bf16"),
-                  overrides=(("rl.kl_coef", float(cfg.kl_coef)),
-                             ("rl.ref_reset_every", int(cfg.ref_reset_every)))),
-      ],
-  }
+  """The grid of `cfg` (configs/ablate.py `grid`), the `twin` setting first; only `cfg.groups`.
+  Within a group the rows repeated over `lrs` come after the others, learning rate by learning
+  rate (all of one lr together)."""
+  groups: dict[str, list[Setting]] = {}
+  for row in cfg.grid:
+    groups.setdefault(row["group"], [])
+  for g in groups:
+    rows = [r for r in cfg.grid if r["group"] == g]
+    once = [s for r in rows if not r.get("each") for s in _settings_of_row(cfg, r)]
+    each = [_settings_of_row(cfg, r) for r in rows if r.get("each")]
+    groups[g] = once + [s for per_lr in zip(*each) for s in per_lr]
   unknown = set(cfg.groups) - set(groups)
   if unknown:
     raise run_config.ConfigError(f"--config.groups: unknown groups {sorted(unknown)}; use some of "
@@ -191,11 +208,7 @@ def validate(cfg: ml_collections.ConfigDict) -> list[tuple[Setting, ml_collectio
 
 def read_results(workdir: str) -> list[dict[str, Any]]:
   """The lines of `<workdir>/results.jsonl` (a line cut short by a kill is dropped)."""
-  path = os.path.join(workdir, RESULTS)
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.endswith("\n")]
+  return lowrl_grid.read_results(os.path.join(workdir, RESULTS))
 
 
 def summarize_metrics(lines: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -214,19 +227,35 @@ def summarize_metrics(lines: list[dict[str, Any]]) -> dict[str, float | None]:
           "update_erasure": mean("update_erasure")}
 
 
-def _twin_kl(cfg: ml_collections.ConfigDict, workdir: str, twin_cfg: ml_collections.ConfigDict,
-             twin_dir: str, base) -> dict[str, float]:
-  """KL(run || twin) of the final policies and of the base under both precisions."""
+def _pass_at_k(trainer: Trainer, params, key: jax.Array) -> dict[str, float]:
+  """pass@k on the held-out prompts for k = 1, 2, 4, ... up to `eval_samples` (the unbiased
+  estimate from `eval_samples` samples per prompt at the rollout temperature, trainer policy)."""
+  tp = trainer.setup.trainer_policy
+  n = int(trainer.setup.loop.eval_samples)
+  chunks = trainer._eval_samples(params, key, quant_key=tp.quant_key(key),  # noqa: SLF001
+                                 act_amax=trainer.act_amax(params, tp))
+  rewards = np.concatenate([trainer.rewards(out, ex)[0] for out, ex in chunks]).reshape(-1, n)
+  ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n} | {n})
+  return {str(k): eval_tasks.pass_at_k_from_rewards(rewards, k) for k in ks}
+
+
+def _after_run(cfg: ml_collections.ConfigDict, workdir: str, twin_cfg: ml_collections.ConfigDict,
+               twin_dir: str, base) -> dict[str, Any]:
+  """KL(run || twin) of the final policies and of the base under both precisions, and pass@k of
+  the base and the final policy (held-out)."""
   trainer = Trainer(build(cfg), log=lambda _: None)
   twin = Trainer(build(twin_cfg), log=lambda _: None)
   key = jax.random.key(cfg.seed)
-  start = trainer.policy_kl(trainer.place(optimizer.to_master(base, cfg.optimizer.master_dtype)),
-                            trainer.place(base), twin.setup.trainer_policy, key)
-  end = trainer.policy_kl(final_params(cfg, workdir, trainer),
-                          final_params(twin_cfg, twin_dir, twin), twin.setup.trainer_policy,
-                          key)
+  start_params = trainer.place(optimizer.to_master(base, cfg.optimizer.master_dtype))
+  end_params = final_params(cfg, workdir, trainer)
+  start = trainer.policy_kl(start_params, trainer.place(base), twin.setup.trainer_policy, key)
+  end = trainer.policy_kl(end_params, final_params(twin_cfg, twin_dir, twin),
+                          twin.setup.trainer_policy, key)
+  k_pass = jax.random.fold_in(key, 7)
   return {"twin_kl_start": start["kl"], "twin_kl_k3_start": start["kl_k3"],
-          "twin_kl_end": end["kl"], "twin_kl_k3_end": end["kl_k3"]}
+          "twin_kl_end": end["kl"], "twin_kl_k3_end": end["kl_k3"],
+          "pass_at_k_start": _pass_at_k(trainer, start_params, k_pass),
+          "pass_at_k_end": _pass_at_k(trainer, end_params, k_pass)}
 
 
 def run_grid(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print,
@@ -245,71 +274,80 @@ def run_grid(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print,
   # The binaries' compilation cache (--compile_cache; a cache the caller set up is kept): seeds,
   # settings sharing programs and later grids reuse compiles.
   user_cache.enable_compile_cache()
-  done = {(r["setting"], r["seed"]): r for r in read_results(workdir)}
   twin_setting = grid[0][0]
   base_dir = os.path.join(workdir, "base")
-  total = len(grid) * len(cfg.seeds)
-  log(f"[ablate] {len(grid)} settings x {len(cfg.seeds)} seeds = {total} runs in {workdir}; "
-      f"twin {twin_setting.name}; {len(done)} already finished")
-  base = None
-  i = 0
-  for setting, _ in grid:
-    for seed in cfg.seeds:
-      i += 1
-      c = setting.config(cfg.run, int(seed))
-      c.sft.base_dir = base_dir
-      fp = run_config.fingerprint(c)
-      prev = done.get((setting.name, int(seed)))
-      if prev is not None:
-        if prev["fingerprint"] != fp:
-          raise run_config.ConfigError(
-              f"{workdir}/{RESULTS} holds setting {setting.name} seed {seed} with another config "
-              f"(fingerprint {prev['fingerprint']} != {fp}); use a new --workdir.")
-        continue
-      run_dir = os.path.join(workdir, "runs", fp)
-      log(f"[ablate] run {i}/{total}: {setting.name} seed {seed} -> {run_dir}")
-      t0 = time.time()
-      summary = loop.run(c, run_dir, log=lambda s: None)
-      if base is None:
-        base = loop.load_base(c, run_dir, log=lambda s: None)
-      twin_c = twin_setting.config(cfg.run, int(seed))
-      twin_c.sft.base_dir = base_dir
-      twin_dir = os.path.join(workdir, "runs", run_config.fingerprint(twin_c))
-      kl = _twin_kl(c, run_dir, twin_c, twin_dir, base)
-      line = {"setting": setting.name, "group": setting.group, "seed": int(seed),
-              "fingerprint": fp, "run_dir": os.path.relpath(run_dir, workdir),
-              "precision": dict(setting.precision)["name"], "sampler": setting.sampler,
-              "overrides": dict(setting.overrides),
-              "eval_start": summary["eval_start"], "eval_end": summary["eval_end"],
-              **summarize_metrics(run_logs.read_metrics(run_dir)), **kl,
-              "wall_s": time.time() - t0}
-      with open(os.path.join(workdir, RESULTS), "a") as f:
-        f.write(json.dumps(line) + "\n")
-      log(f"[ablate] {setting.name} seed {seed}: pass@1 {line['eval_start']['pass_at_1']:.3f} -> "
-          f"{line['eval_end']['pass_at_1']:.3f}, twin KL {kl['twin_kl_end']:.2e}, "
-          f"{line['wall_s']:.0f}s")
+  log(f"[ablate] {len(grid)} settings x {len(cfg.seeds)} seeds = {len(grid) * len(cfg.seeds)} "
+      f"runs in {workdir}; twin {twin_setting.name}")
+
+  def seed_config(setting: Setting, seed: int) -> ml_collections.ConfigDict:
+    c = setting.config(cfg.run, int(seed))
+    c.sft.base_dir = base_dir
+    return c
+
+  jobs = [lowrl_grid.Job.of({"setting": s.name, "seed": int(seed)},
+                            run_config.fingerprint(seed_config(s, seed)), s)
+          for s, _ in grid for seed in cfg.seeds]
+  base = []  # the shared base, loaded once (the first run trains it)
+
+  def work(job: lowrl_grid.Job) -> dict[str, Any]:
+    setting, seed = job.payload, dict(job.key)["seed"]
+    c = seed_config(setting, seed)
+    run_dir = os.path.join(workdir, "runs", job.fingerprint)
+    log(f"[ablate] {job.label} -> {run_dir}")
+    t0 = time.time()
+    summary = loop.run(c, run_dir, log=lambda s: None)
+    if not base:
+      base.append(loop.load_base(c, run_dir, log=lambda s: None))
+    twin_c = seed_config(twin_setting, seed)
+    twin_dir = os.path.join(workdir, "runs", run_config.fingerprint(twin_c))
+    kl = _after_run(c, run_dir, twin_c, twin_dir, base[0])
+    line = {"group": setting.group, "run_dir": os.path.relpath(run_dir, workdir),
+            "precision": dict(setting.precision)["name"], "sampler": setting.sampler,
+            "overrides": dict(setting.overrides),
+            "eval_start": summary["eval_start"], "eval_end": summary["eval_end"],
+            **summarize_metrics(run_logs.read_metrics(run_dir)), **kl,
+            "wall_s": time.time() - t0}
+    log(f"[ablate] {setting.name} seed {seed}: pass@1 {line['eval_start']['pass_at_1']:.3f} -> "
+        f"{line['eval_end']['pass_at_1']:.3f}, twin KL {kl['twin_kl_end']:.2e}, "
+        f"{line['wall_s']:.0f}s")
+    return line
+
+  try:
+    lowrl_grid.run(jobs, os.path.join(workdir, RESULTS), work, log=log, tag="ablate")
+  except ValueError as e:
+    if "another config" in str(e) or "not JSON" in str(e):
+      raise run_config.ConfigError(str(e)) from None
+    raise
   results = read_results(workdir)
   log(f"[ablate] done: {len(results)} runs, {sum(r['wall_s'] for r in results):.0f}s of runs "
       f"in all; report: python -m experiments.report --workdir={workdir}")
   return results
 
 
-def main(argv):
-  from lowrl.training import schema  # noqa: PLC0415
+def grid_main(flags, argv, fn: Callable[[ml_collections.ConfigDict, str, Log], Any]) -> None:
+  """The body of a grid binary's main: the config of `flags` (configs/ablate.py by default),
+  `fn(cfg, workdir, log)`, a ConfigError as a one-line exit."""
+  from absl import logging  # noqa: PLC0415 - binaries only
 
-  cfg = _FLAGS.start(argv, schema.TRAIN.docs("run."))
+  from lowrl.training import cli, schema  # noqa: PLC0415
+
+  cfg = flags.start(argv, schema.TRAIN.docs("run."))
   if cfg is None:
     return
   logging.set_verbosity(logging.WARNING)
   try:
-    run_grid(cfg, _FLAGS.workdir.value, log=lambda s: print(s, flush=True),
-             command="python -m experiments.ablate " + " ".join(sys.argv[1:]))
+    fn(cfg, flags.workdir.value, lambda s: print(s, flush=True))
   except run_config.ConfigError as e:
     cli.fail(str(e))
 
 
+def main(argv):
+  grid_main(_FLAGS, argv, lambda cfg, workdir, log: run_grid(
+      cfg, workdir, log=log, command="python -m experiments.ablate " + " ".join(sys.argv[1:])))
+
+
 if __name__ == "__main__":
-  from absl import app, logging
+  from absl import app
 
   from lowrl.training import cli
 

@@ -3,25 +3,29 @@ r"""The ablation's report: docs/results.md with PNG plots, from an experiments/a
   python -m experiments.report --workdir=/tmp/lowrl_ablate        # writes docs/results.md
   python -m experiments.report --workdir=W --out=/tmp/results.md   # elsewhere
 
-For each claim (the recipe tracks BF16 while naive NVFP4 does not; each recipe component's
-contribution; dequantized vs quantized backward; BF16 + stochastic rounding vs FP16 master-weight
-erasure; KL reference reset; RL gains over the base at BF16) the measured numbers as mean +- std
-over seeds, whether the claim held under the stated test, and the command that reproduces them.
-The PNGs are written next to the markdown file (`<stem>_*.png`).
+Every claim is tested as a paired comparison (lowrl.analysis.stats): against a named baseline on
+the same unit, a seed of the grid (settings of one seed share the base, prompts, held-out set and
+sampling keys) or a prompt / batch of experiments/paired.py's forward-only and backward
+measurements (identical tokens and weights for every arm). Per claim: the design, n, the mean
+paired difference with its 95% confidence interval (paired t), the Holm-adjusted p over all the
+claims of the report (one family), and the verdict at 0.05: held, contradicted (significant the
+other way) or not resolved. The PNGs are written next to the markdown file (`<stem>_*.png`).
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from experiments import ablate
+from experiments import ablate, paired as paired_exp
+from lowrl.analysis import stats
 from lowrl.training import run_logs
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD_UP = ("nvfp4_naive", "+per_token", "+4/6", "+bf16_tail", "nvfp4_recipe")
+LADDER = paired_exp.LADDER
 
 
 def _stats(values: list[float | None]) -> tuple[float, float, int] | None:
@@ -51,7 +55,11 @@ def aggregate(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for when in ("start", "end"):
       for k in ("pass_at_1", "greedy"):
         s[f"{k}_{when}"] = _stats([r[f"eval_{when}"][k] for r in runs])
-    s["gain"] = _stats([r["eval_end"]["pass_at_1"] - r["eval_start"]["pass_at_1"] for r in runs])
+    s["gain"] = _stats([_gain(r) for r in runs])
+    for when in ("start", "end"):
+      s[f"pass_k_{when}"] = _stats([_pass_k_max(when)(r) for r in runs])
+    ks = [max(r[f"pass_at_k_end"], key=int) for r in runs if r.get("pass_at_k_end")]
+    s["k"] = ks[0] if ks else None
     for k in ("final_reward", "mismatch_kl", "mismatch_kl_k3", "ess", "kl_ref", "grad_cos",
               "grad_rel_err", "update_erasure", "twin_kl_start", "twin_kl_end",
               "twin_kl_k3_start", "twin_kl_k3_end"):
@@ -74,77 +82,169 @@ def _curves(workdir: str, agg: dict, setting: str, key: str) -> tuple[np.ndarray
   return np.array(steps), y.mean(0), y.std(0)
 
 
-def _apart(a, b, k: float = 1.0) -> bool:
-  """a's mean is below b's by more than k times the sum of their seed stds."""
-  return a is not None and b is not None and b[0] - a[0] > k * (a[1] + b[1])
+Value = Callable[[dict[str, Any]], float | None]
 
 
-def claims(agg: dict[str, dict[str, Any]]) -> list[tuple[str, str | None, list[str]]]:
-  """[(claim, "held" / "did not hold" / None when not measured, lines of evidence)]."""
-  out = []
-  g = lambda s, k: agg.get(s, {}).get(k)  # noqa: E731
+def _get(*path: str) -> Value:
+  """A per-run number of a results line by its path (None when absent)."""
+  def value(r):
+    for p in path:
+      if not isinstance(r, dict) or r.get(p) is None:
+        return None
+      r = r[p]
+    return float(r)
+  return value
 
-  bf = agg.get("bf16")
-  if bf and bf["n"] > 1:
-    gain, end = bf["gain"], bf["pass_at_1_end"]
-    held = gain[0] > 3 * end[1]
-    out.append(("RL gains over the base at BF16 by more than 3 seed std of held-out pass@1",
-                "held" if held else "did not hold",
-                [f"bf16 pass@1 {_fmt(bf['pass_at_1_start'])} -> {_fmt(end)}, gain {_fmt(gain)}; "
-                 f"test: gain > 3 x std(end) = {3 * end[1]:.3f}"]))
-  if all(s in agg for s in ("bf16", "nvfp4_naive", "nvfp4_recipe")):
-    held = _apart(g("nvfp4_recipe", "twin_kl_k3_end"), g("nvfp4_naive", "twin_kl_k3_end"))
-    out.append(("The 4-bitter recipe tracks the BF16 twin while naive NVFP4 does not "
-                "(KL to the BF16 twin's final policy, lower is closer)",
-                "held" if held else "did not hold",
-                [f"{s}: twin KL end {_fmt(g(s, 'twin_kl_k3_end'))} (start {_fmt(g(s, 'twin_kl_k3_start'))}),"
-                 f" pass@1 gain {_fmt(g(s, 'gain'))}, final reward {_fmt(g(s, 'final_reward'))}"
-                 for s in ("bf16", "nvfp4_naive", "nvfp4_recipe") if s in agg]
-                + ["test: recipe's twin KL below naive's by more than the sum of their seed stds"]))
-  steps = [s for s in BUILD_UP if s in agg]
-  if len(steps) == len(BUILD_UP):  # each component needs the whole build-up
-    lines = []
-    for prev, cur in zip(steps, steps[1:]):
-      a, b = g(cur, "twin_kl_k3_end"), g(prev, "twin_kl_k3_end")
-      lines.append(f"{cur} (after {prev}): twin KL end {_fmt(a)} vs {_fmt(b)} "
-                   f"({'lower beyond the seed spread' if _apart(a, b) else 'not separated'}); "
-                   f"grad cos {_fmt(g(cur, 'grad_cos'), 4)}; pass@1 gain {_fmt(g(cur, 'gain'))}")
-    helped = sum(_apart(g(c, "twin_kl_k3_end"), g(p, "twin_kl_k3_end")) for p, c in zip(steps, steps[1:]))
-    out.append(("Each component of the recipe brings the policy closer to BF16",
-                "held" if helped == len(steps) - 1 else "did not hold",
-                lines + [f"{helped} of {len(steps) - 1} components lowered the twin KL beyond the "
-                         "seed spread"]))
-  if "nvfp4_recipe" in agg and "nvfp4_recipe_qbwd" in agg:
-    a, b = g("nvfp4_recipe_qbwd", "grad_cos"), g("nvfp4_recipe", "grad_cos")
-    out.append(("The dequantized backward gives a gradient closer to FP32 than the quantized one",
-                "held" if _apart(a, b) else "did not hold",
-                [f"{s}: grad cos vs FP32 {_fmt(g(s, 'grad_cos'), 4)}, rel err "
-                 f"{_fmt(g(s, 'grad_rel_err'))}, pass@1 gain {_fmt(g(s, 'gain'))}"
-                 for s in ("nvfp4_recipe", "nvfp4_recipe_qbwd")]
-                + ["test: quantized backward's cosine below the dequantized one's by more than "
-                   "the sum of their seed stds"]))
-  sr = sorted({s.split("@")[1] for s in agg if s.startswith("bf16_sr@")},
-              key=lambda t: -float(t))
-  if sr:
-    lines, held_all = [], True
-    for lr in sr:
-      rtn, srr = g(f"bf16_rtn@{lr}", "update_erasure"), g(f"bf16_sr@{lr}", "update_erasure")
-      held_all &= _apart(srr, rtn)
-      lines.append(f"lr {lr}: erasure RTN {_fmt(rtn)}, SR {_fmt(srr)}; final reward " + ", ".join(
-          f"{m} {_fmt(g(f'{m}@{lr}', 'final_reward'))}"
-          for m in ("fp32_master", "bf16_rtn", "bf16_sr", "fp16") if f"{m}@{lr}" in agg))
-    out.append(("BF16 master weights with round-to-nearest erase updates that stochastic rounding "
-                "keeps", "held" if held_all else "did not hold",
-                lines + ["test: SR's erasure below RTN's by more than the seed spread at every lr"]))
-  if "kl" in agg and "kl+reset" in agg:
-    a, b = g("kl+reset", "kl_ref"), g("kl", "kl_ref")
-    out.append(("Resetting the KL reference keeps the KL penalty small along the run",
-                "held" if _apart(a, b) else "did not hold",
-                [f"{s}: mean KL to the reference {_fmt(g(s, 'kl_ref'))}, final reward "
-                 f"{_fmt(g(s, 'final_reward'))}, pass@1 gain {_fmt(g(s, 'gain'))}"
-                 for s in ("kl", "kl+reset")]))
+
+def _gain(r: dict[str, Any]) -> float:
+  return r["eval_end"]["pass_at_1"] - r["eval_start"]["pass_at_1"]
+
+
+def _pass_k_max(when: str) -> Value:
+  """pass@k at the largest k the line holds."""
+  def value(r):
+    d = r.get(f"pass_at_k_{when}")
+    return float(d[max(d, key=int)]) if d else None
+  return value
+
+
+def _seed_claim(results, name: str, statement: str, treatment: str, baseline: str,
+                value: Value, direction: int, what: str,
+                baseline_value: Value | None = None) -> stats.Claim | None:
+  """A claim on `value` paired by seed: treatment - baseline per seed (baseline_value: the
+  baseline's own number, e.g. the start of the same run). None when a side was not run."""
+  t = stats.by_unit(results, value)
+  b = stats.by_unit(results, baseline_value or value)
+  if treatment not in t or baseline not in b:
+    return None
+  try:
+    _, d = stats.paired_diffs(t[treatment], b[baseline])
+  except ValueError:
+    return None
+  vs = "its own start" if baseline_value is not None and treatment == baseline else baseline
+  return stats.Claim(name, statement, f"{what}: {treatment} - {vs}, paired by seed",
+                     stats.paired_t(d), direction,
+                     note=f"sign test p {stats.fmt_p(stats.sign_test(d))}")
+
+
+def grid_claims(results: list[dict[str, Any]]) -> list[stats.Claim]:
+  """The seed-paired claims of the grid's results lines (those whose settings ran)."""
+  twin_end, twin_start = _get("twin_kl_k3_end"), _get("twin_kl_k3_start")
+  growth = lambda r: (None if r.get("twin_kl_k3_end") is None  # noqa: E731
+                      else r["twin_kl_k3_end"] - r["twin_kl_k3_start"])
+  gains = stats.by_unit(results, _gain)
+  bf16_gain = gains.get("bf16", {})
+
+  def gap_to_bf16(r):  # how far a run's pass@1 gain is from its seed's BF16 twin's
+    g = bf16_gain.get(r["seed"])
+    return None if g is None else abs(_gain(r) - g)
+
+  c = [
+      _seed_claim(results, "rl_gain", "RL at BF16 raises held-out pass@1 over the base", "bf16",
+                  "bf16", _get("eval_end", "pass_at_1"), +1, "held-out pass@1 end - start",
+                  baseline_value=_get("eval_start", "pass_at_1")),
+      _seed_claim(results, "tracks_twin", "The 4-bitter recipe ends closer to its BF16 twin than "
+                  "naive NVFP4 does", "nvfp4_recipe", "nvfp4_naive", twin_end, -1,
+                  "KL(run ‖ BF16 twin) at the end (k3)"),
+      _seed_claim(results, "tracks_twin_growth", "... and the twin KL grows less along the run "
+                  "(end - start: the part training adds)", "nvfp4_recipe", "nvfp4_naive", growth,
+                  -1, "twin KL end - start"),
+      _seed_claim(results, "tracks_outcome", "The recipe's pass@1 gain is closer to the BF16 "
+                  "twin's than naive NVFP4's", "nvfp4_recipe", "nvfp4_naive", gap_to_bf16, -1,
+                  "|gain - BF16 twin's gain|"),
+  ]
+  for prev, cur in zip(BUILD_UP, BUILD_UP[1:]):
+    c.append(_seed_claim(results, f"component_{cur}", f"{cur} (after {prev}) ends closer to the "
+                         "BF16 twin", cur, prev, twin_end, -1, "twin KL at the end (k3)"))
+  c.append(_seed_claim(results, "backward_probe", "The dequantized backward's gradient is closer "
+                       "to FP32 than the quantized one's (training probes)", "nvfp4_recipe",
+                       "nvfp4_recipe_qbwd", _get("grad_cos"), +1,
+                       "mean gradient cosine vs FP32 over the probe steps"))
+  lrs = sorted({r["setting"].split("@")[1] for r in results if r["setting"].startswith("bf16_sr@")},
+               key=lambda t: -float(t))
+  for lr in lrs:
+    c.append(_seed_claim(results, f"sr_gain@{lr}", f"BF16 master weights with stochastic "
+                         f"rounding gain more pass@1 than with round-to-nearest (lr {lr})",
+                         f"bf16_sr@{lr}", f"bf16_rtn@{lr}", _gain, +1, "pass@1 gain"))
+  c.append(_seed_claim(results, "kl_reset_pass_k", "Resetting the KL reference keeps more prompts "
+                       "solvable (pass@k at the end, largest k measured)", "kl+reset", "kl",
+                       _pass_k_max("end"), +1, "held-out pass@k at the end"))
+  return [x for x in c if x is not None]
+
+
+def distance_claims(lines: list[dict[str, Any]]) -> list[stats.Claim]:
+  """Seed-paired claims on the trajectory part of the distance to BF16 (experiments/paired.py
+  `distance`: one line per run, per-prompt values averaged to one number per run)."""
+  rows = [{"setting": r["setting"], "seed": r["seed"],
+           **{k: float(np.mean(r[k])) for k in ("static_start", "static_end", "trajectory_end")}}
+          for r in lines]
+  traj = _get("trajectory_end")
+  c = [_seed_claim(rows, "trajectory_recipe_vs_naive", "The recipe's weights stay closer to its "
+                   "BF16 twin's than naive NVFP4's (trajectory part, both in BF16)",
+                   "nvfp4_recipe", "nvfp4_naive", traj, -1,
+                   "exact KL(run's weights ‖ twin's weights), both in BF16, at the end")]
+  for prev, cur in zip(BUILD_UP, BUILD_UP[1:]):
+    c.append(_seed_claim(rows, f"trajectory_{cur}", f"{cur} (after {prev}) also lowers the "
+                         "trajectory part", cur, prev, traj, -1,
+                         "trajectory part at the end"))
+  return [x for x in c if x is not None]
+
+
+def _distance_table(lines: list[dict[str, Any]]) -> list[str]:
+  if not lines:
+    return []
+  by: dict[str, list[dict]] = {}
+  for r in lines:
+    by.setdefault(r["setting"], []).append(r)
+  md = ["### Distance to BF16 in two parts (exact KL per token on identical held-out tokens)", "",
+        "| setting | seeds | static start | static end | trajectory end |", "|---|---|---|---|---|"]
+  for name, rs in by.items():
+    cells = [stats.fmt_num(float(np.mean([np.mean(r[k]) for r in rs])), 4)
+             for k in ("static_start", "static_end", "trajectory_end")]
+    md.append(f"| {name} | {len(rs)} | " + " | ".join(cells) + " |")
+  return md + ["", "Static: the run's weights under its recipe vs the same weights in BF16. "
+               "Trajectory: the run's weights vs its BF16 twin's, both in BF16 (0 at the start). "
+               "Mean over seeds of the per-prompt means.", ""]
+
+
+def paired_claims(paired: dict[str, Any]) -> list[stats.Claim]:
+  """The claims of experiments/paired.py's measurements (prompts / batches / seeds as units)."""
+  out = distance_claims(paired.get("distance", []))
+  lad = paired.get("forward_ladder", {}).get("kl", {})
+  for prev, cur in zip(LADDER, LADDER[1:]):
+    if prev in lad and cur in lad:
+      d = np.asarray(lad[cur]) - np.asarray(lad[prev])
+      boot = stats.bootstrap_mean_ci(d, rng_seed=0, n_boot=10_000)
+      out.append(stats.Claim(
+          f"ladder_{cur}", f"{cur} lowers the forward's KL to BF16 (after {prev})",
+          "forward-only: same BF16-sampled tokens and weights, exact full-vocabulary KL(rung ‖ "
+          f"BF16) per prompt; {cur} - {prev}, paired by prompt", stats.paired_t(d), -1,
+          note=f"bootstrap 95% CI [{stats.fmt_num(boot.ci_low, 4)}, "
+               f"{stats.fmt_num(boot.ci_high, 4)}]"))
+  modes = paired.get("backward", {}).get("modes", {})
+  design = ("identical batches and weights (the base), gradient of the recipe's forward with each "
+            "backward; {what}; {a} - {b}, paired by batch")
+  for key, what, a, b, direction, statement in (
+      ("cos_fp32", "cosine to the FP32 gradient", "dequantized", "quantized", +1,
+       "The dequantized backward's gradient is closer to FP32 than the quantized one's"),
+      ("cos_fp32", "cosine to the FP32 gradient", "dequantized", "high_precision", +1,
+       "The dequantized backward's gradient is closer to FP32 than the high-precision one's"),
+      ("cos_exact", "cosine to the quantized forward's exact (dequantized) gradient",
+       "quantized", "high_precision", +1,
+       "The quantized backward approximates the quantized forward's gradient better than the "
+       "high-precision one"),
+      ("heldout_delta", "held-out surrogate change after one AdamW step", "dequantized",
+       "quantized", -1, "One update with the dequantized backward lowers the held-out loss more "
+       "than with the quantized one"),
+      ("heldout_delta", "held-out surrogate change after one AdamW step", "dequantized",
+       "high_precision", -1, "One update with the dequantized backward lowers the held-out loss "
+       "more than with the high-precision one")):
+    if a in modes and b in modes:
+      d = np.asarray(modes[a][key]) - np.asarray(modes[b][key])
+      out.append(stats.Claim(f"backward_{key}_{a}_vs_{b}", statement,
+                             design.format(what=what, a=a, b=b), stats.paired_t(d), direction,
+                             note=f"sign test p {stats.fmt_p(stats.sign_test(d))}"))
   return out
-
 
 def _plots(workdir: str, agg: dict, out_md: str) -> list[str]:
   """The PNGs next to `out_md`; returns their file names."""
@@ -203,12 +303,13 @@ def ablate_twin(agg: dict) -> str | None:
 
 
 def _table(agg: dict) -> str:
-  cols = (("n", None), ("pass@1 start", "pass_at_1_start"), ("pass@1 end", "pass_at_1_end"),
-          ("gain", "gain"), ("greedy end", "greedy_end"), ("final reward", "final_reward"),
-          ("mismatch k1", "mismatch_kl"), ("ESS", "ess"), ("grad cos", "grad_cos"),
-          ("grad rel err", "grad_rel_err"), ("erasure", "update_erasure"),
-          ("twin KL start", "twin_kl_k3_start"), ("twin KL end", "twin_kl_k3_end"),
-          ("KL to ref", "kl_ref"))
+  cols = (("n", None), ("greedy start", "greedy_start"), ("greedy end", "greedy_end"),
+          ("pass@1 start", "pass_at_1_start"), ("pass@1 end", "pass_at_1_end"), ("gain", "gain"),
+          ("pass@k start", "pass_k_start"), ("pass@k end", "pass_k_end"),
+          ("final reward", "final_reward"), ("mismatch k1", "mismatch_kl"), ("ESS", "ess"),
+          ("grad cos", "grad_cos"), ("grad rel err", "grad_rel_err"),
+          ("erasure", "update_erasure"), ("twin KL start", "twin_kl_k3_start"),
+          ("twin KL end", "twin_kl_k3_end"), ("KL to ref", "kl_ref"))
   lines = ["| setting | group | " + " | ".join(c for c, _ in cols) + " |",
            "|" + "---|" * (len(cols) + 2)]
   for n, s in agg.items():
@@ -216,6 +317,66 @@ def _table(agg: dict) -> str:
              for _, k in cols]
     lines.append(f"| {n} | {s['group']} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
+
+
+def _paired_section(paired: dict[str, dict[str, Any]]) -> list[str]:
+  """The per-arm numbers of experiments/paired.py (mean [95% CI] over its units)."""
+  md = []
+  lad = paired.get("forward_ladder", {}).get("kl", {})
+  if lad:
+    md += ["### Forward ladder (KL to BF16 on identical tokens and weights)", "",
+           "| rung | prompts | KL(rung ‖ BF16) per token, mean [95% CI] |", "|---|---|---|"]
+    for name, v in lad.items():
+      r = stats.paired_t(v)
+      md.append(f"| {name} | {r.n} | {stats.fmt_num(r.mean, 4)} [{stats.fmt_num(r.ci_low, 4)}, "
+                f"{stats.fmt_num(r.ci_high, 4)}] |")
+    md.append("")
+  bwd = paired.get("backward", {})
+  if bwd.get("modes"):
+    md += ["### Backward modes on identical batches", "",
+           "| backward | batches | cos vs FP32 | rel err vs FP32 | cos vs exact quantized-forward "
+           "gradient | held-out surrogate change after one step |", "|---|---|---|---|---|---|"]
+    for mode, m in bwd["modes"].items():
+      def cell(key):
+        if key not in m:
+          return "–"
+        r = stats.paired_t(m[key])
+        return f"{stats.fmt_num(r.mean, 4)} [{stats.fmt_num(r.ci_low, 4)}, {stats.fmt_num(r.ci_high, 4)}]"
+      md.append(f"| {mode} | {len(m['heldout_delta'])} | {cell('cos_fp32')} | "
+                f"{cell('rel_err_fp32')} | {cell('cos_exact')} | {cell('heldout_delta')} |")
+    md += ["", f"Held-out surrogate at the base: {bwd['heldout_base']:.5f} (lower is better; the "
+           "fp32 row is the update on the FP32 gradient of the unquantized model).", ""]
+  return md
+
+
+NOT_YET = ["## What this grid cannot test yet", "",
+           "These claims need the regime or arms the grid does not have yet (issue 24); the "
+           "table above has no row for them, or only a proxy:", "",
+           "- **Dynamic effects** (the recipe tracking BF16 *because of training*, not only at the "
+           "start): the toy is 8 layers at d = 64, completions of about 8 tokens, 30 RL steps, no "
+           "outlier channels, so the static forward error dominates every end-of-run number. A "
+           "regime where they can appear needs d >= 256 with outlier activation channels, "
+           "completions of 64 tokens or more, 300 updates or more, and the per-update fraction of "
+           "NVFP4 weight codes that change.",
+           "- **Stochastic rounding, the seed's arm**: FP32 master weights with the BF16 *compute "
+           "cast* rounded stochastically (a new knob) against the round-to-nearest cast and FP16 "
+           "with loss scaling, at a learning rate where the BF16 cast lags FP16. The grid's `sr` "
+           "group tests BF16 *master weights* instead; its erasure numbers hold by construction "
+           "(one SR draw erases less than RTN whatever happens), so they are not a claim here.",
+           "- **KL reference reset**: the seed's claim is about the odds of optimal answers "
+           "collapsing under a fixed reference: long runs (300+ updates) with a coefficient large "
+           "enough to matter, per-prompt probability of a correct answer, the fraction of prompts "
+           "whose probability goes to 0, pass@k for k up to 64. The grid's mean KL to a reference "
+           "that was just reset is 0 by construction and is not a claim here; `kl_reset_pass_k` "
+           "is the grid's proxy (pass@k at k = eval_samples).",
+           "- **Distance to BF16 in two parts at 25% and 50% of every run**: experiments.paired "
+           "measures the static and trajectory parts at the start and the end (table above); the "
+           "loop keeps only its two newest checkpoints, so the middle points need it to keep "
+           "more.",
+           "",
+           "Full grid: `python -m experiments.ablate --workdir=W && python -m experiments.paired "
+           "--workdir=W && python -m experiments.report --workdir=W` (configs/ablate.py; 5 "
+           "seeds: `--config.seeds='(0,1,2,3,4)'`).", ""]
 
 
 def write_report(workdir: str, out_md: str) -> str:
@@ -230,11 +391,15 @@ def write_report(workdir: str, out_md: str) -> str:
   pngs = _plots(workdir, agg, out_md)
   wall = sum(r["wall_s"] for r in results)
   md = ["# Recipe ablation in the real training loop", "",
-        f"Reproduce: `{meta.get('command', 'python -m experiments.ablate --workdir=W')}` then "
-        f"`python -m experiments.report --workdir={workdir}`.", "",
+        f"Reproduce: `{meta.get('command', 'python -m experiments.ablate --workdir=W')}`, "
+        f"`python -m experiments.paired --workdir={workdir}"
+        f"{' --config.quick=True' if meta.get('quick') else ''}` (paired measurements: "
+        f"{'present' if os.path.exists(os.path.join(workdir, paired_exp.RESULTS)) else 'not run'}"
+        f"), then `python -m experiments.report --workdir={workdir}`.", "",
         f"{len(results)} runs ({len(agg)} settings x seeds {meta.get('seeds', '?')}); wall time "
         f"of the runs {wall / 60:.1f} min in all ({meta.get('machine', 'this machine')}). Numbers "
-        "are mean ± population std over seeds. Twin KL: KL(run || BF16 twin of the same seed) "
+        "in the settings table are mean ± population std over seeds (description; the claims "
+        "are tested paired, below). Twin KL: KL(run || BF16 twin of the same seed) "
         "per completion token on the held-out prompts, k3 estimate on the run's samples (start: "
         "the base under both precisions).",
         ""]
@@ -245,10 +410,22 @@ def write_report(workdir: str, out_md: str) -> str:
   missing = [s for s in meta.get("settings", []) if s not in agg]
   if missing:
     md += [f"Not finished (no results yet): {', '.join(missing)}.", ""]
-  md += ["## Claims", ""]
-  for claim, verdict, lines in claims(agg):
-    md.append(f"- **{claim}**: {verdict or 'not measured'}.")
-    md.extend(f"  - {x}" for x in lines)
+  paired = paired_exp.read_results(workdir)
+  verdicts = stats.judge(grid_claims(results) + paired_claims(paired))
+  md += ["## Claims", "",
+         "Each claim is a paired difference (treatment - baseline on the same unit) with the sign "
+         "the claim states; effect = its mean with the 95% confidence interval of a paired t-test; "
+         "Holm p = the t-test's p adjusted over all the claims below (one family); verdict at "
+         "0.05: **held** (significant, the stated sign), **contradicted** (significant, the other "
+         "sign), **not resolved** (not significant: the design cannot tell).", "",
+         stats.markdown_table(verdicts, digits=4), ""]
+  notes = [f"- {v.claim.statement}: {v.claim.note}" for v in verdicts if v.claim.note]
+  if notes:
+    md += ["Also (not Holm-adjusted):", "", *notes, ""]
+  md += _paired_section(paired) + _distance_table(paired.get("distance", []))
+  with open(os.path.splitext(out_md)[0] + "_claims.json", "w") as f:
+    json.dump([v.row() for v in verdicts], f, indent=1)
+  md += NOT_YET
   md += ["", "## All settings", "", _table(agg), ""]
   md += [f"![{p}]({p})" for p in pngs]
   text = "\n".join(md) + "\n"

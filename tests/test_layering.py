@@ -21,7 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Lowest first; ARCHITECTURE.md "Layering" shows the same order.
 LAYERS = (
     ("lowrl.quant", "lowrl.hardware", "lowrl.distributed", "lowrl.metrics", "lowrl.user_cache",
-     "lowrl.recipes"),
+     "lowrl.recipes", "lowrl.analysis", "lowrl.grid"),
     ("lowrl.precision",),
     ("lowrl.models",),
     ("lowrl.sharding", "lowrl.quant_blocks", "lowrl.checkpoints", "lowrl.memory", "lowrl.tasks"),

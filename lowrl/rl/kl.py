@@ -35,3 +35,13 @@ def k3_from_log_ratio(r: jax.Array) -> jax.Array:
   # Taylor series below 1e-2 (truncation error ~r^5/120); expm1 - r above (cancellation ~1e-5 rel).
   series = jnp.square(r) * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0)))
   return jnp.where(jnp.abs(r) < 1e-2, series, jnp.expm1(r) - r)
+
+
+def exact_kl(logits_p_BTV: jax.Array, logits_q_BTV: jax.Array) -> jax.Array:
+  """KL(p || q) per position over the whole vocabulary, [B, T], FP32: sum_v p_v (log p_v - log q_v)
+  with p = softmax(logits_p), q = softmax(logits_q). Exact (no sampling), >= 0 up to rounding; a
+  token q gives probability 0 where p does not makes it inf."""
+  logp = jax.nn.log_softmax(jnp.asarray(logits_p_BTV, jnp.float32), axis=-1)
+  logq = jax.nn.log_softmax(jnp.asarray(logits_q_BTV, jnp.float32), axis=-1)
+  # p = 0 entries contribute 0 whatever log q is (0 * -inf would be NaN).
+  return jnp.sum(jnp.where(logp > -jnp.inf, jnp.exp(logp) * (logp - logq), 0.0), axis=-1)

@@ -51,6 +51,8 @@ def test_grid_runs_every_setting_and_seed(grid):
       assert r["twin_kl_end"] == 0.0 and r["update_erasure"] == 0.0
     for k in ("twin_kl_start", "twin_kl_end", "grad_cos", "final_reward"):
       assert r[k] is not None
+    # eval_samples = 1: pass@1 only, from the same kind of samples as eval's pass_at_1.
+    assert set(r["pass_at_k_end"]) == {"1"} and 0 <= r["pass_at_k_end"]["1"] <= 1
 
 
 def test_grid_resumes_skipping_finished_runs(grid):
@@ -58,8 +60,8 @@ def test_grid_resumes_skipping_finished_runs(grid):
   logs = []
   again = ablate.run_grid(cfg, work, log=logs.append)
   assert again == results
-  assert not [x for x in logs if x.startswith("[ablate] run ")]
-  assert "4 already finished" in logs[0]
+  assert not [x for x in logs if " -> " in x and "runs" in x]
+  assert any("4 jobs, 4 already done, 0 to run" in x for x in logs)
   # A finished line whose config changed since is an error, not a silent mix.
   changed = ml_collections.ConfigDict(cfg.to_dict())
   changed.run.optimizer.lr = 1e-4
@@ -71,7 +73,8 @@ def test_report_writes_markdown_and_pngs(grid, tmp_path):
   _, work, _, _ = grid
   out = str(tmp_path / "results.md")
   text = report.write_report(work, out)
-  assert "bf16_rtn@1e-3" in text and "RL gains over the base at BF16" in text
+  assert "bf16_rtn@1e-3" in text and "RL at BF16 raises held-out pass@1" in text
+  assert "| claim | design | n | effect [95% CI] | p | Holm p | verdict |" in text
   pngs = sorted(p for p in os.listdir(tmp_path) if p.endswith(".png"))
   assert pngs == ["results_curves.png", "results_settings.png"]
   for p in pngs:
@@ -103,3 +106,29 @@ def test_quick_grid_runs_every_group_and_evaluates_in_rollout_sized_rows():
   assert set(quick.only) <= {s.name for s in chosen}
   r = quick.run
   assert r.eval_num_prompts * r.eval_samples == r.rl.num_prompts * r.rl.group_size
+
+
+def test_rows_are_data_knobs_and_lrs_expand():
+  """configs/ablate.py's grid rows: "$knob" reads the grid's knob, "each": "lrs" repeats a row per
+  learning rate (lr-major within the group), a malformed row is a one-line error."""
+  cfg = ablate_config.get_config()
+  cfg.kl_coef = 0.125
+  cfg.lrs = (1e-3, 1e-5)
+  by_name = {s.name: s for s in ablate.settings(cfg)}
+  assert dict(by_name["kl"].overrides) == {"rl.kl_coef": 0.125}
+  sr = [s.name for s in ablate.settings(cfg) if s.group == "sr"]
+  assert sr == [f"{m}@{lr}" for lr in ("1e-3", "1e-5")
+                for m in ("fp32_master", "bf16_rtn", "bf16_sr", "fp16")]
+  assert dict(by_name["bf16_sr@1e-5"].overrides)["optimizer.lr"] == 1e-5
+  assert by_name["bf16_sr@1e-5"].config(cfg.run, 0).optimizer.master_rounding == "stochastic"
+  bf16 = {"precision": "bf16"}
+  for bad, match in (({"name": "x", "group": "g", "overrides": {**bf16, "rl.kl_coef": "$nope"}},
+                      r"\$nope names no knob"),
+                     ({"name": "x", "group": "g", "overrides": bf16, "each": "seeds"},
+                      "only 'lrs'"),
+                     ({"name": "x", "group": "g"}, "needs name, group and overrides"),
+                     ({"name": "x", "group": "g", "overrides": {**bf16, "precision.nope": 1}},
+                      "unknown precision knobs")):
+    cfg.grid = (*ablate_config.GRID, bad)
+    with pytest.raises(run_config.ConfigError, match=match):
+      ablate.settings(cfg)

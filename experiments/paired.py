@@ -1,0 +1,328 @@
+r"""Paired forward-only and backward measurements of the recipe's claims, on the ablation's base.
+
+  python -m experiments.paired --workdir=/tmp/lowrl_ablate          # configs/ablate.py's grid
+  python -m experiments.paired --workdir=W --config.quick=True      # the quick grid's sizes
+
+W is an experiments.ablate workdir (its mid-trained base `<W>/base` is reused, or trained once);
+the results go to `<W>/paired.jsonl` (one line per measurement, resumable: lowrl.grid), which
+experiments/report.py turns into claims.
+
+Identical inputs for every arm (so each comparison is paired and the noise of sampling cancels):
+`batches` rollout batches are sampled once, from the base in BF16 (the `twin` setting's trainer,
+the training prompts of steps 0, 1, ...), with their rewards.
+
+forward ladder  every rung's forward (nvfp4_naive -> +per_token -> +4/6 -> +bf16_tail, each
+                 setting's trainer precision, its scales from the batch as the trainer computes
+                 them) scores the same tokens with the same weights; per position the exact KL over
+                 the whole vocabulary, KL(rung || BF16) (lowrl.rl.kl.exact_kl, the sampled
+                 distribution q of rl.temperature / top-k / top-p), averaged over each
+                 completion's positions, then over each prompt's completions: one number per
+                 prompt and rung. A claim: a rung lowers it, paired over prompts.
+backward        on the first `grad_batches` batches, the RL loss's gradient (lowrl.training.probes
+                 make_grad_fn: one pass, pi_old in the gradient's own precision) of the 4-bitter
+                 recipe's forward with each backward mode (high_precision, dequantized = the
+                 recipe, quantized) against (a) the FP32 gradient of the unquantized model and
+                 (b) the dequantized backward's, which is the exact chain rule of the quantized
+                 forward with straight-through rounding (its own (b) is 1 by definition):
+                 cosine and relative error per batch. Outcome: one optimizer step (the run's
+                 AdamW, fresh state) from the base on each mode's gradient of the batch, and the
+                 change of the FP32 policy-gradient surrogate -mean(A * log pi) on `heldout`
+                 other batches (pi_old = the base; lower is better): per batch and mode.
+distance        for every finished run of the grid (results.jsonl), its distance to BF16 in two
+                 parts, static and trajectory (`distance`), on held-out tokens sampled once from
+                 the base in BF16; paired by seed in the report.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from experiments import ablate
+from lowrl import grid as lowrl_grid
+from lowrl import precision, user_cache
+from lowrl.models import layout, transformer
+from lowrl.rl.kl import exact_kl
+from lowrl.sampling.distributions import sampling_logits
+from lowrl.training import loop, optimizer, probes, run_config
+from lowrl.training.setup import Setup, build
+from lowrl.training.state import final_params
+from lowrl.training.trainer import Trainer
+from lowrl.training.rl_update import make_logprob_fn
+from lowrl.training.step import make_batch
+
+Log = Callable[[str], None]
+RESULTS = "paired.jsonl"
+LADDER = ("nvfp4_naive", "+per_token", "+4/6", "+bf16_tail")
+# backward mode -> the setting whose trainer precision it is ('' = the recipe with that backward).
+BACKWARD = {"high_precision": "", "dequantized": "nvfp4_recipe", "quantized": "nvfp4_recipe_qbwd"}
+
+
+def sizes(cfg: ml_collections.ConfigDict) -> dict[str, int]:
+  """How many batches the measurements use: `cfg.paired` (configs/ablate.py), smaller when quick."""
+  p = cfg.paired
+  if cfg.quick:
+    return {"batches": int(p.quick_batches), "grad_batches": int(p.quick_grad_batches),
+            "heldout": int(p.quick_heldout)}
+  return {"batches": int(p.batches), "grad_batches": int(p.grad_batches),
+          "heldout": int(p.heldout)}
+
+
+def all_settings(cfg: ml_collections.ConfigDict) -> dict[str, ablate.Setting]:
+  """Every setting of the grid's rows (`cfg.grid`), whatever `groups` / `only` choose."""
+  c = ml_collections.ConfigDict(cfg.to_dict())
+  c.groups = tuple(sorted({r["group"] for r in cfg.grid}))
+  c.only = ()
+  return {s.name: s for s in ablate.settings(c)}
+
+
+def _setting_config(cfg, setting: ablate.Setting, base_dir: str) -> ml_collections.ConfigDict:
+  c = setting.config(cfg.run, int(cfg.seeds[0]))
+  c.sft.base_dir = base_dir
+  return c
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "policy", "ref_policy", "sampling"))
+def _kl_per_row(params, ref_params, tokens_BL, mask_BL, completion_BL, quant_key, *, model_cfg,
+                policy, ref_policy, sampling):
+  """Per row: the mean over its completion tokens of KL(q_policy || q_ref) at the positions that
+  predict them (exact, full vocabulary)."""
+  def q_logits(p, pol):
+    logits = transformer.forward(p, tokens_BL, model_cfg, pol, mask_BT=mask_BL,
+                                 quant_key=quant_key if pol.needs_key else None)
+    return sampling_logits(logits[:, :-1], sampling)  # column t predicts token t + 1
+  kl_BT = exact_kl(q_logits(params, policy), q_logits(ref_params, ref_policy))
+  m_BT = completion_BL[:, 1:]
+  return jnp.sum(kl_BT * m_BT, 1) / jnp.maximum(jnp.sum(m_BT, 1), 1.0)
+
+
+def _per_prompt(rows_B: np.ndarray, group: int) -> np.ndarray:
+  return rows_B.reshape(-1, group).mean(1)
+
+
+def sample_batches(trainer: Trainer, params, n: int, first_step: int = 0) -> list[Any]:
+  """`n` rollouts of the trainer's sampler from `params` (training prompts of steps first_step,
+  ...; the step's key), their rewards included."""
+  key = jax.random.key(trainer.setup.loop.seed)
+  return [trainer.rollout(params, params, s, jax.random.fold_in(key, s), stale=False)[0]
+          for s in range(first_step, first_step + n)]
+
+
+def forward_ladder(cfg, setups: dict[str, Setup], twin: Setup, params, rollouts,
+                   log: Log) -> dict[str, Any]:
+  """{"units": "prompts", "kl": {rung: [per-prompt KL(rung || twin)]}} (module docstring)."""
+  out = {}
+  group = cfg.run.rl.group_size
+  for name in LADDER:
+    s = setups[name]
+    p = optimizer.to_master(params, s.loop.master_dtype)
+    ref = optimizer.to_master(params, twin.loop.master_dtype)
+    rows = [np.asarray(_kl_per_row(
+        p, ref, r.out.tokens, r.out.attention_mask, r.out.completion_mask,
+        jax.random.fold_in(jax.random.key(s.loop.seed), i), model_cfg=s.model_cfg,
+        policy=s.trainer_policy, ref_policy=twin.trainer_policy, sampling=s.sampling))
+        for i, r in enumerate(rollouts)]
+    out[name] = _per_prompt(np.concatenate(rows), group).tolist()
+    log(f"[paired] ladder {name}: KL to BF16 {np.mean(out[name]):.4f} over {len(out[name])} "
+        "prompts")
+  return {"units": "prompts", "kl": out}
+
+
+def _backward_setups(cfg, settings: dict[str, ablate.Setting], base_dir: str
+                     ) -> dict[str, Setup]:
+  out = {}
+  for mode, name in BACKWARD.items():
+    if name:
+      s = settings[name]
+    else:  # the recipe with this backward: not a setting of the grid
+      s = ablate.Setting(f"nvfp4_recipe_{mode}", "paired", ablate._recipe(  # noqa: SLF001
+          "nvfp4_recipe", f"nvfp4_recipe_{mode}", backward=mode))
+    out[mode] = build(_setting_config(cfg, s, base_dir))
+  return out
+
+
+def backward(cfg, setups: dict[str, Setup], params, rollouts, heldout, log: Log
+             ) -> dict[str, Any]:
+  """Per batch and backward mode: cos / rel_err vs FP32 and vs the dequantized (exact
+  quantized-forward) gradient, and the held-out surrogate's change after one step."""
+  any_setup = next(iter(setups.values()))
+  model_cfg, sampling = any_setup.model_cfg, any_setup.sampling
+  update_cfg, batch_cfg = any_setup.update_cfg, any_setup.batch_cfg
+  fp32 = precision.PrecisionPolicy.unquantized(layout.matmuls(model_cfg), "float32", name="fp32")
+  logprob32 = make_logprob_fn(model_cfg, fp32, sampling)
+  grad_fns = {m: jax.jit(probes.make_grad_fn(make_logprob_fn(model_cfg, s.trainer_policy,
+                                                             sampling), update_cfg, batch_cfg))
+              for m, s in setups.items()}
+  grad32 = jax.jit(probes.make_grad_fn(logprob32, update_cfg, batch_cfg, param_dtype="float32"))
+  agree = jax.jit(probes.grad_agreement)
+  tx = any_setup.tx
+
+  @jax.jit
+  def step(p, g):
+    new, _ = optimizer.apply_update(tx, p, g, optimizer.init_opt_state(tx, p),
+                                    master_rounding="nearest", key=None)
+    return new
+
+  @jax.jit
+  def surrogate(p, rollout):
+    batch, _ = make_batch(rollout.out, rollout.rewards_B, batch_cfg)
+    logp_BT, _ = logprob32(optimizer.to_master(p, "float32"), batch, None)
+    m_BT = batch.loss_mask_BT
+    return -jnp.sum(batch.adv_B[:, None] * logp_BT * m_BT) / jnp.maximum(jnp.sum(m_BT), 1.0)
+
+  def heldout_loss(p):
+    return float(np.mean([float(surrogate(p, h)) for h in heldout]))
+
+  params = optimizer.to_master(params, any_setup.loop.master_dtype)
+  ref_params = params if any_setup.loop.keep_reference else None
+  base_loss = heldout_loss(params)
+  rows = {m: {"cos_fp32": [], "rel_err_fp32": [], "cos_exact": [], "rel_err_exact": [],
+              "heldout_delta": []} for m in setups}
+  rows["fp32"] = {"heldout_delta": []}
+  key = jax.random.key(any_setup.loop.seed)
+  for b, r in enumerate(rollouts):
+    k = jax.random.fold_in(key, b)
+    g32 = grad32(params, ref_params, r, k)
+    grads = {m: grad_fns[m](params, ref_params, r, k) for m in setups}
+    for m, g in grads.items():
+      a32, aex = agree(g, g32), agree(g, grads["dequantized"])
+      rows[m]["cos_fp32"].append(float(a32["grad_bias/cos/total"]))
+      rows[m]["rel_err_fp32"].append(float(a32["grad_bias/rel_err/total"]))
+      rows[m]["cos_exact"].append(float(aex["grad_bias/cos/total"]))
+      rows[m]["rel_err_exact"].append(float(aex["grad_bias/rel_err/total"]))
+      rows[m]["heldout_delta"].append(heldout_loss(step(params, g)) - base_loss)
+    rows["fp32"]["heldout_delta"].append(heldout_loss(step(params, g32)) - base_loss)
+    log(f"[paired] backward batch {b + 1}/{len(rollouts)}: cos vs FP32 " + ", ".join(
+        f"{m} {rows[m]['cos_fp32'][-1]:.4f}" for m in setups))
+  return {"units": "batches", "heldout_base": base_loss, "modes": rows}
+
+
+def _row_kl(params, ref_params, outs, setup: Setup, policy, ref_policy) -> np.ndarray:
+  """Per row of `outs` (SampleOutputs): KL(q_{params, policy} || q_{ref_params, ref_policy})."""
+  key = jax.random.key(setup.loop.seed)
+  return np.concatenate([np.asarray(_kl_per_row(
+      params, ref_params, o.tokens, o.attention_mask, o.completion_mask,
+      jax.random.fold_in(key, i), model_cfg=setup.model_cfg, policy=policy,
+      ref_policy=ref_policy, sampling=setup.sampling)) for i, o in enumerate(outs)])
+
+
+def distance(cfg, workdir: str, line: dict[str, Any], twin_line: dict[str, Any],
+             settings: dict[str, ablate.Setting], base, log: Log) -> dict[str, Any]:
+  """The run's distance to BF16 in two parts on identical tokens (the held-out prompts'
+  completions sampled once from the base in BF16, `eval_samples` each; the same for every run of
+  the seed), exact full-vocabulary KL per token averaged per prompt:
+    static      KL(run's weights under its recipe || the same weights in BF16): the
+                quantization of the forward alone, at the start (the base) and the end;
+    trajectory  KL(run's weights in BF16 || its BF16 twin's weights in BF16): where training
+                took the weights, at the end (0 at the start: both are the base).
+  The loop keeps only its two newest checkpoints, so the points are the start and the end."""
+  base_dir = os.path.join(workdir, "base")
+  seed = int(line["seed"])
+  c = settings[line["setting"]].config(cfg.run, seed)
+  c.sft.base_dir = base_dir
+  tc = settings[twin_line["setting"]].config(cfg.run, seed)
+  tc.sft.base_dir = base_dir
+  twin = Trainer(build(tc), log=lambda _: None)
+  setup = build(c)
+  bf16 = twin.setup.trainer_policy
+  base_t = twin.place(optimizer.to_master(base, tc.optimizer.master_dtype))
+  # The same held-out tokens for every run of this seed: sampled from the base in BF16.
+  outs = [o for o, _ in twin._eval_samples(base_t, jax.random.fold_in(jax.random.key(seed), 11),  # noqa: SLF001
+                                           quant_key=None, act_amax=None)]
+  end = final_params(c, os.path.join(workdir, line["run_dir"]))
+  twin_end = final_params(tc, os.path.join(workdir, twin_line["run_dir"]), twin)
+  start = optimizer.to_master(base, c.optimizer.master_dtype)
+  n = int(c.eval_samples)
+  per_prompt = lambda rows: rows.reshape(-1, n).mean(1).tolist()  # noqa: E731
+  out = {"setting": line["setting"], "seed": seed, "units": "held-out prompts",
+         "static_start": per_prompt(_row_kl(start, start, outs, setup, setup.trainer_policy, bf16)),
+         "static_end": per_prompt(_row_kl(end, end, outs, setup, setup.trainer_policy, bf16)),
+         "trajectory_end": per_prompt(_row_kl(end, twin_end, outs, setup, bf16, bf16))}
+  log(f"[paired] distance {line['setting']} seed {seed}: static {np.mean(out['static_start']):.4f}"
+      f" -> {np.mean(out['static_end']):.4f}, trajectory {np.mean(out['trajectory_end']):.4f}")
+  return out
+
+
+def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[dict[str, Any]]:
+  """Runs (or resumes) the paired measurements of the grid config `cfg` on `<workdir>`'s base;
+  returns the lines of `<workdir>/paired.jsonl`."""
+  if cfg.quick:
+    cfg = ablate.quick(cfg)
+  n = sizes(cfg)
+  if n["grad_batches"] > n["batches"] or min(n.values()) < 1:
+    raise run_config.ConfigError(f"--config.paired: need 1 <= grad_batches <= batches and "
+                                 f"heldout >= 1, got {n}.")
+  settings = all_settings(cfg)
+  base_dir = os.path.join(workdir, "base")
+  twin_cfg = _setting_config(cfg, settings[cfg.twin], base_dir)
+  setups = {name: build(_setting_config(cfg, settings[name], base_dir)) for name in LADDER}
+  bwd = _backward_setups(cfg, settings, base_dir)  # validated before anything compiles
+  os.makedirs(workdir, exist_ok=True)
+  user_cache.enable_compile_cache()
+  fp = run_config.fingerprint(twin_cfg)
+  jobs = [lowrl_grid.Job.of({"measurement": m, "point": "base"},
+                            f"{fp}-{m}-{n['batches']}-{n['grad_batches']}-{n['heldout']}")
+          for m in ("forward_ladder", "backward")]
+  # The distance parts of every finished run of the grid (experiments.ablate's results.jsonl).
+  grid_lines = ablate.read_results(workdir)
+  twins = {r["seed"]: r for r in grid_lines if r["setting"] == cfg.twin}
+  for r in grid_lines:
+    if r["setting"] in settings and r["seed"] in twins:
+      jobs.append(lowrl_grid.Job.of(
+          {"measurement": "distance", "point": f"{r['setting']} seed {r['seed']}"},
+          f"{r['fingerprint']}-{twins[r['seed']]['fingerprint']}", (r, twins[r["seed"]])))
+  state: dict[str, Any] = {}
+
+  def base():
+    if "base" not in state:
+      state["base"] = loop.load_base(twin_cfg, os.path.join(workdir, "runs", "paired"), log=log)
+    return state["base"]
+
+  def inputs():
+    if "twin" not in state:
+      twin = Trainer(build(twin_cfg), log=lambda _: None)
+      params = twin.place(optimizer.to_master(base(), twin_cfg.optimizer.master_dtype))
+      state.update(twin=twin, params=params,
+                   rollouts=sample_batches(twin, params, n["batches"]),
+                   heldout=sample_batches(twin, params, n["heldout"], first_step=10_000))
+    return state
+
+  def work(job: lowrl_grid.Job) -> dict[str, Any]:
+    if dict(job.key)["measurement"] == "distance":
+      return distance(cfg, workdir, *job.payload, settings, base(), log)
+    s = inputs()
+    if dict(job.key)["measurement"] == "forward_ladder":
+      return forward_ladder(cfg, setups, s["twin"].setup, s["params"], s["rollouts"], log)
+    return backward(cfg, bwd, s["params"], s["rollouts"][:n["grad_batches"]], s["heldout"], log)
+
+  return lowrl_grid.run(jobs, os.path.join(workdir, RESULTS), work, log=log, tag="paired")
+
+
+def read_results(workdir: str) -> dict[str, Any]:
+  """{measurement: its line} of `<workdir>/paired.jsonl` ({} when absent); "distance": the list
+  of the distance lines (one per run)."""
+  out: dict[str, Any] = {"distance": []}
+  for r in lowrl_grid.read_results(os.path.join(workdir, RESULTS)):
+    if r["measurement"] == "distance":
+      out["distance"].append(r)
+    else:
+      out[r["measurement"]] = r
+  return out
+
+
+def main(argv):
+  ablate.grid_main(_FLAGS, argv, lambda cfg, workdir, log: run(cfg, workdir, log=log))
+
+
+if __name__ == "__main__":
+  from absl import app
+
+  from lowrl.training import cli
+
+  _FLAGS = cli.define_run_flags("ablate.py", "/tmp/lowrl_ablate", "Grid directory.")
+  app.run(main, flags_parser=_FLAGS.parser())

@@ -1,0 +1,116 @@
+"""experiments.report's claims on synthetic results lines: paired by seed (and by prompt / batch
+for experiments.paired's measurements), Holm over the report, verdicts. No JAX programs."""
+import numpy as np
+import pytest
+
+from experiments import report
+from lowrl.analysis import stats
+
+SEEDS = range(5)
+
+
+def _line(setting, seed, *, twin_end, twin_start=0.1, start=0.3, end=0.4, grad_cos=0.8,
+          pass_k=None):
+  return {"setting": setting, "group": "recipe", "seed": seed, "wall_s": 1.0,
+          "eval_start": {"pass_at_1": start, "greedy": 0.5},
+          "eval_end": {"pass_at_1": end, "greedy": 0.45},
+          "twin_kl_k3_start": twin_start, "twin_kl_k3_end": twin_end, "grad_cos": grad_cos,
+          "pass_at_k_start": {"1": start, "4": start + 0.2},
+          "pass_at_k_end": {"1": end, "4": end + 0.2 if pass_k is None else pass_k}}
+
+
+def _results():
+  seed_level = np.array([0.05, -0.04, 0.08, -0.06, 0.0])  # seed spread shared by settings
+  out = []
+  for s in SEEDS:
+    lvl = 0.2 + seed_level[s]
+    out += [_line("bf16", s, twin_end=0.0, twin_start=0.0, start=0.30, end=0.35 + 0.001 * s),
+            _line("nvfp4_naive", s, twin_end=lvl, end=0.40 + seed_level[s]),
+            # 0.02 below naive on every seed (+ tiny noise): far inside the seed spread
+            _line("nvfp4_recipe", s, twin_end=lvl - 0.02 + 1e-4 * s, end=0.36 + seed_level[s]),
+            _line("nvfp4_recipe_qbwd", s, twin_end=lvl, grad_cos=0.8 + 0.01 * (s % 2))]
+  return out
+
+
+def _by_name(verdicts):
+  return {v.claim.name: v for v in verdicts}
+
+
+def test_seed_paired_claims_resolve_what_the_seed_spread_hides():
+  results = _results()
+  v = _by_name(stats.judge(report.grid_claims(results)))
+  # RL gain at BF16: end - start of the same runs, 0.05 + 0.001 s: held.
+  assert v["rl_gain"].verdict == "held" and v["rl_gain"].claim.result.n == 5
+  assert v["rl_gain"].claim.result.mean == pytest.approx(0.052)
+  # Recipe vs naive twin KL: -0.02 on every seed, although the seeds' sd is ~0.05: held paired
+  # (the old "means apart by more than the sum of stds" rule could not see it).
+  tt = v["tracks_twin"]
+  assert tt.verdict == "held" and tt.claim.result.ci_high < 0
+  sd = {s: np.std([r["twin_kl_k3_end"] for r in results if r["setting"] == s])
+        for s in ("nvfp4_naive", "nvfp4_recipe")}
+  assert sum(sd.values()) > 0.02
+  # The recipe's gain is closer to BF16's than naive's on every seed: |0.06| vs |0.10| + noise
+  assert v["tracks_outcome"].claim.result.mean < 0
+  # Dequantized vs quantized backward: 0.8 vs 0.8 / 0.81 alternating: not resolved at n = 5.
+  assert v["backward_probe"].verdict == "not resolved"
+  # Settings that did not run give no claim (the build-up's middle rungs, SR, KL reset).
+  assert not any(n.startswith(("component_", "sr_gain", "kl_reset")) for n in v)
+
+
+def test_a_claim_the_other_way_is_contradicted_and_holm_spans_the_report():
+  results = [r for r in _results() if r["setting"] in ("nvfp4_naive", "nvfp4_recipe")]
+  for r in results:  # the recipe now ends *farther* from the twin, on every seed
+    if r["setting"] == "nvfp4_recipe":
+      r["twin_kl_k3_end"] += 0.04
+  claims = report.grid_claims(results)
+  v = _by_name(stats.judge(claims))
+  assert v["tracks_twin"].verdict == "contradicted"
+  raw = [c.result.p for c in claims]
+  assert [x.p_holm for x in v.values()] == pytest.approx(list(stats.holm(raw)))
+
+
+def test_paired_measurement_claims():
+  rng = np.random.default_rng(1)
+  base = rng.exponential(0.2, size=200)  # per-prompt KL of naive NVFP4
+  lad = {"nvfp4_naive": base, "+per_token": base * 0.9 + rng.normal(0, 1e-3, 200),
+         "+4/6": base * 0.9 + rng.normal(0, 1e-3, 200),  # no change on average: not resolved
+         "+bf16_tail": base * 0.7}
+  n = 20
+  modes = {m: {"cos_fp32": list(c + rng.normal(0, 1e-3, n)),
+               "cos_exact": list(e + rng.normal(0, 1e-3, n)),
+               "heldout_delta": list(h + rng.normal(0, 1e-6, n))}
+           for m, c, e, h in (("high_precision", 0.82, 0.95, -1e-4),
+                              ("dequantized", 0.80, 1.0, -1e-4),
+                              ("quantized", 0.79, 0.90, -9e-5))}
+  paired = {"forward_ladder": {"kl": {k: list(x) for k, x in lad.items()}},
+            "backward": {"modes": modes, "heldout_base": 0.1}}
+  v = _by_name(stats.judge(report.paired_claims(paired)))
+  assert v["ladder_+per_token"].verdict == "held"
+  assert v["ladder_+4/6"].verdict == "not resolved"
+  assert v["ladder_+bf16_tail"].verdict == "held"
+  assert v["ladder_+per_token"].claim.result.n == 200
+  assert v["backward_cos_fp32_dequantized_vs_quantized"].verdict == "held"
+  assert v["backward_cos_fp32_dequantized_vs_high_precision"].verdict == "contradicted"
+  assert v["backward_cos_exact_quantized_vs_high_precision"].verdict == "contradicted"
+  assert v["backward_heldout_delta_dequantized_vs_quantized"].verdict == "held"
+  assert v["backward_heldout_delta_dequantized_vs_high_precision"].verdict == "not resolved"
+  md = "\n".join(report._paired_section(paired))  # noqa: SLF001
+  assert "| dequantized | 20 |" in md and "| +bf16_tail | 200 |" in md
+
+
+def test_distance_claims_pair_the_trajectory_part_by_seed():
+  rng = np.random.default_rng(2)
+  lines = []
+  for s in SEEDS:
+    lvl = 0.1 + 0.05 * (s - 2)  # a seed moves both settings alike
+    for name, shift in (("nvfp4_naive", 0.0), ("nvfp4_recipe", -0.01)):
+      per_prompt = lvl + shift + rng.normal(0, 1e-4, 16)
+      lines.append({"setting": name, "seed": s, "static_start": list(per_prompt * 0 + 0.2),
+                    "static_end": list(per_prompt * 0 + 0.2), "trajectory_end": list(per_prompt)})
+  v = _by_name(stats.judge(report.distance_claims(lines)))
+  assert set(v) == {"trajectory_recipe_vs_naive"}
+  r = v["trajectory_recipe_vs_naive"]
+  assert r.verdict == "held" and r.claim.result.n == 5
+  assert r.claim.result.mean == pytest.approx(-0.01, abs=2e-4)
+  md = "\n".join(report._distance_table(lines))  # noqa: SLF001
+  assert "| nvfp4_recipe | 5 | 0.2000 | 0.2000 |" in md
