@@ -318,11 +318,15 @@ RL = Section("rl", (
          "be none)", OneOf(OLD_LOGP_SOURCES)),
     Knob("kl_coef", 0.0, "beta of the KL-to-reference penalty (0 = no penalty)"),
     Knob("kl_estimator", "k3", "KL estimator (docs/reference.md section 3)", OneOf(KL_ESTIMATORS)),
-    Knob("correction", "none", "sampler/trainer mismatch correction", OneOf(CORRECTION_MODES)),
+    Knob("correction", "none", "sampler/trainer mismatch correction (icepop: token mask to "
+         "[mis_low, mis_high]; vcpo: TIS weights + step scaled by sqrt(ESS/N); lowrl.rl."
+         "corrections)", OneOf(CORRECTION_MODES)),
     Knob("correction_level", "token", "correction weight per", OneOf(CORRECTION_LEVELS)),
-    Knob("tis_cap", 2.0, "TIS: weight truncated at this cap (> 0)"),
-    Knob("mis_low", 0.5, "MIS: tokens/sequences with weight below this are masked"),
-    Knob("mis_high", 5.0, "MIS: tokens/sequences with weight above this are masked"),
+    Knob("tis_cap", 2.0, "TIS, VCPO: weight truncated at this cap (> 0)"),
+    Knob("mis_low", 0.5, "MIS, IcePop (alpha): tokens/sequences with weight below this are "
+         "masked"),
+    Knob("mis_high", 5.0, "MIS, IcePop (beta): tokens/sequences with weight above this are "
+         "masked"),
 ), checks=(_rl_update_check,))
 
 # How rollouts are sampled and filtered: both run kinds.
