@@ -18,7 +18,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Lowest first; ARCHITECTURE.md "Layering" shows the same order.
 LAYERS = (
-    ("lowrl.quant", "lowrl.hardware", "lowrl.distributed", "lowrl.metrics", "lowrl.user_cache"),
+    ("lowrl.quant", "lowrl.hardware", "lowrl.distributed", "lowrl.metrics", "lowrl.user_cache",
+     "lowrl.analysis", "lowrl.grid"),
     ("lowrl.precision",),
     ("lowrl.models",),
     ("lowrl.sharding", "lowrl.checkpoints", "lowrl.memory", "lowrl.tasks"),

@@ -1,0 +1,1 @@
+"""Statistics for experiment reports (paired tests, Holm correction, claim verdicts)."""

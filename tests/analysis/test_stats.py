@@ -1,0 +1,209 @@
+"""lowrl.analysis.stats against SciPy (ttest_rel, the t distribution, binomtest) and cases worked
+by hand from the definitions (Holm, the bootstrap of two or three points, claim verdicts)."""
+import itertools
+import math
+
+import numpy as np
+import pytest
+import scipy.stats
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowrl.analysis import stats
+
+# SciPy evaluates the t tail with the same incomplete beta function by another algorithm (Boost);
+# both are accurate to a few ulps, so 1e-10 relative leaves room and still catches any wrong
+# formula (a wrong df or a one-sided p is off by a factor, not 1e-10).
+RTOL = 1e-10
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 4, 7, 19, 100, 1000])
+@pytest.mark.parametrize("t", [0.0, 0.1, 1.0, 2.5, 8.0, 60.0])
+def test_t_two_sided_p_matches_scipy(df, t):
+  assert stats.t_two_sided_p(t, df) == pytest.approx(2 * scipy.stats.t.sf(t, df), rel=RTOL,
+                                                     abs=1e-300)
+
+
+@pytest.mark.parametrize("df", [1, 2, 4, 9, 29, 1000])
+@pytest.mark.parametrize("alpha", [0.5, 0.05, 0.01, 1e-4])
+def test_t_quantile_matches_scipy(df, alpha):
+  assert stats.t_quantile_two_sided(alpha, df) == pytest.approx(
+      scipy.stats.t.ppf(1 - alpha / 2, df), rel=RTOL)
+
+
+@pytest.mark.parametrize("a,b,x", [(0.5, 0.5, 0.3), (2.0, 3.0, 0.9), (10.0, 0.5, 0.99),
+                                   (0.5, 50.0, 1e-3), (1.0, 1.0, 0.25)])
+def test_betainc_matches_scipy(a, b, x):
+  import scipy.special
+  assert stats.betainc(a, b, x) == pytest.approx(scipy.special.betainc(a, b, x), rel=RTOL)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 12, 60])
+def test_paired_t_matches_ttest_rel(n):
+  rng = np.random.default_rng(n)
+  base = rng.normal(size=n)
+  treat = base + rng.normal(0.4, 1.0, size=n)
+  r = stats.paired_t(treat - base)
+  ref = scipy.stats.ttest_rel(treat, base)
+  ci = ref.confidence_interval(0.95)
+  assert r.n == n
+  assert r.mean == pytest.approx(np.mean(treat - base), rel=1e-12)
+  assert r.p == pytest.approx(ref.pvalue, rel=RTOL)
+  # The interval's ends are mean -+ q * se: an absolute error of a few ulps of the mean.
+  assert r.ci_low == pytest.approx(ci.low, rel=RTOL, abs=1e-12)
+  assert r.ci_high == pytest.approx(ci.high, rel=RTOL, abs=1e-12)
+
+
+def test_paired_t_hand_case():
+  # d = (1, 2, 3): mean 2, sd 1, se 1/sqrt(3), t = 2 sqrt(3) on 2 df. The 2-df t has a closed
+  # form cdf, 1/2 + t / (2 sqrt(2 + t^2)), so P(|T| >= t) = 1 - t / sqrt(2 + t^2).
+  r = stats.paired_t([1.0, 2.0, 3.0])
+  t = 2 * math.sqrt(3)
+  assert r.p == pytest.approx(1 - t / math.sqrt(2 + t * t), rel=RTOL)
+  u = 0.95  # P(|T| <= q) = q / sqrt(2 + q^2) = u  =>  q = u sqrt(2 / (1 - u^2))
+  q = u * math.sqrt(2 / (1 - u * u))
+  assert r.ci_low == pytest.approx(2 - q / math.sqrt(3), rel=RTOL)
+  assert r.ci_high == pytest.approx(2 + q / math.sqrt(3), rel=RTOL)
+
+
+def test_paired_t_edge_cases():
+  one = stats.paired_t([0.3])
+  assert one.n == 1 and one.mean == 0.3 and math.isnan(one.p) and math.isnan(one.ci_low)
+  assert stats.paired_t([0.0, 0.0, 0.0]).p == 1.0
+  same = stats.paired_t([0.5, 0.5])
+  assert same.p == 0.0 and same.ci_low == same.ci_high == 0.5
+  with pytest.raises(ValueError, match="no paired units"):
+    stats.paired_t([])
+  with pytest.raises(ValueError, match="non-finite"):
+    stats.paired_t([1.0, float("nan")])
+  with pytest.raises(ValueError, match="1-D"):
+    stats.paired_t([[1.0, 2.0]])
+
+
+@pytest.mark.parametrize("diffs", [[1, 1, 1, 1, 1], [1, -1, 2, 3, 4, 5, -0.5], [-1] * 12 + [1] * 3,
+                                   [0.1, 0.2, -0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]])
+def test_sign_test_matches_binomtest(diffs):
+  k, n = sum(d > 0 for d in diffs), sum(d != 0 for d in diffs)
+  assert stats.sign_test(diffs) == pytest.approx(scipy.stats.binomtest(k, n, 0.5).pvalue,
+                                                 rel=1e-12)
+
+
+def test_sign_test_hand_cases():
+  assert stats.sign_test([1.0] * 5) == 2 / 32  # both tails of the all-positive outcome
+  assert stats.sign_test([1.0, -1.0]) == 1.0
+  assert stats.sign_test([0.0, 0.0, 2.0]) == 1.0  # zeros dropped: one positive of one
+  assert stats.sign_test([0.0, 0.0]) == 1.0
+
+
+def _exact_bootstrap_quantile(x, q):
+  """The q-quantile (smallest v with P(mean <= v) >= q) of the exact bootstrap distribution of
+  the mean: the n^n equally likely resamples, the distribution an infinite n_boot converges to."""
+  means = np.sort([np.mean(c) for c in itertools.product(x, repeat=len(x))])
+  cdf = np.arange(1, means.size + 1) / means.size
+  return means[np.argmax(cdf >= q)]
+
+
+def test_bootstrap_two_points_hand_case():
+  # Resamples of {0, 1}: means 0, 1/2, 1 with probabilities 1/4, 1/2, 1/4: the 2.5% and 97.5%
+  # percentiles are 0 and 1 (ties: a 1/4 atom at each end holds both).
+  r = stats.bootstrap_mean_ci([0.0, 1.0], rng_seed=0, n_boot=4000)
+  assert (r.n, r.mean, r.ci_low, r.ci_high) == (2, 0.5, 0.0, 1.0)
+  # p: P(mean <= 0) = 1/4 (the smaller side): 2 x 1/4, up to Monte Carlo error (sd 0.014 at
+  # n_boot = 4000; 5 sd).
+  assert abs(r.p - 0.5) < 5 * 2 * math.sqrt(0.25 * 0.75 / 4000)
+
+
+def test_bootstrap_converges_to_exact_distribution():
+  # Three units: 27 equally likely resamples. The extreme means 0 and 4 each have probability
+  # 1/27 = 0.037, so the exact 2.5% / 97.5% quantiles are 0 and 4, 0.012 inside the atoms' mass:
+  # 9 Monte Carlo sd (sqrt(0.037 * 0.963 / 20000) = 0.0013) at n_boot = 20000.
+  x = np.array([0.0, 1.0, 4.0])
+  assert (_exact_bootstrap_quantile(x, 0.025), _exact_bootstrap_quantile(x, 0.975)) == (0.0, 4.0)
+  r = stats.bootstrap_mean_ci(x, rng_seed=3, n_boot=20_000)
+  assert (r.ci_low, r.ci_high) == (0.0, 4.0)
+  assert r.mean == pytest.approx(5 / 3)
+
+
+def test_bootstrap_pairs_is_the_bootstrap_of_differences_and_seeded():
+  rng = np.random.default_rng(1)
+  a, b = rng.normal(size=30), rng.normal(size=30)
+  paired = stats.bootstrap_mean_ci(a, pairs=b, rng_seed=7, n_boot=500)
+  assert paired == stats.bootstrap_mean_ci(a - b, rng_seed=7, n_boot=500)
+  assert paired == stats.bootstrap_mean_ci(a, pairs=b, rng_seed=7, n_boot=500)
+  assert paired != stats.bootstrap_mean_ci(a, pairs=b, rng_seed=8, n_boot=500)
+  with pytest.raises(ValueError, match="pairs has 29 units"):
+    stats.bootstrap_mean_ci(a, pairs=b[:-1], rng_seed=0)
+
+
+def test_bootstrap_close_to_scipy_percentile_interval():
+  # 200 units: scipy.stats.bootstrap's percentile interval with its own resamples; the two Monte
+  # Carlo estimates of a 2.5% quantile of the mean's distribution differ by O(se / sqrt(n_boot))
+  # times a density factor; 0.1 se is > 10 of those at n_boot = 20000.
+  rng = np.random.default_rng(2)
+  x = rng.exponential(size=200)
+  se = x.std(ddof=1) / math.sqrt(x.size)
+  r = stats.bootstrap_mean_ci(x, rng_seed=0, n_boot=20_000)
+  ref = scipy.stats.bootstrap((x,), np.mean, n_resamples=20_000, method="percentile",
+                              random_state=np.random.default_rng(5)).confidence_interval
+  assert abs(r.ci_low - ref.low) < 0.1 * se
+  assert abs(r.ci_high - ref.high) < 0.1 * se
+  assert r.p == 1 / 20_000  # every resampled mean of positive values is > 0: the floor
+
+
+def test_holm_hand_cases():
+  # Definition: sorted p_(1..m), adj_(i) = max_{j<=i} min(1, (m-j+1) p_(j)), back in input order.
+  np.testing.assert_allclose(stats.holm([0.01, 0.04, 0.03, 0.005]), [0.03, 0.06, 0.06, 0.02])
+  np.testing.assert_allclose(stats.holm([0.2, 0.9]), [0.4, 0.9])
+  np.testing.assert_allclose(stats.holm([0.6, 0.7]), [1.0, 1.0])  # capped at 1, monotone
+  np.testing.assert_allclose(stats.holm([0.02]), [0.02])  # m = 1: unchanged
+  out = stats.holm([0.01, float("nan"), 0.04])
+  assert math.isnan(out[1])
+  np.testing.assert_allclose(out[[0, 2]], [0.02, 0.04])  # NaN not counted in m
+  assert stats.holm([]).shape == (0,)
+  with pytest.raises(ValueError, match="outside"):
+    stats.holm([1.5])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0, 1), min_size=1, max_size=12))
+def test_holm_properties(p):
+  adj = stats.holm(p)
+  p = np.asarray(p)
+  assert np.all(adj >= p - 1e-15) and np.all(adj <= 1.0)
+  assert np.all(adj <= np.minimum(1.0, len(p) * p) + 1e-15)  # never worse than Bonferroni
+  order = np.argsort(p, kind="stable")
+  assert np.all(np.diff(adj[order]) >= 0)  # monotone in p
+
+
+def _claim(name, mean, p, direction=-1):
+  return stats.Claim(name, f"statement {name}", "paired by seed",
+                     stats.PairedResult(5, mean, mean - 1, mean + 1, p), direction=direction)
+
+
+def test_judge_holm_over_the_report_and_verdicts():
+  claims = [_claim("a", -0.2, 0.001), _claim("b", 0.3, 0.01), _claim("c", -0.1, 0.06),
+            _claim("d", 0.1, math.nan)]
+  out = stats.judge(claims)
+  assert [v.verdict for v in out] == ["held", "contradicted", "not resolved", "not tested"]
+  assert [v.p_holm for v in out[:3]] == pytest.approx([0.003, 0.02, 0.06])
+  row = out[0].row()
+  assert (row["design"], row["n"], row["effect"], row["p_holm"], row["verdict"]) == (
+      "paired by seed", 5, -0.2, pytest.approx(0.003), "held")
+  table = stats.markdown_table(out)
+  assert table.count("\n") == 1 + len(claims) and "**contradicted**" in table
+  with pytest.raises(ValueError, match="direction"):
+    _claim("e", 0.0, 0.5, direction=0)
+
+
+def test_paired_diffs_and_by_unit():
+  rows = [{"setting": "bf16", "seed": 0, "v": 1.0}, {"setting": "bf16", "seed": 1, "v": 2.0},
+          {"setting": "nv", "seed": 1, "v": 5.0}, {"setting": "nv", "seed": 0, "v": 1.5},
+          {"setting": "nv", "seed": 2, "v": 9.0}, {"setting": "x", "seed": 0, "v": None}]
+  table = stats.by_unit(rows, lambda r: r["v"])
+  assert table == {"bf16": {0: 1.0, 1: 2.0}, "nv": {0: 1.5, 1: 5.0, 2: 9.0}}
+  units, d = stats.paired_diffs(table["nv"], table["bf16"])
+  assert units == [0, 1] and d.tolist() == [0.5, 3.0]  # seed 2 has no baseline: unpaired, left out
+  with pytest.raises(ValueError, match="no unit measured on both sides"):
+    stats.paired_diffs({0: 1.0}, {1: 1.0})
+  with pytest.raises(ValueError, match="two results"):
+    stats.by_unit(rows + [rows[0]], lambda r: r["v"])
