@@ -1,49 +1,102 @@
-"""The simulator sweep: precision (4-bitter included) x correction x lag, plus the LR x lag x
-precision phase diagram.
+"""The simulator sweep: reward against measured drift per correction, the seed's knobs, and the
+LR x lag phase diagram (lowrl/asyncrl/sweep.py; the report: lowrl/asyncrl/capacity.py).
 
-`sim` is one simulator setting (lowrl.asyncrl.simulator.default_config); `grid` and `phase_grid`
-list the values of each knob (lowrl.asyncrl.sweep.GRID_KNOBS) and the sweep runs each grid's
-product, every setting over `seeds` (vmapped; a config two points share runs once). Override from
-the command line, e.g.
+  configs/simulate.py           the reduced default (docs/async_sweep.md): 2 sampler precisions
+                                (BF16, naive NVFP4; trainer BF16) x 4 corrections x 3 lags plus
+                                MXFP8 uncorrected: 9 compiled programs, 27 settings x 3 seeds x
+                                150 updates, ~15 min on 2 idle CPU cores
+  configs/simulate.py:full      the full grid (~2 h on 2 idle cores, estimated below)
+
+`sim` is one simulator setting (lowrl.asyncrl.simulator.default_config); each `*grid` lists the
+values of each knob (lowrl.asyncrl.sweep.GRID_KNOBS) and the sweep runs each grid's product, every
+setting over `seeds` (vmapped; a config two points share runs once). Lag and sync interval are
+runtime inputs (settings differing only there share one compiled program); every other knob value
+compiles its own. Override from the command line, e.g.
   --config.grid.lag="(0, 4)" --config.grid.trainer_recipe="('same',)" --config.sim.rl.steps=200
+
+Token-level MIS with reweighting is IcePop by definition (lowrl.rl.corrections: the same weights),
+so the grids run `icepop` and leave `mis` out.
 """
 import ml_collections
 
 from lowrl.asyncrl import simulator
 
+VARIANTS = ("reduced", "full")
 
-def get_config() -> ml_collections.ConfigDict:
+
+def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
+  variant = variant or "reduced"
+  if variant not in VARIANTS:
+    raise ValueError(f"configs/simulate.py:{variant}: use one of {VARIANTS}.")
   c = ml_collections.ConfigDict()
+  c.variant = variant
   c.sim = simulator.default_config()
   c.sim.task.update(kind="sort", num_symbols=8, length=6, reward="per_token")
   # RL from a weak supervised base (40 steps: held-out greedy 0.60 ± 0.03), at a learning rate
   # where the on-policy run improves clearly (BF16, lag 0: greedy 0.79 ± 0.02 after 300 updates,
-  # 4 seeds; from a 100-step base, 0.87 -> 0.91 ± 0.03, within noise) but staleness has room to
-  # hurt (lr 3e-3 collapses from the 100-step base: 0.87 -> 0.68 ± 0.12).
+  # 4 seeds) but staleness has room to hurt (lr 3e-3 collapses from a 100-step base).
   c.sim.sft.steps = 40
   c.sim.optimizer.lr = 1e-3
-  c.sim.rl.steps = 300
+  c.sim.rl.steps = 150 if variant == "reduced" else 300
+  # The trainer policy's greedy held-out eval along the run (time to target).
+  c.sim.eval_every = 25
   c.seeds = (0, 1, 2)  # seeds per setting (vmapped)
   c.log_every = 1  # TensorBoard scalars every this many steps
 
   c.grid = ml_collections.ConfigDict()
-  # Off-policy lags (trainer steps); 'auto' = the cost model's lag of the modelled system.
-  c.grid.lag = (0, 2, "auto")
   c.grid.schedule = ("fifo",)  # fifo | pipeline | length | independent
-  # Sampler-only NVFP4 (trainer BF16) next to the 4-bitter setting (sampler = trainer recipe).
-  c.grid.sampler_recipe = ("bf16", "nvfp4_naive", "nvfp4_recipe")  # sampler precision recipes
-  c.grid.trainer_recipe = ("bf16", "same")  # trainer precision recipes ('same' = the sampler's)
-  c.grid.correction = ("none", "tis")  # none | tis | mis
   c.grid.num_prompts = (8,)  # prompts per batch
   c.grid.group_size = (8,)  # samples per prompt
   c.grid.horizon = (6,)  # completion lengths (task.length)
+  if variant == "reduced":
+    # Quantization drift (naive NVFP4 sampler) and staleness drift (lags) of several sizes, each
+    # correction on both; the trainer stays BF16 so its own precision does not confound.
+    c.grid.sampler_recipe = ("bf16", "nvfp4_naive")
+    c.grid.trainer_recipe = ("bf16",)
+    c.grid.correction = ("none", "tis", "icepop", "vcpo")
+    c.grid.lag = (0, 2, 6)
+    # A third, smaller quantization drift (MXFP8 sampler), uncorrected.
+    c.mxfp8_grid = ml_collections.ConfigDict()
+    c.mxfp8_grid.sampler_recipe = ("mxfp8",)
+    c.mxfp8_grid.trainer_recipe = ("bf16",)
+    c.mxfp8_grid.correction = ("none",)
+    c.mxfp8_grid.lag = (0, 2, 6)
+    return c
 
-  # The correction capacity: where reward collapses over LR x lag, per precision, with and
-  # without TIS (summary.md's phase diagram and phase.png).
+  # The full grid. Idle 2-core CPU: ~60 s per compiled program, ~26 s per 300-update setting
+  # (3 seeds); the grids below compile 48 programs and run 148 settings: ~48 + ~65 min.
+  # Every precision sampler-only (trainer BF16) and sampler = trainer; every correction; lags.
+  c.grid.sampler_recipe = ("bf16", "mxfp8", "nvfp4_naive", "nvfp4_recipe")
+  c.grid.trainer_recipe = ("bf16", "same")  # 'same' = the sampler's (bf16/bf16 runs once)
+  c.grid.correction = ("none", "tis", "icepop", "vcpo")
+  c.grid.lag = (0, 2, 8)
+  # Weight-sync interval (runtime: shares the main grid's programs).
+  c.sync_grid = ml_collections.ConfigDict()
+  c.sync_grid.sampler_recipe = ("bf16", "nvfp4_naive")
+  c.sync_grid.trainer_recipe = ("bf16",)
+  c.sync_grid.correction = ("none", "tis")
+  c.sync_grid.sync_every = (1, 2, 4)
+  c.sync_grid.lag = (0, 2)
+  # Batch size: prompts x group size.
+  c.batch_grid = ml_collections.ConfigDict()
+  c.batch_grid.sampler_recipe = ("bf16", "nvfp4_naive")
+  c.batch_grid.trainer_recipe = ("bf16",)
+  c.batch_grid.correction = ("none",)
+  c.batch_grid.num_prompts = (4, 16)
+  c.batch_grid.group_size = (4, 16)
+  c.batch_grid.lag = (0, 4)
+  # Horizon (completion length).
+  c.horizon_grid = ml_collections.ConfigDict()
+  c.horizon_grid.sampler_recipe = ("bf16", "nvfp4_naive")
+  c.horizon_grid.trainer_recipe = ("bf16",)
+  c.horizon_grid.correction = ("none",)
+  c.horizon_grid.horizon = (4, 8)
+  c.horizon_grid.lag = (0, 4)
+  # The phase diagram: LR x lag x precision, with and without TIS.
   c.phase_grid = ml_collections.ConfigDict()
-  c.phase_grid.lr = (3e-4, 1e-3, 3e-3)  # learning rates of the phase diagram
-  c.phase_grid.lag = (0, 2, 8)  # lags of the phase diagram
-  c.phase_grid.sampler_recipe = ("bf16", "nvfp4_recipe")  # samplers of the phase diagram
-  c.phase_grid.trainer_recipe = ("bf16",)  # trainer of the phase diagram
-  c.phase_grid.correction = ("none", "tis")  # corrections of the phase diagram
+  c.phase_grid.lr = (3e-4, 1e-3, 3e-3)
+  c.phase_grid.lag = (0, 2, 8)
+  c.phase_grid.sampler_recipe = ("bf16", "nvfp4_naive")
+  c.phase_grid.trainer_recipe = ("bf16",)
+  c.phase_grid.correction = ("none", "tis")
   return c

@@ -274,6 +274,11 @@ def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict
           params, opt_state, ref_params,
           Rollout(out, reward_B, logp_now_BT, logp_stale_BT, logp_now_sampler_BT), k_upd)
       version = ring_version[read_slot]
+      if setup.eval_every:  # t comes from the scan, not the seeds: a real cond under vmap
+        m = {**m, "eval/curve/reward": jax.lax.cond(
+            (t + 1) % setup.eval_every == 0,
+            lambda p: evaluate(setup, p, eval_key(key))["reward"],
+            lambda p: jnp.float32(jnp.nan), params)}
       m = {**m, "reward/exact": jnp.mean(exact_B), "sampler_version": version,
            "drift/tokens": jnp.sum(out.completion_mask),
            "drift/staleness/version_distance": version_distance(sampler_params, params_before),

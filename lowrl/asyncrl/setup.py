@@ -101,7 +101,12 @@ SCHEMA = schema.Schema((
         schema.Knob("sequences_per_sim_sequence", 4, "modelled sequences per simulated one",
                     schema.POSITIVE),
     )),
-    schema.Section("", (schema.EVAL_NUM_PROMPTS,)),
+    schema.Section("", (
+        schema.EVAL_NUM_PROMPTS,
+        schema.Knob("eval_every", 0, "steps between greedy held-out evals of the trainer's policy "
+                    "inside the scan (the eval curve, for time to target; 0 = start and end only)",
+                    schema.AtLeast(0)),
+    )),
 ))
 
 
@@ -156,6 +161,7 @@ class SimSetup:
   calib_num_prompts: int = 64
   batch_cfg: BatchConfig | None = None  # rollout -> batch of the RL step (set by `build`)
   pipeline: bool = False  # in-flight weight updates: per-token versions (PipelineSchedule)
+  eval_every: int = 0  # greedy held-out eval of the trainer's policy every this many steps
 
   @property
   def batch_size(self) -> int:
@@ -195,7 +201,7 @@ def build(cfg: ml_collections.ConfigDict) -> SimSetup:
                   std_ddof=rl.std_ddof, act_calibration=cfg.act_calibration,
                   calib_num_prompts=cfg.calib_num_prompts,
                   batch_cfg=BatchConfig.from_rl(rl, task.length),
-                  pipeline=cfg.async_rl.schedule == "pipeline")
+                  pipeline=cfg.async_rl.schedule == "pipeline", eval_every=cfg.eval_every)
 
 
 def lag_of(cfg: ml_collections.ConfigDict) -> int:

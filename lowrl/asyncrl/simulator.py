@@ -94,7 +94,7 @@ def _eval_view(setup: SimSetup) -> SimSetup:
   return dataclasses.replace(setup, sampler_policy=setup.trainer_policy,
                              update_cfg=UpdateConfig(LossConfig(), CorrectionConfig()), steps=1,
                              num_prompts=1, group_size=2, advantage="grpo", sampler_exact=False,
-                             std_ddof=0, batch_cfg=None)
+                             std_ddof=0, batch_cfg=None, eval_every=0)
 
 
 @functools.lru_cache(maxsize=32)

@@ -63,7 +63,13 @@ _SHORT = {"sampler_recipe": "s", "trainer_recipe": "t", "act_per_token": "ptok",
           "old_logp_source": "old", "correction": "corr", "num_prompts": "np",
           "group_size": "g", "horizon": "h", "sampler_devices": "sdev", "schedule": "sched",
           "lag_distribution": "dist", "sync_every": "sync", "lag": "lag"}
-GRIDS = ("grid", "phase_grid")  # the config's grids, run in this order
+# The config's grids, run in config order: `grid` (the main table), any `<name>_grid` (more knob
+# sweeps, e.g. knobs_grid: sync interval, batch, horizon), `phase_grid` (the LR x lag diagram).
+
+
+def grids_of(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The grids a sweep config holds, in config order."""
+  return tuple(k for k in cfg.keys() if k == "grid" or k.endswith("_grid"))
 CURVE_POINTS = 20  # reward-curve points kept per setting (means over seeds of equal chunks)
 SUMMARY_TAIL = 0.1  # "final" = the mean over the last 10% of steps
 
@@ -75,7 +81,7 @@ class Setting:
   knobs: dict[str, Any]
   cfg: ml_collections.ConfigDict
   seeds: tuple[int, ...]
-  grids: tuple[str, ...] = ("grid",)  # the config's GRIDS it belongs to
+  grids: tuple[str, ...] = ("grid",)  # the config's grids (grids_of) it belongs to
   # Knob values of a later grid that ran the same config under another name (not in `name`).
   extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -134,16 +140,14 @@ def _grid_settings(cfg: ml_collections.ConfigDict, which: str,
 
 
 def expand_grid(cfg: ml_collections.ConfigDict) -> list[Setting]:
-  """Every setting of the config's grids (GRIDS present), validated (each is
+  """Every setting of the config's grids (grids_of), validated (each is
   `simulator.build`-checked before any run). A config that several points (of one grid or two)
   give runs once, under its first name; the later points' knob values are kept as `extra`."""
   seeds = tuple(int(s) for s in cfg.seeds)
   if not seeds or len(set(seeds)) != len(seeds):
     raise ValueError(f"config.seeds={cfg.seeds!r} must be distinct ints, at least one.")
   settings, by_fingerprint = [], {}
-  for which in GRIDS:
-    if which not in cfg:
-      continue
+  for which in grids_of(cfg):
     grid_settings = _grid_settings(cfg, which, seeds)
     if len({s.name for s in grid_settings}) != len(grid_settings):
       raise ValueError(f"config.{which} has repeated values; every setting must be distinct.")
@@ -196,7 +200,22 @@ def summarize(metrics: dict[str, np.ndarray], tail_frac: float = SUMMARY_TAIL) -
   out["lag_mean"] = float(metrics["sampler_version_lag"].mean())
   out["truncated_frac"] = float(metrics["correction/is_truncated_frac"].mean())
   out["skipped_updates"] = float(metrics["skipped_updates"].sum())
-  out["finite"] = bool(all(np.isfinite(v).all() for v in metrics.values()))
+  curve = metrics.get("eval/curve/reward")  # NaN between the eval steps
+  out["finite"] = bool(all(np.isfinite(v).all() for k, v in metrics.items()
+                           if k != "eval/curve/reward"))
+  # Per seed (seed order of the run), for the paired analysis (lowrl.asyncrl.capacity).
+  per_seed = {"eval_start": metrics["eval/start/reward"], "eval_end": metrics["eval/end/reward"],
+              "reward_final": reward[:, -tail:].mean(1)}
+  for part in DRIFT_PARTS:
+    per_seed[f"{part}_k1"] = metrics[f"drift/{part}/mismatch_kl"].mean(1)
+    per_seed[f"{part}_k3"] = metrics[f"drift/{part}/mismatch_kl_k3"].mean(1)
+  out["per_seed"] = {k: [float(x) for x in v] for k, v in per_seed.items()}
+  if curve is not None:  # the trainer policy's greedy eval: step 0 (start), eval steps, end
+    at = np.flatnonzero(np.isfinite(curve[0]))
+    out["eval_curve_steps"] = [0] + [int(t) + 1 for t in at]
+    out["eval_curve"] = [[float(metrics["eval/start/reward"][i])]
+                         + [float(x) for x in curve[i, at]] for i in range(curve.shape[0])]
+    out["finite"] = out["finite"] and bool(np.isfinite(curve[:, at]).all())
   # The reward curve: means over seeds of CURVE_POINTS equal chunks of steps (the last point at
   # the last step), for the reward-against-time plots.
   chunks = np.array_split(np.arange(reward.shape[1]), min(CURVE_POINTS, reward.shape[1]))
@@ -208,7 +227,8 @@ def summarize(metrics: dict[str, np.ndarray], tail_frac: float = SUMMARY_TAIL) -
 def write_tensorboard(run_dir: str, metrics: dict[str, np.ndarray], seeds: tuple[int, ...],
                       log_every: int = 1) -> None:
   """runs/<setting>/seed_<s>: per-step scalars at steps 1..N (step t = after t updates)."""
-  per_step = {k: v for k, v in metrics.items() if v.ndim == 2}
+  per_step = {k: v for k, v in metrics.items() if v.ndim == 2 and k != "eval/curve/reward"}
+  curve = metrics.get("eval/curve/reward")
   steps = next(iter(per_step.values())).shape[1]
   for i, seed in enumerate(seeds):
     with MetricWriter(os.path.join(run_dir, f"seed_{seed}")) as w:
@@ -216,6 +236,8 @@ def write_tensorboard(run_dir: str, metrics: dict[str, np.ndarray], seeds: tuple
       for t in range(steps):
         if (t + 1) % log_every == 0 or t + 1 == steps:
           w.scalars(t + 1, {k: v[i, t] for k, v in per_step.items()})
+        if curve is not None and np.isfinite(curve[i, t]):
+          w.scalars(t + 1, {"eval/curve/reward": curve[i, t]})
       w.scalars(steps, {f"eval/{k}": metrics[f"eval/end/{k}"][i] for k in ("reward", "exact")})
 
 
