@@ -1,10 +1,10 @@
 """The simulator sweep: reward against measured drift per correction, the seed's knobs, and the
 LR x lag phase diagram (lowrl/asyncrl/sweep.py; the report: lowrl/asyncrl/capacity.py).
 
-  configs/simulate.py           the reduced default (docs/async_sweep.md): 2 sampler precisions
-                                (BF16, naive NVFP4; trainer BF16) x 4 corrections x 3 lags plus
-                                MXFP8 uncorrected: 9 compiled programs, 27 settings x 3 seeds x
-                                150 updates, ~15 min on 2 idle CPU cores
+  configs/simulate.py           the reduced default (docs/async_sweep.md): sampler BF16 / naive
+                                NVFP4 (trainer BF16) x none / TIS x 3 lags, MXFP8 uncorrected,
+                                IcePop / VCPO on NVFP4: 7 compiled programs, 21 settings x 3
+                                seeds x 150 updates, ~15 min on 2 idle CPU cores
   configs/simulate.py:full      the full grid (~2 h on 2 idle cores, estimated below)
 
 `sim` is one simulator setting (lowrl.asyncrl.simulator.default_config); each `*grid` lists the
@@ -49,18 +49,25 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.grid.group_size = (8,)  # samples per prompt
   c.grid.horizon = (6,)  # completion lengths (task.length)
   if variant == "reduced":
-    # Quantization drift (naive NVFP4 sampler) and staleness drift (lags) of several sizes, each
-    # correction on both; the trainer stays BF16 so its own precision does not confound.
+    # Quantization drift (naive NVFP4 sampler) and staleness drift (lags) of several sizes; the
+    # trainer stays BF16 so its own precision does not confound. Uncorrected and TIS first, then
+    # a third, smaller quantization drift (MXFP8 sampler), then IcePop and VCPO on the NVFP4
+    # sampler (quantization and staleness drift together).
     c.grid.sampler_recipe = ("bf16", "nvfp4_naive")
     c.grid.trainer_recipe = ("bf16",)
-    c.grid.correction = ("none", "tis", "icepop", "vcpo")
+    c.grid.correction = ("none", "tis")
     c.grid.lag = (0, 2, 6)
-    # A third, smaller quantization drift (MXFP8 sampler), uncorrected.
     c.mxfp8_grid = ml_collections.ConfigDict()
     c.mxfp8_grid.sampler_recipe = ("mxfp8",)
     c.mxfp8_grid.trainer_recipe = ("bf16",)
     c.mxfp8_grid.correction = ("none",)
     c.mxfp8_grid.lag = (0, 2, 6)
+    c.corr_grid = ml_collections.ConfigDict()
+    c.corr_grid.sampler_recipe = ("nvfp4_naive",)
+    c.corr_grid.trainer_recipe = ("bf16",)
+    c.corr_grid.correction = ("icepop", "vcpo")
+    c.corr_grid.lag = (0, 2, 6)
+    c.grids = ("grid", "mxfp8_grid", "corr_grid")  # run order
     return c
 
   # The full grid. Idle 2-core CPU: ~60 s per compiled program, ~26 s per 300-update setting
