@@ -136,3 +136,21 @@ def test_vcpo_update_is_tis_update_times_the_step_scale():
   for dv, dt in zip(jax.tree.leaves(deltas["vcpo"]), jax.tree.leaves(deltas["tis"])):
     assert np.max(np.abs(dv)) > 1e-6 or np.max(np.abs(dt)) == 0  # the step moved the params
     np.testing.assert_allclose(dv, scale * dt, rtol=1e-5, atol=2.5e-7)
+
+
+@pytest.mark.parametrize("mode", ["icepop", "vcpo"])
+def test_loop_config_selects_the_correction(mode):
+  """rl.correction takes both in the loop's schema (default none: the main job is unchanged);
+  IcePop at sequence level is a one-line error naming the fix, before anything compiles."""
+  from configs import base
+  from lowrl.training import schema
+  cfg = base.get_config("bf16")
+  assert cfg.rl.correction == "none"
+  cfg.rl.correction = mode
+  schema.TRAIN.validate(cfg)
+  cfg.rl.correction_level = "sequence"
+  if mode == "icepop":
+    with pytest.raises(ValueError, match="correction_level=token"):
+      schema.TRAIN.validate(cfg)
+  else:
+    schema.TRAIN.validate(cfg)
