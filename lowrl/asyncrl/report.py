@@ -80,7 +80,8 @@ def capacity_sections(rows: list[dict], cfgs: dict[str, ml_collections.ConfigDic
   """The markdown of the answer (and its figures written under workdir)."""
   paired = cap.pair_with_base(rows)
   if not paired:
-    return "\n## Reward against drift\n\nNo BF16 lag-0 uncorrected base run with per-seed numbers.\n"
+    return ("\n## Reward against drift\n\nNo BF16 lag-0 uncorrected base run with per-seed "
+            "numbers.\n")
   corrections = sorted({p.row.get("correction", "none") for p in paired},
                        key=lambda c: list(CORRECTION_MARKERS).index(c)
                        if c in CORRECTION_MARKERS else 99)
@@ -92,11 +93,14 @@ def capacity_sections(rows: list[dict], cfgs: dict[str, ml_collections.ConfigDic
   g_base = float(np.mean(np.array(base["per_seed"]["eval_end"])
                          - np.array(base["per_seed"]["eval_start"])))
   text = ["\n## Reward against drift: the correction capacity (reward_vs_drift.png)\n",
+          "" if g_base > 0 else "**The base run did not improve (RL gain <= 0): no retained "
+          "fraction, no capacity.**\n",
           f"Quality = held-out greedy reward of the trained policy in the trainer's precision; "
           f"gain = its difference to the BF16 lag-0 uncorrected run of the same seed (paired); "
           f"retained = 1 + gain / {g_base:.3f} (BF16's own RL gain, start -> end). Drift = the "
           "run's mean k1 of the total and of its parts (lowrl.rl.drift). Verdicts: paired t over "
-          "seeds of the gain, Holm-adjusted over every claim of this report (lowrl.analysis.stats); "
+          "seeds of the gain, Holm-adjusted over every claim of this report "
+          "(lowrl.analysis.stats); "
           "✗ = significantly below BF16 lag 0. BF16 kept = the fraction of the simulated model's "
           "decoder layers a recipe leaves in BF16.\n"]
   lines = []
@@ -198,7 +202,8 @@ def _drift_figure(paired, caps, path: str) -> None:
   fig, axes = plt.subplots(1, len(corrections), figsize=(4.2 * len(corrections), 4.2),
                            sharey=True, squeeze=False)
   for ax, c in zip(axes[0], corrections):
-    ps = [p for p in paired if p.row.get("correction", "none") == c or cap._is_base(p.row)]
+    ps = [p for p in paired if (p.row.get("correction", "none") == c or cap._is_base(p.row))
+          and np.all(np.isfinite(p.retained))]  # NaN: the base gained nothing to retain
     for p in ps:
       x = max(float(np.mean(p.drift["total_k1"])), cap.DRIFT_FLOOR)
       y, e = float(np.mean(p.retained)), float(np.std(p.retained))
@@ -222,7 +227,8 @@ def _drift_figure(paired, caps, path: str) -> None:
       ax.set_title(c, fontsize=9)
     ax.axhline(cap.RETAINED_AT_CAPACITY, color="gray", ls=":", lw=1)
     ax.axhline(0, color="gray", lw=0.5)
-    ax.set_xscale("log")
+    if ps:
+      ax.set_xscale("log")
     ax.set_xlabel("total drift k1 (mean over the run)")
     ax.grid(alpha=0.3)
   axes[0][0].set_ylabel("fraction of BF16's RL gain retained (greedy, paired by seed)")

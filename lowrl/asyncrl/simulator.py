@@ -54,9 +54,9 @@ import jax.numpy as jnp
 import numpy as np
 
 # The public names of the simulator's pieces (task, setting, one run), so callers import one module.
-from lowrl.asyncrl.scan import (calib_key, calibrate, eval_key, evaluate, initial_params,  # noqa: F401
-                                make_rl_step, make_train, pipeline_rollout, rollout,
-                                sampler_score, sampler_scores_are_trainers, warm_start)
+from lowrl.asyncrl.scan import (  # noqa: F401
+    calib_key, calibrate, eval_key, evaluate, initial_params, make_rl_step, make_train,
+    pipeline_rollout, rollout, sampler_score, sampler_scores_are_trainers, warm_start)
 from lowrl.asyncrl.setup import (ACT_CALIBRATIONS, AUTO, RECIPE_COMPONENTS,  # noqa: F401
                                  SCHEDULE_KINDS, SCHEMA, SimSetup, build, default_config, lag_of,
                                  schedule_of)

@@ -7,8 +7,8 @@ trainer's recompute of pi_old and logp_sampler what the sampler recorded (docs/r
   tis: weight = min(w, tis_cap)                                    (verl default cap 2)
   mis: weight = w if mis_low <= w <= mis_high else 0                (IcePop, MIS; bounds inclusive)
        or 1 / 0 (pure mask, no reweighting) with mis_reweight=False
-  icepop: IcePop (Ring-1T, arXiv 2510.18855; ringtech.notion.site "IcePop"): the token-level
-       two-sided mask M(w) = w if alpha <= w <= beta else 0, alpha = mis_low, beta = mis_high
+  icepop: IcePop (Ring-1T, "Every Step Evolves...", inclusionAI 2025; ringtech.notion.site):
+       the token-level two-sided mask M(w) = w if alpha <= w <= beta else 0, alpha = mis_low, beta = mis_high
        (the paper's [0.5, 5]); = mis at token level with reweighting, so it takes no other level.
   vcpo: VCPO's step control (arXiv 2602.17616, "Stable Asynchrony"; mit-han-lab/vcpo README): the
        weights are TIS's, and the optimizer step (the learning rate) is scaled by
