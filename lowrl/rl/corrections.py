@@ -8,8 +8,9 @@ trainer's recompute of pi_old and logp_sampler what the sampler recorded (docs/r
   mis: weight = w if mis_low <= w <= mis_high else 0                (IcePop, MIS; bounds inclusive)
        or 1 / 0 (pure mask, no reweighting) with mis_reweight=False
   icepop: IcePop (Ring-1T, "Every Step Evolves...", inclusionAI 2025; ringtech.notion.site):
-       the token-level two-sided mask M(w) = w if alpha <= w <= beta else 0, alpha = mis_low, beta = mis_high
-       (the paper's [0.5, 5]); = mis at token level with reweighting, so it takes no other level.
+       the token-level two-sided mask M(w) = w if alpha <= w <= beta else 0, alpha = mis_low,
+       beta = mis_high (the paper's [0.5, 5]); = mis at token level with reweighting, so it
+       takes no other level.
   vcpo: VCPO's step control (arXiv 2602.17616, "Stable Asynchrony"; mit-han-lab/vcpo README): the
        weights are TIS's, and the optimizer step (the learning rate) is scaled by
        sqrt(ESS / N), ESS = (sum w)^2 / sum w^2 over the N entries (tokens or sequences, at
