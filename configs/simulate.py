@@ -43,67 +43,42 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.seeds = (0, 1, 2)  # seeds per setting (vmapped)
   c.log_every = 1  # TensorBoard scalars every this many steps
 
-  c.grid = ml_collections.ConfigDict()
-  c.grid.schedule = ("fifo",)  # fifo | pipeline | length | independent
-  c.grid.num_prompts = (8,)  # prompts per batch
-  c.grid.group_size = (8,)  # samples per prompt
-  c.grid.horizon = (6,)  # completion lengths (task.length)
+  # Every grid: FIFO schedule, 8 prompts x 8 samples, horizon 6, unless it sweeps them.
+  base = dict(schedule=("fifo",), num_prompts=(8,), group_size=(8,), horizon=(6,))
+  bf16_trainer = ("bf16",)
   if variant == "reduced":
     # Quantization drift (naive NVFP4 sampler) and staleness drift (lags) of several sizes; the
     # trainer stays BF16 so its own precision does not confound. Uncorrected and TIS first, then
     # a third, smaller quantization drift (MXFP8 sampler), then IcePop and VCPO on the NVFP4
     # sampler (quantization and staleness drift together).
-    c.grid.sampler_recipe = ("bf16", "nvfp4_naive")
-    c.grid.trainer_recipe = ("bf16",)
-    c.grid.correction = ("none", "tis")
-    c.grid.lag = (0, 2, 6)
-    c.mxfp8_grid = ml_collections.ConfigDict()
-    c.mxfp8_grid.sampler_recipe = ("mxfp8",)
-    c.mxfp8_grid.trainer_recipe = ("bf16",)
-    c.mxfp8_grid.correction = ("none",)
-    c.mxfp8_grid.lag = (0, 2, 6)
-    c.corr_grid = ml_collections.ConfigDict()
-    c.corr_grid.sampler_recipe = ("nvfp4_naive",)
-    c.corr_grid.trainer_recipe = ("bf16",)
-    c.corr_grid.correction = ("icepop", "vcpo")
-    c.corr_grid.lag = (0, 2, 6)
+    c.grid = _grid(**base, sampler_recipe=("bf16", "nvfp4_naive"), trainer_recipe=bf16_trainer,
+                   correction=("none", "tis"), lag=(0, 2, 6))
+    c.mxfp8_grid = _grid(sampler_recipe=("mxfp8",), trainer_recipe=bf16_trainer,
+                         correction=("none",), lag=(0, 2, 6))
+    c.corr_grid = _grid(sampler_recipe=("nvfp4_naive",), trainer_recipe=bf16_trainer,
+                        correction=("icepop", "vcpo"), lag=(0, 2, 6))
     c.grids = ("grid", "mxfp8_grid", "corr_grid")  # run order
     return c
 
   # The full grid. Idle 2-core CPU: ~60 s per compiled program, ~26 s per 300-update setting
   # (3 seeds); the grids below compile 48 programs and run 148 settings: ~48 + ~65 min.
-  # Every precision sampler-only (trainer BF16) and sampler = trainer; every correction; lags.
-  c.grid.sampler_recipe = ("bf16", "mxfp8", "nvfp4_naive", "nvfp4_recipe")
-  c.grid.trainer_recipe = ("bf16", "same")  # 'same' = the sampler's (bf16/bf16 runs once)
-  c.grid.correction = ("none", "tis", "icepop", "vcpo")
-  c.grid.lag = (0, 2, 8)
+  # Every precision sampler-only (trainer BF16) and sampler = trainer ('same'; bf16/bf16 runs
+  # once), every correction, lags.
+  c.grid = _grid(**base, sampler_recipe=("bf16", "mxfp8", "nvfp4_naive", "nvfp4_recipe"),
+                 trainer_recipe=("bf16", "same"), correction=("none", "tis", "icepop", "vcpo"),
+                 lag=(0, 2, 8))
+  two = dict(sampler_recipe=("bf16", "nvfp4_naive"), trainer_recipe=bf16_trainer)
   # Weight-sync interval (runtime: shares the main grid's programs).
-  c.sync_grid = ml_collections.ConfigDict()
-  c.sync_grid.sampler_recipe = ("bf16", "nvfp4_naive")
-  c.sync_grid.trainer_recipe = ("bf16",)
-  c.sync_grid.correction = ("none", "tis")
-  c.sync_grid.sync_every = (1, 2, 4)
-  c.sync_grid.lag = (0, 2)
-  # Batch size: prompts x group size.
-  c.batch_grid = ml_collections.ConfigDict()
-  c.batch_grid.sampler_recipe = ("bf16", "nvfp4_naive")
-  c.batch_grid.trainer_recipe = ("bf16",)
-  c.batch_grid.correction = ("none",)
-  c.batch_grid.num_prompts = (4, 16)
-  c.batch_grid.group_size = (4, 16)
-  c.batch_grid.lag = (0, 4)
-  # Horizon (completion length).
-  c.horizon_grid = ml_collections.ConfigDict()
-  c.horizon_grid.sampler_recipe = ("bf16", "nvfp4_naive")
-  c.horizon_grid.trainer_recipe = ("bf16",)
-  c.horizon_grid.correction = ("none",)
-  c.horizon_grid.horizon = (4, 8)
-  c.horizon_grid.lag = (0, 4)
+  c.sync_grid = _grid(**two, correction=("none", "tis"), sync_every=(1, 2, 4), lag=(0, 2))
+  # Batch size (prompts x group size) and horizon (completion length).
+  c.batch_grid = _grid(**two, correction=("none",), num_prompts=(4, 16), group_size=(4, 16),
+                       lag=(0, 4))
+  c.horizon_grid = _grid(**two, correction=("none",), horizon=(4, 8), lag=(0, 4))
   # The phase diagram: LR x lag x precision, with and without TIS.
-  c.phase_grid = ml_collections.ConfigDict()
-  c.phase_grid.lr = (3e-4, 1e-3, 3e-3)
-  c.phase_grid.lag = (0, 2, 8)
-  c.phase_grid.sampler_recipe = ("bf16", "nvfp4_naive")
-  c.phase_grid.trainer_recipe = ("bf16",)
-  c.phase_grid.correction = ("none", "tis")
+  c.phase_grid = _grid(**two, lr=(3e-4, 1e-3, 3e-3), lag=(0, 2, 8), correction=("none", "tis"))
   return c
+
+
+def _grid(**knobs) -> ml_collections.ConfigDict:
+  """One grid: a tuple of values per knob (lowrl.asyncrl.sweep.GRID_KNOBS)."""
+  return ml_collections.ConfigDict(knobs)
