@@ -132,12 +132,17 @@ class Capacity:
   log_d: float  # log10 D*; +inf = not reached within the measured drifts
   ci: tuple[float, float]  # log10, percentile bootstrap over seeds
   max_log_drift: float
+  min_log_drift: float  # the smallest measured drift above the floor (the base sits at it)
 
   def text(self) -> str:
+    """D* [CI] as total k1; censored where the crossing lies outside the measured drifts (below
+    the smallest one it is an interpolation from the base's floor, not a measurement)."""
     def d(v):
-      if v == math.inf or v > self.max_log_drift:
+      if v > self.max_log_drift:
         return f"> {10 ** self.max_log_drift:.2g}"
-      return "below the smallest drift" if v == -math.inf else f"{10 ** v:.2g}"
+      if v < self.min_log_drift:
+        return f"< {10 ** self.min_log_drift:.2g}"
+      return f"{10 ** v:.2g}"
     return f"{d(self.log_d)} [{d(self.ci[0])}, {d(self.ci[1])}]"
 
 
@@ -167,8 +172,9 @@ def capacity(paired: Sequence[Paired], correction: str, *, rng_seed: int = 0,
     bx, by = _points(ps, rng.integers(0, n_seeds, n_seeds))
     boots.append(crossing(segmented_fit(bx, by), level))
   lo, hi = np.quantile(np.array(boots), [0.025, 0.975])
+  above = x[x > math.log10(DRIFT_FLOOR)]
   return Capacity(correction, len(ps), fit, crossing(fit, level), (float(lo), float(hi)),
-                  float(np.max(x)))
+                  float(np.max(x)), float(np.min(above)) if above.size else float(np.max(x)))
 
 
 def interchangeability(paired: Sequence[Paired], correction: str = "none"

@@ -218,7 +218,7 @@ def _drift_figure(paired, caps, path: str) -> None:
       xs = np.linspace(math.log10(cap.DRIFT_FLOOR), k.max_log_drift, 200)
       a, b, knee = k.fit[:3]
       ax.plot(10 ** xs, a - b * np.maximum(xs - knee, 0), color="k", lw=1)
-      if math.isfinite(k.log_d) and k.log_d <= k.max_log_drift:
+      if k.min_log_drift <= k.log_d <= k.max_log_drift:
         ax.axvline(10 ** k.log_d, color="k", ls="--", lw=1)
         lo, hi = (10 ** min(max(v, xs[0]), k.max_log_drift) for v in k.ci)
         ax.axvspan(lo, hi, color="k", alpha=0.08)

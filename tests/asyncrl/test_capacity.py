@@ -110,3 +110,12 @@ def test_report_writes_its_sections_and_figures(tmp_path):
   hours = report.time_to_target(rows[0], [0.7, 0.6, 0.95], step_s=3600.0)  # 1 h per step
   # Seed 0: the mid-run eval (0.7) is the first at or above 0.7; seed 1: the start; seed 2: never.
   assert hours == [50.0, 0.0, math.inf]
+
+
+def test_capacity_below_the_smallest_drift_is_censored():
+  """Retained is already -1 at the smallest drift measured (0.1): the crossing lies between the
+  base's floor and it, an interpolation, reported as '< 0.1'."""
+  rows = [_row("base"), _row("a", lag=2, end=(0.4,) * 3, stale=0.1),
+          _row("b", lag=6, end=(0.35,) * 3, stale=0.3)]
+  k = cap.capacity(cap.pair_with_base(rows), "none")
+  assert k.log_d < -1 and k.text().startswith("< 0.1")
