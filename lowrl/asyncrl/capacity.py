@@ -171,7 +171,9 @@ def capacity(paired: Sequence[Paired], correction: str, *, rng_seed: int = 0,
   for _ in range(N_BOOT):
     bx, by = _points(ps, rng.integers(0, n_seeds, n_seeds))
     boots.append(crossing(segmented_fit(bx, by), level))
-  lo, hi = np.quantile(np.array(boots), [0.025, 0.975])
+  # Order statistics, not interpolated quantiles: crossings may be +-inf (censored resamples).
+  boots = np.sort(np.array(boots))
+  lo, hi = boots[int(0.025 * N_BOOT)], boots[int(math.ceil(0.975 * N_BOOT)) - 1]
   above = x[x > math.log10(DRIFT_FLOOR)]
   return Capacity(correction, len(ps), fit, crossing(fit, level), (float(lo), float(hi)),
                   float(np.max(x)), float(np.min(above)) if above.size else float(np.max(x)))

@@ -145,9 +145,9 @@ def capacity_sections(rows: list[dict], cfgs: dict[str, ml_collections.ConfigDic
                 f"gamma x quant share: "
                 f"gamma (the share's coefficient) = {gamma.mean:+.3f} [{gamma.ci_low:+.3f}, "
                 f"{gamma.ci_high:+.3f}] over {gamma.n} seeds, p {stats.fmt_p(gamma.p)}, Holm p "
-                f"{stats.fmt_p(v.p_holm)}: **{v.verdict}** (gamma < 0 would mean quantization "
-                "drift costs more than staleness drift of the same size; 'not resolved' = no "
-                "difference detectable at this many seeds).\n")
+                f"{stats.fmt_p(v.p_holm)}: **{v.verdict}** for the claim that quantization drift "
+                "costs more (gamma < 0; gamma > 0: staleness drift costs more at the same total "
+                "k1; 'not resolved' = no difference detectable at this many seeds after Holm).\n")
   text.append(_time_sections(rows, cfgs, base, g_base))
   _drift_figure(paired, caps, os.path.join(workdir, "reward_vs_drift.png"))
   _pareto_figure(rows, cfgs, os.path.join(workdir, "pareto.png"))
