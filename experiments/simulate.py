@@ -8,23 +8,30 @@ r"""Sweep the asynchronous-RL simulator over a grid of knobs (lowrl/asyncrl/swee
 Per setting: TensorBoard runs in <workdir>/runs/<setting>/seed_<s>, one line in
 <workdir>/results.jsonl; at the end <workdir>/summary.md (table) and summary.png (plots). Progress
 lines (with ETA) go to stdout. Re-running with the same --workdir skips finished settings.
+`--report_only` writes the summary of the settings already finished (e.g. while the sweep runs).
 A config error is one line on stderr and exit status 2.
 """
 
-from absl import app
+from absl import app, flags
 
 from lowrl.asyncrl import simulator, sweep
 from lowrl.training import cli
 
 _FLAGS = cli.define_run_flags("simulate.py", "/tmp/lowrl_sim",
                                "Sweep directory (runs, results).")
+_REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only write the summary of the settings "
+                                 "results.jsonl already holds; run nothing.")
 
 
 def main(argv):
   cfg = _FLAGS.start(argv, simulator.SCHEMA.docs("sim."))
   if cfg is None:
     return
-  sweep.run_sweep(cfg, _FLAGS.workdir.value, log=lambda s: print(s, flush=True))
+  log = lambda s: print(s, flush=True)  # noqa: E731
+  if _REPORT_ONLY.value:
+    sweep.write_report(cfg, _FLAGS.workdir.value, log=log)
+  else:
+    sweep.run_sweep(cfg, _FLAGS.workdir.value, log=log)
 
 
 def run_main():

@@ -49,8 +49,13 @@ level) more sampler devices never raise the lag.
 
 Precision on chips without FP4 tensor cores (Hopper): FP4 weights are still stored in 4 bits (the
 memory-bound decode gains), but the matmuls run at the BF16 rate (weight-only W4A16 kernels, e.g.
-Marlin in vLLM, dequantize in registers). MXFP8 on Hopper runs at the FP8 rate with software
-block scales (no MX tensor cores there).
+Marlin in vLLM, dequantize in registers).
+
+Matmul rates (`Cluster.rates`): "measured" (default) takes, where this project measured them,
+the achieved rate relative to BF16 on that chip (MEASURED_RATE_VS_BF16: Hopper has no block-scaled
+GEMM, so MXFP8 through lax.scaled_dot runs at ~0.9x BF16, per-tensor FP8 at ~1.25x on MLP shapes,
+not the datasheet's 2x); elsewhere, and with rates="datasheet", the chip's dense datasheet rate of
+the format (lowrl.hardware: B200 FP8 2x, FP4 4x BF16).
 """
 from __future__ import annotations
 
@@ -67,6 +72,26 @@ from lowrl.hardware import TENSOR_RATE as _TENSOR_RATE
 from lowrl.hardware import positive_finite as _positive
 from lowrl.quant.config import FORMATS, QuantConfig
 from lowrl.quant.packing import bytes_per_param
+
+RATE_SOURCES = ("measured", "datasheet")
+_HOPPER = ("h100_sxm", "h200")  # one GH100 compute die: the H200 measurement holds for both
+# Achieved matmul rate / BF16 rate, measured on one H200 (docs/benchmarks.md "FP8 and MXFP8
+# GEMMs", `python -m experiments.bench_gemm`, medians at the Llama/Qwen MLP shapes): per-tensor
+# FP8 E4M3 1.21-1.29x (1.25 taken), MXFP8 E4M3 via lax.scaled_dot 0.87-0.94x (0.90 taken).
+MEASURED_RATE_VS_BF16 = {
+    **{(hw, fmt): 1.25 for hw in _HOPPER for fmt in ("fp8_e4m3", "fp8_e5m2")},
+    **{(hw, fmt): 0.90 for hw in _HOPPER for fmt in ("mxfp8_e4m3", "mxfp8_e5m2")},
+}
+
+
+def matmul_flops_per_s(hw: Hardware, fmt: str, rates: str = "measured") -> float:
+  """Dense FLOP/s of a matmul in `fmt` on `hw`: the measured ratio to BF16 where there is one
+  (rates="measured", MEASURED_RATE_VS_BF16), else the datasheet rate (Hardware.flops_per_s)."""
+  if rates not in RATE_SOURCES:
+    raise ValueError(f"rates={rates!r}; use one of {RATE_SOURCES}.")
+  ratio = MEASURED_RATE_VS_BF16.get((hw.name, fmt)) if rates == "measured" else None
+  return hw.flops_per_s(fmt) if ratio is None else ratio * hw.flops_per_s(BF16)
+
 
 # Storage per weight is measured on a 4096 x 4096 kernel (its per-tensor scales are negligible).
 _REFERENCE_KERNEL = (4096, 4096)
@@ -208,6 +233,8 @@ class Cluster:
     sync_gbps: weight-sync link bandwidth per device, GB/s (50 = a 400 Gb/s NIC).
     kv_bytes: bytes per cached K or V element (2 = BF16).
     max_in_flight: most batches the samplers may have in flight (None = what memory holds).
+    rates: "measured" (this project's measured matmul rates where it has them) or "datasheet"
+      (`matmul_flops_per_s`).
   """
 
   hardware: Hardware
@@ -219,8 +246,11 @@ class Cluster:
   sync_gbps: float = 50.0
   kv_bytes: float = 2.0
   max_in_flight: int | None = None
+  rates: str = "measured"
 
   def __post_init__(self):
+    if self.rates not in RATE_SOURCES:
+      raise ValueError(f"Cluster.rates={self.rates!r}; use one of {RATE_SOURCES}.")
     _positive_int("Cluster", sampler_devices=self.sampler_devices,
                   trainer_devices=self.trainer_devices, sampler_tp=self.sampler_tp)
     _positive("Cluster", sync_gbps=self.sync_gbps, kv_bytes=self.kv_bytes)
@@ -286,7 +316,8 @@ class CostModel:
     hw = self.cluster.hardware
     nq = self._quantized_weights(p)
     rest = self.model.n_params - nq
-    return weight_flops * (nq / hw.flops_per_s(fmt) + rest / hw.flops_per_s(BF16))
+    return weight_flops * (nq / matmul_flops_per_s(hw, fmt, self.cluster.rates)
+                           + rest / hw.flops_per_s(BF16))
 
   def _attention_compute_s(self, key_token_pairs: float) -> float:
     """Seconds for 4·L·q FLOPs per (query token, key) pair, in BF16."""

@@ -30,6 +30,7 @@ import ml_collections
 import numpy as np
 
 from lowrl.asyncrl import simulator, timing
+from lowrl.asyncrl.summary import phase_table, summary_table, write_summary  # noqa: F401
 from lowrl.rl.drift import DRIFT_PARTS
 from lowrl.metrics.writer import MetricWriter
 from lowrl.training import run_config
@@ -63,7 +64,20 @@ _SHORT = {"sampler_recipe": "s", "trainer_recipe": "t", "act_per_token": "ptok",
           "old_logp_source": "old", "correction": "corr", "num_prompts": "np",
           "group_size": "g", "horizon": "h", "sampler_devices": "sdev", "schedule": "sched",
           "lag_distribution": "dist", "sync_every": "sync", "lag": "lag"}
-GRIDS = ("grid", "phase_grid")  # the config's grids, run in this order
+# The config's grids: `grid` (the main table), any `<name>_grid` (more knob sweeps, e.g.
+# sync_grid: the weight-sync interval), `phase_grid` (the LR x lag diagram).
+
+
+def grids_of(cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The grids a sweep config holds, in run order: `cfg.grids` when given, else `grid`, the
+  other `*_grid`s by name, `phase_grid` last."""
+  found = [k for k in cfg.keys() if k == "grid" or k.endswith("_grid")]
+  if "grids" in cfg:
+    if sorted(cfg.grids) != sorted(found):
+      raise ValueError(f"config.grids={tuple(cfg.grids)} must list the config's grids "
+                       f"{tuple(found)} once each.")
+    return tuple(cfg.grids)
+  return tuple(sorted(found, key=lambda k: (k != "grid", k == "phase_grid", k)))
 CURVE_POINTS = 20  # reward-curve points kept per setting (means over seeds of equal chunks)
 SUMMARY_TAIL = 0.1  # "final" = the mean over the last 10% of steps
 
@@ -75,7 +89,7 @@ class Setting:
   knobs: dict[str, Any]
   cfg: ml_collections.ConfigDict
   seeds: tuple[int, ...]
-  grids: tuple[str, ...] = ("grid",)  # the config's GRIDS it belongs to
+  grids: tuple[str, ...] = ("grid",)  # the config's grids (grids_of) it belongs to
   # Knob values of a later grid that ran the same config under another name (not in `name`).
   extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -123,16 +137,14 @@ def _grid_settings(cfg: ml_collections.ConfigDict, which: str,
 
 
 def expand_grid(cfg: ml_collections.ConfigDict) -> list[Setting]:
-  """Every setting of the config's grids (GRIDS present), validated (each is
+  """Every setting of the config's grids (grids_of), validated (each is
   `simulator.build`-checked before any run). A config that several points (of one grid or two)
   give runs once, under its first name; the later points' knob values are kept as `extra`."""
   seeds = tuple(int(s) for s in cfg.seeds)
   if not seeds or len(set(seeds)) != len(seeds):
     raise ValueError(f"config.seeds={cfg.seeds!r} must be distinct ints, at least one.")
   settings, by_fingerprint = [], {}
-  for which in GRIDS:
-    if which not in cfg:
-      continue
+  for which in grids_of(cfg):
     grid_settings = _grid_settings(cfg, which, seeds)
     if len({s.name for s in grid_settings}) != len(grid_settings):
       raise ValueError(f"config.{which} has repeated values; every setting must be distinct.")
@@ -185,7 +197,22 @@ def summarize(metrics: dict[str, np.ndarray], tail_frac: float = SUMMARY_TAIL) -
   out["lag_mean"] = float(metrics["sampler_version_lag"].mean())
   out["truncated_frac"] = float(metrics["correction/is_truncated_frac"].mean())
   out["skipped_updates"] = float(metrics["skipped_updates"].sum())
-  out["finite"] = bool(all(np.isfinite(v).all() for v in metrics.values()))
+  curve = metrics.get("eval/curve/reward")  # NaN between the eval steps
+  out["finite"] = bool(all(np.isfinite(v).all() for k, v in metrics.items()
+                           if k != "eval/curve/reward"))
+  # Per seed (seed order of the run), for the paired analysis (lowrl.asyncrl.capacity).
+  per_seed = {"eval_start": metrics["eval/start/reward"], "eval_end": metrics["eval/end/reward"],
+              "reward_final": reward[:, -tail:].mean(1)}
+  for part in DRIFT_PARTS:
+    per_seed[f"{part}_k1"] = metrics[f"drift/{part}/mismatch_kl"].mean(1)
+    per_seed[f"{part}_k3"] = metrics[f"drift/{part}/mismatch_kl_k3"].mean(1)
+  out["per_seed"] = {k: [float(x) for x in v] for k, v in per_seed.items()}
+  if curve is not None:  # the trainer policy's greedy eval: step 0 (start), eval steps, end
+    at = np.flatnonzero(np.isfinite(curve[0]))
+    out["eval_curve_steps"] = [0] + [int(t) + 1 for t in at]
+    out["eval_curve"] = [[float(metrics["eval/start/reward"][i])]
+                         + [float(x) for x in curve[i, at]] for i in range(curve.shape[0])]
+    out["finite"] = out["finite"] and bool(np.isfinite(curve[:, at]).all())
   # The reward curve: means over seeds of CURVE_POINTS equal chunks of steps (the last point at
   # the last step), for the reward-against-time plots.
   chunks = np.array_split(np.arange(reward.shape[1]), min(CURVE_POINTS, reward.shape[1]))
@@ -197,7 +224,8 @@ def summarize(metrics: dict[str, np.ndarray], tail_frac: float = SUMMARY_TAIL) -
 def write_tensorboard(run_dir: str, metrics: dict[str, np.ndarray], seeds: tuple[int, ...],
                       log_every: int = 1) -> None:
   """runs/<setting>/seed_<s>: per-step scalars at steps 1..N (step t = after t updates)."""
-  per_step = {k: v for k, v in metrics.items() if v.ndim == 2}
+  per_step = {k: v for k, v in metrics.items() if v.ndim == 2 and k != "eval/curve/reward"}
+  curve = metrics.get("eval/curve/reward")
   steps = next(iter(per_step.values())).shape[1]
   for i, seed in enumerate(seeds):
     with MetricWriter(os.path.join(run_dir, f"seed_{seed}")) as w:
@@ -205,6 +233,8 @@ def write_tensorboard(run_dir: str, metrics: dict[str, np.ndarray], seeds: tuple
       for t in range(steps):
         if (t + 1) % log_every == 0 or t + 1 == steps:
           w.scalars(t + 1, {k: v[i, t] for k, v in per_step.items()})
+        if curve is not None and np.isfinite(curve[i, t]):
+          w.scalars(t + 1, {"eval/curve/reward": curve[i, t]})
       w.scalars(steps, {f"eval/{k}": metrics[f"eval/end/{k}"][i] for k in ("reward", "exact")})
 
 
@@ -263,15 +293,35 @@ def run_sweep(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) ->
         f"E[w] {row['total_is_weight_mean']:.3f}±{row['total_is_weight_se']:.3f} | "
         f"compile {result.compile_s:.0f}s run {result.run_s:.0f}s "
         f"({result.updates_per_minute:,.0f} updates/min) elapsed {elapsed:.0f}s eta {eta:.0f}s")
+  return _write_rows(settings, done, workdir, log)
+
+
+def _write_rows(settings: list[Setting], done: dict[str, dict], workdir: str, log: Log
+                ) -> list[dict]:
   # Grid membership is the config's, not the results file's (a resumed row may predate it); a
   # knob another setting varies is filled in from this setting's config, for the tables.
+  settings = [s for s in settings if s.name in done]
   varied = {k for s in settings for k in (*s.knobs, *s.extra)}
   rows = [{**{k: _get(s.cfg, GRID_KNOBS[k]) for k in varied}, **done[s.name], **s.extra,
            "grids": list(s.grids)} for s in settings]
-  write_summary(rows, list(GRID_KNOBS), workdir)
-  log(f"[sweep] summary -> {os.path.join(workdir, 'summary.md')} (+ summary.png, "
-      f"wall_clock.png, phase.png)")
+  write_summary(rows, list(GRID_KNOBS), workdir, {s.name: s.cfg for s in settings})
+  log(f"[sweep] summary of {len(rows)} settings -> {os.path.join(workdir, 'summary.md')} (+ "
+      "summary.png, wall_clock.png, phase.png, reward_vs_drift.png, pareto.png)")
   return rows
+
+
+def write_report(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[dict]:
+  """The summary of the settings results.jsonl already holds (a sweep still running, or cut
+  short), without running anything; rows from another config are an error as in run_sweep."""
+  settings = expand_grid(cfg)
+  done = _read_results(os.path.join(workdir, "results.jsonl"))
+  for s in settings:
+    if s.name in done and done[s.name]["fingerprint"] != s.fingerprint:
+      raise ValueError(f"results.jsonl holds setting {s.name} from another config; pass the "
+                       "config the sweep ran with.")
+  if not any(s.name in done for s in settings):
+    raise ValueError(f"{workdir}/results.jsonl holds no setting of this config yet.")
+  return _write_rows(settings, done, workdir, log)
 
 
 def clock_row(cfg: ml_collections.ConfigDict) -> dict[str, float]:
@@ -283,205 +333,3 @@ def clock_row(cfg: ml_collections.ConfigDict) -> dict[str, float]:
   return {"lag_used": lag, "model_lag": clock.lag, "step_s": clock.step_at(lag),
           "wall_clock_h": steps * clock.step_at(lag) / 3600.0,
           "gpu_hours": steps * clock.gpu_hours_at(lag)}
-
-
-# ----------------------------------------------------------------------------------------------
-# Summary table and plot.
-
-_COLUMNS = (("reward_final", "final reward"), ("eval_end", "greedy eval (end)"),
-            ("quantization_k1", "quant k1"), ("staleness_k1", "stale k1"),
-            ("total_k1", "total k1"), ("total_k3", "total k3"), ("total_max", "total max|Δ|"),
-            ("total_ess", "ESS"), ("total_is_weight_mean", "E[w]"),
-            ("truncated_frac", "TIS trunc."), ("lag_used", "lag run"),
-            ("wall_clock_h", "wall clock h"), ("gpu_hours", "GPU-h"))
-_DRIFT_COLUMNS = tuple((f"{p}_{m}", f"{p[:5]}. {m}") for p in DRIFT_PARTS
-                       for m in ("k1", "k3", "ess")) + (("total_is_weight_mean", "E[w]"),)
-# A phase-diagram cell has collapsed when its held-out greedy reward ends clearly (2 seed std)
-# below where it started.
-COLLAPSE = "greedy eval end + 2 std < greedy eval start"
-
-
-def collapsed(r: dict) -> bool:
-  """Whether a setting's run collapsed (COLLAPSE)."""
-  return r["eval_end"] + 2 * r["eval_end_std"] < r["eval_start"]
-
-
-def _fmt(x: Any) -> str:
-  if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
-    return str(x)
-  return f"{x:.3f}" if abs(x) >= 1e-2 or x == 0 else f"{x:.1e}"
-
-
-def _varying(rows: list[dict], knobs: list[str]) -> list[str]:
-  return [k for k in knobs if len({str(r.get(k)) for r in rows}) > 1]
-
-
-def summary_table(rows: list[dict], knobs: list[str],
-                  columns: tuple[tuple[str, str], ...] = _COLUMNS) -> str:
-  """Markdown: one row per setting, a column per varying knob, then the summary numbers."""
-  varying = _varying(rows, knobs)
-  fixed = {k: rows[0][k] for k in knobs if rows and k in rows[0] and k not in varying}
-  lines = []
-  if rows:
-    lines.append(f"{len(rows[0]['seeds'])} seeds x {rows[0]['steps']} updates per setting; "
-                 "mean over seeds (± std over seeds); drift columns are means over all steps. "
-                 + (f"Fixed: {', '.join(f'{k}={v}' for k, v in fixed.items())}." if fixed else ""))
-    lines.append("")
-  head = varying + [title for _, title in columns]
-  lines.append("| " + " | ".join(head) + " |")
-  lines.append("|" + "---|" * len(head))
-  for r in rows:
-    cells = [str(r.get(k)) for k in varying]
-    for key, _ in columns:
-      cell = _fmt(r[key])
-      if key + "_std" in r:
-        cell += f" ± {r[key + '_std']:.3f}"
-      cells.append(cell)
-    lines.append("| " + " | ".join(cells) + " |")
-  return "\n".join(lines) + "\n"
-
-
-def _first_reach(r: dict, target: float) -> float | None:
-  """Fraction of the run (steps) at which the reward curve first reaches `target`, or None."""
-  for reward, step in zip(r["reward_curve"], r["curve_steps"]):
-    if reward >= target:
-      return step / r["steps"]
-  return None
-
-
-def time_to_reward_table(rows: list[dict], knobs: list[str]) -> str:
-  """Markdown: per setting, simulated wall-clock hours and GPU-hours until its reward curve first
-  reaches 90% of the best final reward of the sweep, fastest first."""
-  target = 0.9 * max(r["reward_final"] for r in rows)
-  varying = _varying(rows, knobs)
-  timed = []
-  for r in rows:
-    frac = _first_reach(r, target)
-    timed.append((float("inf") if frac is None else frac * r["wall_clock_h"], frac, r))
-  lines = [f"Target reward {target:.3f} (90% of the best final reward); modelled system per "
-           "setting (lowrl.asyncrl.timing).", "",
-           "| " + " | ".join(varying + ["step s", "hours to target", "GPU-h to target"]) + " |",
-           "|" + "---|" * (len(varying) + 3)]
-  for hours, frac, r in sorted(timed, key=lambda x: x[0]):
-    cells = [str(r.get(k)) for k in varying] + [f"{r['step_s']:.2f}"]
-    cells += ["never", "never"] if frac is None else [f"{hours:.2f}",
-                                                       f"{frac * r['gpu_hours']:.1f}"]
-    lines.append("| " + " | ".join(cells) + " |")
-  return "\n".join(lines) + "\n"
-
-
-def _phase_panels(rows: list[dict]) -> dict[str, list[dict]]:
-  panels: dict[str, list[dict]] = {}
-  for r in rows:
-    label = (f"sampler {r.get('sampler_recipe', '-')}, trainer {r.get('trainer_recipe', '-')}, "
-             f"{r.get('correction', '-')}")
-    panels.setdefault(label, []).append(r)
-  return panels
-
-
-def phase_table(rows: list[dict]) -> str:
-  """Markdown: final reward ± std per (precision x correction, lr) row and lag column; ✗ marks a
-  collapse (COLLAPSE)."""
-  lags = sorted({r["lag_used"] for r in rows})
-  lines = [f"Final sampled reward; ✗ = collapsed ({COLLAPSE}).", "",
-           "| setting | lr | " + " | ".join(f"lag {l}" for l in lags) + " |",
-           "|" + "---|" * (2 + len(lags))]
-  for label, rs in _phase_panels(rows).items():
-    for lr in sorted({r["lr"] for r in rs}):
-      cells = []
-      for lag in lags:
-        hit = [r for r in rs if r["lr"] == lr and r["lag_used"] == lag]
-        if not hit:
-          cells.append("")
-          continue
-        r = hit[0]
-        mark = " ✗" if collapsed(r) else ""
-        cells.append(f"{r['reward_final']:.3f} ± {r['reward_final_std']:.3f}{mark}")
-      lines.append(f"| {label} | {lr:g} | " + " | ".join(cells) + " |")
-  return "\n".join(lines) + "\n"
-
-
-def write_summary(rows: list[dict], knobs: list[str], workdir: str) -> None:
-  """summary.md (tables), summary.png (reward and drift parts against the lag), wall_clock.png
-  (reward against simulated hours and GPU-hours) and phase.png (when a phase grid ran)."""
-  main = [r for r in rows if "grid" in r.get("grids", ("grid",))]
-  phase = [r for r in rows if "phase_grid" in r.get("grids", ())]
-  text = ["# Asynchronous-RL simulator sweep\n", summary_table(main, knobs),
-          "\n## Drift parts (order-symmetric; lowrl.rl.drift)\n",
-          "k1 parts add up to the total; each part's k3 and ESS are under the distribution it "
-          "refers to (importance-weighted from the sampler's tokens).\n",
-          summary_table(main, knobs, _DRIFT_COLUMNS),
-          "\n## Time to reward (reward_vs_wall_clock: wall_clock.png)\n",
-          time_to_reward_table(main, knobs)]
-  if phase:
-    text += ["\n## Phase diagram: LR x lag x precision (phase.png)\n", phase_table(phase)]
-  with open(os.path.join(workdir, "summary.md"), "w") as f:
-    f.write("\n".join(text))
-  import matplotlib  # noqa: PLC0415 (headless backend before pyplot)
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # noqa: PLC0415
-
-  others = [k for k in _varying(main, knobs) if k != "lag"]
-  series: dict[str, list[dict]] = {}
-  for r in main:
-    label = ", ".join(f"{r.get(k)}" for k in others) or "all"
-    series.setdefault(label, []).append(r)
-  panels = (("reward_final", "final sampled reward"), ("eval_end", "greedy eval reward (end)"),
-            ("quantization_k1", "quantization drift k1"), ("staleness_k1", "staleness drift k1"),
-            ("total_k1", "total drift k1"), ("total_ess", "total ESS"))
-  fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
-  for ax, (key, title) in zip(axes.flat, panels):
-    for label, rs in series.items():
-      rs = sorted(rs, key=lambda r: r["lag_used"])
-      x = [r["lag_used"] for r in rs]
-      y = np.array([r[key] for r in rs])
-      ax.plot(x, y, marker="o", label=label)
-      if key + "_std" in rs[0]:
-        std = np.array([r[key + "_std"] for r in rs])
-        ax.fill_between(x, y - std, y + std, alpha=0.15)
-    ax.set_title(title)
-    ax.set_xlabel("off-policy lag (trainer steps)")
-    ax.grid(alpha=0.3)
-  axes.flat[0].legend(fontsize=8, title=", ".join(others) or None)
-  fig.tight_layout()
-  fig.savefig(os.path.join(workdir, "summary.png"), dpi=110)
-  plt.close(fig)
-
-  fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
-  labels = _varying(main, knobs)
-  for r in main:
-    frac = np.array(r["curve_steps"]) / r["steps"]
-    label = ", ".join(f"{r.get(k)}" for k in labels) or "all"
-    for ax, total in zip(axes, (r["wall_clock_h"], r["gpu_hours"])):
-      ax.plot(frac * total, r["reward_curve"], label=label, lw=1)
-  for ax, xlabel in zip(axes, ("simulated wall-clock hours", "GPU-hours")):
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("sampled reward")
-    ax.grid(alpha=0.3)
-  axes[0].legend(fontsize=6, ncol=2, title=", ".join(labels) or None)
-  fig.tight_layout()
-  fig.savefig(os.path.join(workdir, "wall_clock.png"), dpi=110)
-  plt.close(fig)
-
-  if phase:
-    groups = _phase_panels(phase)
-    lags = sorted({r["lag_used"] for r in phase})
-    lrs = sorted({r["lr"] for r in phase})
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4), squeeze=False)
-    for ax, (label, rs) in zip(axes[0], groups.items()):
-      grid = np.full((len(lrs), len(lags)), np.nan)
-      for r in rs:
-        grid[lrs.index(r["lr"]), lags.index(r["lag_used"])] = r["reward_final"]
-      im = ax.imshow(grid, origin="lower", aspect="auto", vmin=0, vmax=1, cmap="viridis")
-      for r in rs:
-        if collapsed(r):
-          ax.text(lags.index(r["lag_used"]), lrs.index(r["lr"]), "✗", ha="center",
-                  va="center", color="red")
-      ax.set_xticks(range(len(lags)), [str(l) for l in lags])
-      ax.set_yticks(range(len(lrs)), [f"{lr:g}" for lr in lrs])
-      ax.set_xlabel("lag")
-      ax.set_ylabel("lr")
-      ax.set_title(label, fontsize=8)
-    fig.colorbar(im, ax=axes[0].tolist(), label="final sampled reward")
-    fig.savefig(os.path.join(workdir, "phase.png"), dpi=110)
-    plt.close(fig)

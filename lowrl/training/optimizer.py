@@ -72,8 +72,12 @@ def init_opt_state(tx: optax.GradientTransformation, params: Any) -> optax.OptSt
 
 def apply_update(tx: optax.GradientTransformation, params: Any, grads: Any,
                  opt_state: optax.OptState, *, master_rounding: str,
-                 key: jax.Array | None) -> tuple[Any, optax.OptState]:
+                 key: jax.Array | None, step_scale: jax.Array | None = None
+                 ) -> tuple[Any, optax.OptState]:
   """One optimizer step: FP32 arithmetic, result rounded back to each leaf's dtype.
+
+  `step_scale` (a scalar) multiplies the update, i.e. the learning rate of this step (the
+  optimizer's moments see the unscaled gradient): VCPO's ESS-scaled step.
 
   FP32 leaves are returned exactly as optax computes them. BF16 leaves are rounded to nearest or
   stochastically (`master_rounding`), the latter with a key folded per leaf.
@@ -81,6 +85,8 @@ def apply_update(tx: optax.GradientTransformation, params: Any, grads: Any,
   params32 = to_master(params, "float32")
   grads32 = to_master(grads, "float32")
   updates, opt_state = tx.update(grads32, opt_state, params32)
+  if step_scale is not None:
+    updates = jax.tree.map(lambda u: u * step_scale, updates)
   new32 = optax.apply_updates(params32, updates)
 
   leaves, treedef = jax.tree.flatten(params)

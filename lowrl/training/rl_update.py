@@ -213,6 +213,7 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
     outside_support_frac = masked_mean(1.0 - in_support_BT, mask_BT)
     loss_mask_BT = mask_BT * in_support_BT
     use_is = cfg.correction.mode != "none"
+    step_scale = corr_metrics["is_step_scale"] if cfg.correction.scales_step else None
     logp_ref_BT = None
     if ref_params is not None:  # penalised if kl_coef > 0, else only logged
       logp_ref_BT = jax.lax.stop_gradient(logprob_fn(ref_params, batch, key_fwd)[0])
@@ -261,7 +262,7 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
       (loss, m), grads = loss_and_grads(p, b)
       grad_norm = optax.tree.norm(grads)
       new_p, new_o = apply_update(tx, p, grads, o, master_rounding=cfg.master_rounding,
-                                  key=jax.random.fold_in(key_opt, i))
+                                  key=jax.random.fold_in(key_opt, i), step_scale=step_scale)
       # Keep the old state when the loss, the gradient or the update is non-finite (a finite
       # gradient can still give a non-finite update, e.g. with a huge lr).
       ok = jnp.isfinite(loss) & tree_all_finite((grads, new_p, new_o))

@@ -134,11 +134,13 @@ RL = Section("rl", (
          "be none)", OneOf(OLD_LOGP_SOURCES)),
     knob("kl_coef", "beta of the KL-to-reference penalty (0 = no penalty)"),
     knob("kl_estimator", "KL estimator (docs/reference.md section 3)", OneOf(KL_ESTIMATORS)),
-    knob("correction", "sampler/trainer mismatch correction", OneOf(CORRECTION_MODES)),
+    knob("correction", "sampler/trainer mismatch correction (icepop: token mask to "
+         "[mis_low, mis_high]; vcpo: TIS weights + step scaled by sqrt(ESS/N); lowrl.rl."
+         "corrections)", OneOf(CORRECTION_MODES)),
     knob("correction_level", "correction weight per", OneOf(CORRECTION_LEVELS)),
-    knob("tis_cap", "TIS: weight truncated at this cap (> 0)"),
-    knob("mis_low", "MIS: tokens/sequences with weight below this are masked"),
-    knob("mis_high", "MIS: tokens/sequences with weight above this are masked"),
+    knob("tis_cap", "TIS, VCPO: weight truncated at this cap (> 0)"),
+    knob("mis_low", "MIS, IcePop (alpha): tokens/sequences with weight below this are masked"),
+    knob("mis_high", "MIS, IcePop (beta): tokens/sequences with weight above this are masked"),
 ), checks=(_rl_update_check,))
 
 # How rollouts are sampled and filtered: both run kinds.

@@ -227,3 +227,34 @@ def test_what_does_not_fit_is_refused():
   long = _model(Workload(batch=4096, prompt_len=4096, horizon=32768), Cluster(H100, 1, 1))
   with pytest.raises(ValueError, match="does not fit next to the weights"):
     long.steady_state()
+
+
+def test_matmul_rates_measured_on_hopper_datasheet_elsewhere():
+  """Hopper: the H200 measurement (docs/benchmarks.md: MXFP8 via scaled_dot 0.87-0.94x BF16,
+  per-tensor FP8 1.21-1.29x on MLP shapes; 0.90 and 1.25 taken), FP4 at the BF16 rate (no FP4
+  tensor cores); B200: its datasheet's dense rates (FP8 4,500, FP4 9,000 TFLOP/s)."""
+  from lowrl.asyncrl.cost_model import matmul_flops_per_s
+  for name in ("h100_sxm", "h200"):
+    hw = HARDWARE[name]
+    assert matmul_flops_per_s(hw, "mxfp8_e4m3") == pytest.approx(0.90 * 989.5e12, rel=1e-12)
+    assert matmul_flops_per_s(hw, "fp8_e4m3") == pytest.approx(1.25 * 989.5e12, rel=1e-12)
+    assert matmul_flops_per_s(hw, "nvfp4") == 989.5e12
+    assert matmul_flops_per_s(hw, "mxfp8_e4m3", "datasheet") == 1979.0e12
+  assert matmul_flops_per_s(B200, "mxfp8_e4m3") == 4500e12
+  assert matmul_flops_per_s(B200, "nvfp4") == 9000e12
+  with pytest.raises(ValueError, match="rates"):
+    matmul_flops_per_s(B200, "nvfp4", "guessed")
+  with pytest.raises(ValueError, match="rates"):
+    Cluster(H100, 8, 8, rates="guessed")
+
+
+def test_mxfp8_trainer_is_slower_than_bf16_on_hopper_and_faster_on_b200():
+  """Train step = matmul FLOPs over the rate: the MXFP8 share of it takes 1/0.9 the BF16 time on
+  Hopper (measured) and 1/2 on B200 (datasheet); attention stays BF16 in both."""
+  def step(hw, fmt, rates="measured"):
+    return _model(cluster=Cluster(HARDWARE[hw], 8, 8, rates=rates),
+                  trainer=Precision(fmt)).train_step_s()
+  assert step("h200", "mxfp8_e4m3") > step("h200", "bf16")
+  assert step("h200", "mxfp8_e4m3", "datasheet") < step("h200", "bf16")
+  assert step("b200", "mxfp8_e4m3") < step("b200", "bf16")
+  assert step("b200", "nvfp4") < step("b200", "mxfp8_e4m3")

@@ -220,6 +220,7 @@ def test_drift_parts_add_up_with_a_quantized_stale_sampler():
 def sweep_config():
   c = ml_collections.ConfigDict()
   c.sim = tiny_config()
+  c.sim.eval_every = STEPS // 2  # the trainer policy's eval curve (time to target, pareto.png)
   c.seeds = SEEDS
   c.log_every = 1
   # Lag 3: the ring the sweep sizes for its largest lag is SLOTS, the bf16 runs' program.
@@ -250,6 +251,10 @@ def test_sweep_writes_runs_summary_and_resumes(tmp_path):
   assert full[1]["gpu_hours"] == pytest.approx(
       STEPS * timing.clock(auto).devices * timing.clock(auto).step_s / 3600)
   assert all(r["finite"] for r in full)
+  for r in full:  # start, the mid-run eval, the last step's (after the last update)
+    assert r["eval_curve_steps"] == [0, STEPS // 2, STEPS]
+    assert [c[0] for c in r["eval_curve"]] == r["per_seed"]["eval_start"]
+    assert all(0 <= v <= 1 for c in r["eval_curve"] for v in c)
   # Temperature 1: the sampler's recorded logprobs are those it sampled from, so the mean weight
   # pi_now / pi_sampler is 1 up to sampling noise (see test_act_scales.py for the 5-SE argument).
   for r in full:
@@ -278,9 +283,11 @@ def test_sweep_writes_runs_summary_and_resumes(tmp_path):
   with open(os.path.join(workdir, "summary.md")) as f:
     table = f.read()
   # Settings and drift-part tables: header + one row per setting; time to reward: the same.
-  assert table.count("\n| ") == 3 * (1 + 3)
-  assert "## Drift parts" in table and "## Time to reward" in table
-  for png in ("summary.png", "wall_clock.png"):
+  first, answer = table.split("## Reward against drift")
+  assert first.count("\n| ") == 3 * (1 + 3)
+  assert "## Drift parts" in first and "## Time to reward" in first
+  assert "### Correction capacity" in answer
+  for png in ("summary.png", "wall_clock.png", "reward_vs_drift.png", "pareto.png"):
     assert os.path.getsize(os.path.join(workdir, png)) > 10_000
 
   cfg.sim.optimizer.lr = 1e-2  # another config in the same workdir must not mix in silently
@@ -313,37 +320,23 @@ def test_summary_numbers_come_from_the_metrics():
   assert s["finite"]
 
 
-def test_phase_table_marks_collapse_from_its_definition():
-  """A cell collapses when the held-out greedy reward ends more than 2 seed std below its start."""
-  def row(lr, lag, start, end, std):
-    return {"lr": lr, "lag_used": lag, "sampler_recipe": "bf16", "trainer_recipe": "bf16",
-            "correction": "none", "reward_final": end, "reward_final_std": std,
-            "eval_start": start, "eval_end": end, "eval_end_std": std}
-  rows = [row(1e-3, 0, 0.6, 0.8, 0.02), row(1e-3, 8, 0.6, 0.55, 0.02),  # 0.55 + 0.04 < 0.6
-          row(3e-3, 0, 0.6, 0.57, 0.02), row(3e-3, 8, 0.6, 0.3, 0.1)]  # 0.57 + 0.04 >= 0.6
-  lines = [l for l in sweep.phase_table(rows).splitlines() if l.startswith("| sampler")]
-  assert len(lines) == 2
-  cells = [l.split(" | ")[2:] for l in lines]
-  assert ["✗" in c for c in cells[0]] == [False, True]
-  assert ["✗" in c for c in cells[1]] == [False, True]
-
-
-def test_default_sweep_config_is_the_issue_grid():
+def test_default_sweep_configs_hold_the_issue_grid():
   from configs import simulate as simulate_config
-  cfg = simulate_config.get_config()
-  settings = sweep.expand_grid(cfg)
-  main = [s for s in settings if "grid" in s.grids]
-  phase = [s for s in settings if "phase_grid" in s.grids]
-  # 3 samplers x (BF16 trainer | the sampler's recipe: bf16/bf16 once) x 2 corrections x 3 lags.
-  assert len(main) == 5 * 2 * 3
+  reduced = sweep.expand_grid(simulate_config.get_config())
+  # BF16 / naive NVFP4 samplers x none / TIS x 3 lags, MXFP8 x 3 lags, IcePop / VCPO on NVFP4.
+  assert len(reduced) == 12 + 3 + 6
+  assert {s.knobs["correction"] for s in reduced} == {"none", "tis", "icepop", "vcpo"}
+  assert all(s.cfg.trainer_recipe == "bf16" and s.cfg.eval_every > 0 for s in reduced)
+  full = sweep.expand_grid(simulate_config.get_config("full"))
+  main = [s for s in full if "grid" in s.grids]
+  # 4 samplers x (BF16 trainer | the sampler's: bf16/bf16 once) x 4 corrections x 3 lags.
+  assert len(main) == 7 * 4 * 3
   pairs = {(s.cfg.sampler_recipe, s.cfg.trainer_recipe) for s in main}
-  assert ("nvfp4_recipe", "nvfp4_recipe") in pairs and ("nvfp4_recipe", "bf16") in pairs
-  assert {s.knobs["lag"] for s in main} == {0, 2, "auto"}
-  assert {s.knobs["correction"] for s in main} == {"none", "tis"}
-  # The phase diagram: 3 lr x 3 lags x 2 precisions x 2 corrections, 8 of them shared with main.
-  assert len(phase) == 36 and len(settings) == 30 + 36 - 8
-  assert {s.cfg.optimizer.lr for s in phase} == {3e-4, 1e-3, 3e-3}
-  assert len({s.name for s in settings}) == len({s.fingerprint for s in settings}) == len(settings)
+  assert ("mxfp8", "mxfp8") in pairs and ("nvfp4_recipe", "bf16") in pairs
+  swept = {k for s in full for k in s.knobs if len({str(t.knobs.get(k)) for t in full}) > 1}
+  assert {"lag", "sync_every", "num_prompts", "group_size", "horizon", "lr", "correction",
+          "sampler_recipe", "trainer_recipe"} <= swept
+  assert len({s.name for s in full}) == len({s.fingerprint for s in full}) == len(full)
 
 
 def test_pipeline_tokens_come_from_their_versions():

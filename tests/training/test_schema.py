@@ -194,7 +194,7 @@ def test_every_knob_has_a_meaning_and_choices_are_listed():
     docs = schema_.docs(prefix)
     assert all(docs.values()), [k for k, v in docs.items() if not v]
   docs = schema.TRAIN.docs()
-  assert docs["rl.correction"].endswith(": none | tis | mis")
+  assert docs["rl.correction"].endswith(": none | tis | mis | icepop | vcpo")
   assert docs["precision.format"] == precision.KNOBS["format"]
 
 
