@@ -92,7 +92,7 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.rl.old_logp_source = "trainer"  # pi_old: trainer (recomputed) | sampler (recorded)
   c.rl.kl_coef = 0.0  # beta of the KL-to-reference penalty; 0 = none
   c.rl.kl_estimator = "k3"  # KL estimator
-  c.rl.correction = "none"  # sampler/trainer mismatch correction
+  c.rl.correction = "none"  # sampler/trainer mismatch correction: none | tis | mis | icepop | vcpo
   c.rl.correction_level = "token"  # correction weight per token | sequence
   c.rl.tis_cap = 2.0  # TIS truncation cap
   c.rl.mis_low = 0.5  # MIS: weights below are masked

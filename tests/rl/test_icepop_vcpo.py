@@ -13,7 +13,7 @@ import pytest
 import tiny
 
 from lowrl import precision
-from lowrl.models import init, layout, transformer
+from lowrl.models import init, layout
 from lowrl.rl.corrections import CorrectionConfig, correction_weights, normalized_ess
 from lowrl.rl.losses import LossConfig
 from lowrl.training import optimizer
