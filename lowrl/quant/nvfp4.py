@@ -151,16 +151,16 @@ def thresholds(s_block: jax.Array, parts: _OuterParts) -> jax.Array:
   p, or succ(p) when P > p. Ties down (v > P): T = succ(RD(P)) = p when P < p, else succ(p).
   (p is a normal FP32 number: s_block >= 2**-9, G in [1, 2).)
   """
-  out = []
-  for m, tie_up in zip(_MIDPOINTS[:4], _TIE_UP[:4]):
-    a = _opaque(np.float32(m) * s_block)
-    p = a * parts.g
-    d = a * parts.g_hi - p
-    lo = a * parts.g_lo
-    bump = (lo > -d) if tie_up else (lo >= -d)
-    out.append(lax.bitcast_convert_type(
-        lax.bitcast_convert_type(p, jnp.int32) + bump.astype(jnp.int32), jnp.float32))
-  return jnp.stack(out)
+  # The four midpoints on a leading axis: one copy of the arithmetic (each element computed by
+  # the same operations as alone).
+  shape = (4,) + (1,) * s_block.ndim
+  a = _opaque(np.asarray(_MIDPOINTS[:4], np.float32).reshape(shape) * s_block[None])
+  p = a * parts.g
+  d = a * parts.g_hi - p
+  lo = a * parts.g_lo
+  bump = jnp.where(np.asarray(_TIE_UP[:4]).reshape(shape), lo > -d, lo >= -d)
+  return lax.bitcast_convert_type(
+      lax.bitcast_convert_type(p, jnp.int32) + bump.astype(jnp.int32), jnp.float32)
 
 
 def _seven(t4) -> list[jax.Array]:
@@ -213,7 +213,7 @@ def _choose_block_scale(x_b, amax_b, outer, parts, cfg: QuantConfig, layout: Lay
   # do not matter here: their candidates' products code * s are 0 or NaN whatever the code.
   t4_both = _materialize(thresholds(s_both, parts))  # [4, 2, ...]
   v = _magnitude(x_b, parts)
-  code6, code4 = (_codes(v, _seven(t4_both[:, k])) for k in (0, 1))
+  code6, code4 = _codes(v[None], _seven(t4_both))  # both candidates in one copy
   use4 = four_over_six.four_wins(
       v, code4, code6, s_both[1], s_both[0], parts.g, parts.g_hi, parts.g_lo,
       _scaled_by_outer(amax_b, parts), layout.reduce_axes, cfg.four_over_six_metric)
