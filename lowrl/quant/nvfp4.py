@@ -226,7 +226,7 @@ def _choose_block_scale(x_b, amax_b, outer, parts, cfg: QuantConfig, layout: Lay
 
 
 def _scales(x_b, cfg: QuantConfig, layout: Layout, tensor_amax):
-  amax_b = abs_max(x_b, layout.reduce_axes)
+  amax_b = abs_max(x_b, layout.reduce_axes, paired=True)
   outer = _nvfp4_outer(amax_b, cfg, layout, tensor_amax)
   parts = _outer_parts(outer)
   s_block, thr = _choose_block_scale(x_b, amax_b, outer, parts, cfg, layout)

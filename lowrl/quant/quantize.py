@@ -220,7 +220,7 @@ def _mx_apply(grid_b, e_and_nan, dtype):
 
 def _te_quantize(x_b, cfg, layout, key, tensor_amax):
   del key  # round to nearest only (config.py)
-  amax_b = abs_max(x_b, layout.reduce_axes)
+  amax_b = abs_max(x_b, layout.reduce_axes, paired=True)
   amax = nvfp4.outer_amax(amax_b, cfg, layout, tensor_amax)
   grid_b, s_b = te.quantize_blocked(x_b, amax_b, amax, cfg, layout.reduce_axes[0])
   outer_stored = squeeze(amax, layout) if cfg.per_token else amax

@@ -122,11 +122,11 @@ def test_paired_abs_max_matches_float_max(dtype):
   clean = np.where(np.isnan(x.astype(f32)), dtype(1.0), x)  # blocks without NaN, for exact values
   for arr in (x, clean):
     for axes, ref_axis in [((2,), 2), (None, None), ((0,), 0)]:
-      got = np.asarray(layout.abs_max(jnp.asarray(arr), axes))
+      got = np.asarray(layout.abs_max(jnp.asarray(arr), axes, paired=True))
       want = _ref_abs_max(arr, ref_axis)
       np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
       np.testing.assert_array_equal(np.where(np.isnan(got), 0, got), np.where(np.isnan(want), 0,
                                                                               want))
   odd = clean[:, :, :15]
-  np.testing.assert_array_equal(np.asarray(layout.abs_max(jnp.asarray(odd), (2,))),
-                                _ref_abs_max(odd, 2))
+  got = np.asarray(layout.abs_max(jnp.asarray(odd), (2,), paired=True))
+  np.testing.assert_array_equal(got, _ref_abs_max(odd, 2))
