@@ -119,8 +119,9 @@ def _abs_max_pairs(x_b: jax.Array, axes, keepdims: bool) -> jax.Array:
   elements' bits as one int32, their two 15-bit magnitudes maxed elementwise, then one int32
   reduction over half as many elements (XLA CPU vectorizes an int16 reduction over a short minor
   axis poorly). The same integer maximum, so the same result."""
+  # The sign bits cleared, so the shift is exact.
   pairs = lax.bitcast_convert_type(x_b.reshape(x_b.shape[:-1] + (x_b.shape[-1] // 2, 2)),
-                                   jnp.int32) & 0x7FFF7FFF  # the sign bits cleared: shifts are exact
+                                   jnp.int32) & 0x7FFF7FFF
   mag = jnp.maximum(pairs >> 16, pairs & 0x7FFF)
   m = jnp.max(mag, axis=axes, keepdims=keepdims).astype(jnp.int16)
   return lax.bitcast_convert_type(m, x_b.dtype).astype(jnp.float32)

@@ -238,7 +238,8 @@ def _te_apply(grid_b, final_scale, dtype):
   return (grid_b * final_scale).astype(dtype)  # TE casts its FP32 product (dequantize_nvfp4.cuh)
 
 
-# NVFP4: nvfp4.quantize_blocked and _te_quantize, which return the grid values and decode parameters too.
+# NVFP4: nvfp4.quantize_blocked and _te_quantize, which return the grid values and decode
+# parameters too.
 _SCALES = {"tensor": _tensor_scales, "mx": _mx_scales}
 # Per-block (encode, decode) parameters from the stored scales, and the elementwise decode.
 # quantize, dequantize and fake_quant all go through these.
@@ -313,7 +314,8 @@ def quantize(x: jax.Array, cfg: QuantConfig, key: jax.Array | None = None, *,
 
 def dequantize(q: QTensor, dtype=jnp.float32) -> jax.Array:
   """codes * scale(s), computed in FP32, returned in `dtype`."""
-  return _dequantize_jit(q, dtype=jnp.dtype(dtype), layout=block_layout(tuple(q.codes.shape), q.cfg))
+  return _dequantize_jit(q, dtype=jnp.dtype(dtype),
+                         layout=block_layout(tuple(q.codes.shape), q.cfg))
 
 
 def fake_quant(x: jax.Array, cfg: QuantConfig, key: jax.Array | None = None, *,
