@@ -59,7 +59,7 @@ def test_two_rl_steps_from_moe_checkpoint(files, family, recipe, tmp_path, monke
   assert all(m["mismatch/abs_dlogp_max"] == 0 and m["routing/flips"] == 0 for m in mesh)
   if family == "qwen3_moe":
     make = sharding.plan_from_config
-    monkeypatch.setattr(loop.sharding, "plan_from_config",
+    monkeypatch.setattr(sharding, "plan_from_config",
                         lambda m, devices=None: make(m, jax.devices()[:1]))
     loop.run(_moe_config(files, family, recipe, **{"mesh.shape": (1, 1, 1)}),
              str(tmp_path / "one"), log=lambda _: None)
@@ -94,7 +94,7 @@ def test_routing_replay_on_and_off(files, tmp_path, monkeypatch):
   assert off["routing/flips"] > 0 and on["routing/flips"] > 0
   assert on["mismatch/abs_dlogp_mean"] != off["mismatch/abs_dlogp_mean"]
   make = sharding.plan_from_config
-  monkeypatch.setattr(loop.sharding, "plan_from_config",
+  monkeypatch.setattr(sharding, "plan_from_config",
                       lambda m, devices=None: make(m, jax.devices()[:1]))
   cfg = _moe_config(files, "qwen3_moe", "fp32", **{"rl.routing_replay": True,
                                                     "mesh.shape": (1, 1, 1)})
