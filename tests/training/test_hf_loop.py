@@ -137,7 +137,7 @@ def test_two_rl_steps_from_checkpoint_on_a_mesh_and_for_qwen3_on_one_device(file
   # which the mesh run exercises. The same config on a 1x1 mesh of the first device.
   if family == "qwen3":
     make = sharding.plan_from_config
-    monkeypatch.setattr(loop.sharding, "plan_from_config",
+    monkeypatch.setattr(sharding, "plan_from_config",
                         lambda m, devices=None: make(m, jax.devices()[:1]))
     one_summary = loop.run(_config(files, family, **{"mesh.shape": (1, 1)}),
                            str(tmp_path / "one"), log=lambda _: None)

@@ -56,7 +56,7 @@ def test_two_rl_steps_from_moe_checkpoint(files, family, recipe, tmp_path, monke
   assert any(m["grad_norm"] > 0 for m in mesh)
   if family == "qwen3_moe":
     make = sharding.plan_from_config
-    monkeypatch.setattr(loop.sharding, "plan_from_config",
+    monkeypatch.setattr(sharding, "plan_from_config",
                         lambda m, devices=None: make(m, jax.devices()[:1]))
     loop.run(_moe_config(files, family, recipe, **{"mesh.shape": (1, 1, 1)}),
              str(tmp_path / "one"), log=lambda _: None)
