@@ -1,9 +1,9 @@
 r"""Sweep the asynchronous-RL simulator over a grid of knobs (lowrl/asyncrl/sweep.py).
 
-  lowrl-simulate --workdir=/tmp/lowrl_sim                        # configs/simulate.py
-  lowrl-simulate --workdir=/tmp/sim_small --config.sim.rl.steps=100 \
+  python -m experiments.simulate --workdir=/tmp/lowrl_sim        # configs/simulate.py
+  python -m experiments.simulate --workdir=/tmp/sim_small --config.sim.rl.steps=100 \
       --config.grid.lag="(0, 4)" --config.grid.sampler_recipe="('nvfp4_naive',)"
-(`python -m experiments.simulate ...` is the same; --print_config lists every knob.)
+(from the repository root; --print_config lists every knob.)
 
 Per setting: TensorBoard runs in <workdir>/runs/<setting>/seed_<s>, one line in
 <workdir>/results.jsonl; at the end <workdir>/summary.md (table) and summary.png (plots). Progress
@@ -35,7 +35,7 @@ def main(argv):
 
 
 def run_main():
-  """Console entry point (`lowrl-simulate`)."""
+  """Runs the binary (`python -m experiments.simulate`)."""
   app.run(main, flags_parser=_FLAGS.parser())
 
 

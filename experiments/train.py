@@ -1,10 +1,10 @@
 r"""The main job: mid-train a small base, then RL under a precision recipe.
 
-  lowrl-train                                                   # configs/default.py (nvfp4_recipe)
-  lowrl-train --config=configs/bf16.py --workdir=/tmp/lowrl_bf16
-  lowrl-train --config.rl.steps=100 --config.precision.bf16_last_fraction=0
-  lowrl-train --print_config                                    # every --config.* knob, then exit
-(`python -m experiments.train ...` is the same.) A relative --config path is looked up in the
+  python -m experiments.train --workdir=DIR                 # configs/default.py (nvfp4_recipe)
+  python -m experiments.train --config=configs/bf16.py --workdir=/tmp/lowrl_bf16
+  python -m experiments.train --config.rl.steps=100 --config.precision.bf16_last_fraction=0
+  python -m experiments.train --print_config                # every --config.* knob, then exit
+(from the repository root). A relative --config path is looked up in the
 working directory, then in the repository.
 
 Progress (step, reward, mismatch, ETA) goes to stdout; TensorBoard logs to <workdir>/tb,
@@ -89,7 +89,7 @@ def _exit(line: str, status: int) -> None:
 
 
 def run_main():
-  """Console entry point (`lowrl-train`)."""
+  """Runs the binary (`python -m experiments.train`)."""
   app.run(main, flags_parser=_FLAGS.parser())
 
 

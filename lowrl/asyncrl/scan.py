@@ -25,10 +25,6 @@ from lowrl.training.sft import make_sft_step
 from lowrl.training.step import Rollout, Step, make_step
 
 
-def _quant_key(policy: precision.PrecisionPolicy, key: jax.Array) -> jax.Array | None:
-  return key if policy.needs_key else None
-
-
 def _generate(setup: SimSetup, policy: precision.PrecisionPolicy, config: SamplingConfig,
               params, prompt_BP: jax.Array, key: jax.Array, quant_key,
               act_amax=None) -> SampleOutput:
@@ -57,7 +53,7 @@ def calibrate(setup: SimSetup, policy: precision.PrecisionPolicy, params,
   tokens_BT = jnp.concatenate([prompt_BP, setup.task.targets(prompt_BP)], axis=1)
   return calibration.calibrate_act_amax(
       params, tokens_BT, setup.model_cfg, setup.trainer_policy, paths,
-      quant_key=_quant_key(setup.trainer_policy, key))
+      quant_key=setup.trainer_policy.quant_key(key))
 
 
 def _rollout_keys(key: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -77,7 +73,7 @@ def sampler_score(setup: SimSetup, out: SampleOutput, params, key: jax.Array,
   key of the rollout keyed by `key`: the sampler's record, or the drift's fourth score."""
   policy = setup.sampler_policy
   return rescore(out, params, model_cfg=setup.model_cfg, policy=policy, config=setup.sampling,
-                 quant_key=_quant_key(policy, _rollout_keys(key)[2]), act_amax=act_amax)
+                 quant_key=policy.quant_key(_rollout_keys(key)[2]), act_amax=act_amax)
 
 
 def rollout(setup: SimSetup, sampler_params, key: jax.Array, act_amax=None
@@ -92,7 +88,7 @@ def rollout(setup: SimSetup, sampler_params, key: jax.Array, act_amax=None
   prompt_BL = _train_prompts(setup, k_prompt)
   policy = setup.sampler_policy
   out = _generate(setup, policy, setup.sampling, sampler_params, prompt_BL, k_sample,
-                  _quant_key(policy, k_quant), act_amax)
+                  policy.quant_key(k_quant), act_amax)
   if setup.sampler_exact:
     out = sampler_score(setup, out, sampler_params, key, act_amax)
   reward_B, exact_B = setup.task.rewards(prompt_BL, out.tokens[:, out.prompt_width:])
@@ -114,7 +110,7 @@ def pipeline_rollout(setup: SimSetup, ring, token_slot_H: jax.Array, key: jax.Ar
   b, p = prompt_BP.shape
   h = setup.task.length
   tokens_BT = jnp.concatenate([prompt_BP, jnp.full((b, h), cfg.pad_id, jnp.int32)], axis=1)
-  qk = _quant_key(policy, k_quant)
+  qk = policy.quant_key(k_quant)
 
   def draw(tokens_BT, j):
     params, act_amax = jax.tree.map(lambda r: r[token_slot_H[j]], ring)
@@ -149,7 +145,7 @@ def evaluate(setup: SimSetup, params, key: jax.Array) -> dict[str, jax.Array]:
   # calibrated from the evaluated weights.
   act_amax = calibrate(setup, setup.trainer_policy, params, calib_key(key))
   out = _generate(setup, setup.trainer_policy, greedy, params, prompt_BP, key,
-                  _quant_key(setup.trainer_policy, key), act_amax)
+                  setup.trainer_policy.quant_key(key), act_amax)
   reward_B, _ = setup.task.rewards(prompt_BP, out.tokens[:, out.prompt_width:])
   # Solved = reward 1 = every position right: the exact match under either reward kind.
   m = eval_metrics(reward_B)
@@ -250,7 +246,7 @@ def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict
       sampler_params, sampler_amax = jax.tree.map(lambda r: r[read_slot], ring)
       k_roll, k_score, k_upd = jax.random.split(jax.random.fold_in(k_steps, t), 3)
       # The trainer's scores share one key, so with lag 0 the staleness part is exactly 0.
-      qk = _quant_key(setup.trainer_policy, k_score)
+      qk = setup.trainer_policy.quant_key(k_score)
       if setup.pipeline:
         out, reward_B, exact_B = pipeline_rollout(setup, ring, token_slot_H, k_roll)
         tokens = TokenBatch(out.tokens, out.attention_mask)
