@@ -35,6 +35,7 @@ import numpy as np
 
 from lowrl import distributed, hardware, memory, precision, sharding
 from lowrl.checkpoints import hf
+from lowrl.metrics import layout as tb_layout
 from lowrl.metrics.writer import create_writer
 from lowrl.models import kv_cache, layout, transformer
 from lowrl.models.config import ModelConfig
@@ -44,7 +45,7 @@ from lowrl.sampling.act_scales import calibration_paths
 from lowrl.tasks.base import Task
 from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
 from lowrl.tasks.registry import make_task
-from lowrl.training import (base_store, diagnostics, disk, optimizer, preemption, probes,
+from lowrl.training import (base_store, diagnostics, disk, optimizer, pace, preemption, probes,
                             run_config, run_logs, schema, sft, storage)
 from lowrl.training.checkpointing import Checkpointer, read_meta
 from lowrl.training.workdir_lock import WorkdirLock
@@ -642,14 +643,16 @@ def _run_in_workdir(setup: Setup, workdir: str, log: Log, stop: preemption.StopF
   base_dir = base_store.store_dir(cfg.sft.base_dir, workdir)
   # The SFT loss (when this run trains the base) goes to a TensorBoard run of its own, `tb/sft`:
   # its steps are SFT steps, and a resume's purge of RL steps must not touch them.
-  with create_writer(os.path.join(tb_dir, "sft"), enabled=primary and not resuming) as sft_tb:
+  with create_writer(os.path.join(tb_dir, tb_layout.SFT_RUN),
+                     enabled=primary and not resuming) as sft_tb:
     base = _load_base(base_dir, setup, log,
                       on_sft_loss=lambda i, v: sft_tb.scalars(i, {"sft/loss": v}))
   trainer = Trainer(setup, log)
   start, state, versions = _initial_state(setup, trainer, ckpt, base, resuming, workdir, log)
 
   # Points logged after the resumed checkpoint (before an interruption) are replaced.
-  writer = create_writer(tb_dir, enabled=primary, purge_step=start + 1 if start else None)
+  writer = create_writer(os.path.join(tb_dir, tb_layout.RL_RUN), enabled=primary,
+                         purge_step=start + 1 if start else None, tags=tb_layout.tag)
   try:
     summary = _train(setup, trainer, ckpt, writer, workdir, start, state, versions, log,
                      reevaluate=reevaluate and start == cfg.rl.steps, stop=stop)
@@ -767,6 +770,7 @@ def _eval_start(setup: Setup, trainer: Trainer, writer, workdir: str, start: int
   writer.scalars(0, {f"eval/{k}": v for k, v in ev.items()})
   writer.texts(0, {"config": "```\n" + run_config.describe(cfg) + "\n```"})
   writer.hparams(run_config.flatten(cfg), ["eval/pass_at_1", "eval/greedy", "reward/mean"])
+  writer.custom_scalars(tb_layout.custom_scalars())
   if primary:
     run_logs.write_json(workdir, run_logs.EVAL_START, ev)
   return ev
@@ -807,7 +811,9 @@ def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: 
   fp = run_config.fingerprint(cfg)
   if preemption.agreed(stop):  # signalled while the base trained or the programs compiled
     raise preemption.Preempted(stop.signame or "a signal", None, workdir)
+  step_pace = pace.Pace(cfg)
   for step in range(start, rl.steps):
+    step_pace.start()
     sv = setup.schedule.sampler_version(step)
     every = cfg.diagnostics.every
     params, opt_state, m, info = trainer.rl_step(storage.use(versions.get(sv)), params,
@@ -823,6 +829,7 @@ def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: 
 
     m = {k: float(v) for k, v in _log_order(m).items()}
     m.update({"sampler_version_lag": float(step - sv), "versions_held": float(len(versions))})
+    tb_only = step_pace.scalars(step, m["response_length"])  # wall times: not in metrics.jsonl
     done = step + 1
     skipped_in_a_row = skipped_in_a_row + 1 if m["skipped_updates"] > 0 else 0
     if skipped_in_a_row:
@@ -831,8 +838,9 @@ def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: 
     if cfg.eval_every and done % cfg.eval_every == 0 and done < rl.steps:
       ev = trainer.evaluate(params, eval_key)
       m.update({f"eval/{k}": v for k, v in ev.items()})
+      log(f"[eval] step {done} held-out pass@1 {ev['pass_at_1']:.3f} greedy {ev['greedy']:.3f}")
     if done % cfg.log_every == 0 or done == rl.steps:
-      _log_step(trainer, writer, metrics_path, done, params, m, info, eta, log)
+      _log_step(trainer, writer, metrics_path, done, params, m, info, eta, log, tb_only)
     if skipped_in_a_row >= cfg.max_skipped_steps:
       raise NonFiniteError(
           f"{skipped_in_a_row} consecutive steps (up to step {done}) had skipped optimizer "
@@ -863,14 +871,16 @@ def _train(setup: Setup, trainer: Trainer, ckpt: Checkpointer, writer, workdir: 
 
 
 def _log_step(trainer: Trainer, writer, metrics_path: str, done: int, params,
-              m: dict[str, float], info: dict[str, Any], eta: run_logs.Eta, log: Log) -> None:
-  """Step `done`'s point: weight quantization errors added to `m`, TensorBoard, metrics.jsonl,
-  the console line."""
+              m: dict[str, float], info: dict[str, Any], eta: run_logs.Eta, log: Log,
+              tb_only: dict[str, float]) -> None:
+  """Step `done`'s point: weight quantization errors added to `m`, TensorBoard (`m` and
+  `tb_only`), metrics.jsonl (`m`), the console line."""
   werr = {k: float(v) for k, v in trainer.weight_errors(params).items()}
   if werr:
-    writer.histograms(done, {"quant_error/weights": np.array(list(werr.values()))})
+    writer.histograms(done, {tb_layout.WEIGHT_ERROR_HISTOGRAM:
+                             100 * np.array(list(werr.values()))})
     m.update({f"quant_error/{k}": v for k, v in werr.items()})
-  writer.scalars(done, m)
+  writer.scalars(done, {**m, **tb_only})
   writer.texts(done, {"samples": _sample_text(info, trainer.setup.cfg.num_text_samples)})
   if distributed.is_primary():
     with open(metrics_path, "a") as f:

@@ -12,6 +12,7 @@ import small_fs
 import tiny
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lowrl.metrics import layout
 from lowrl.training import loop, run_config, run_logs
 from lowrl.training.checkpointing import Checkpointer, verify_manifest
 
@@ -39,11 +40,11 @@ def _crash_at(prefix: str, logs: list[str]):
   return log
 
 
-def _scalar_steps(workdir: str, tag: str, run: str = "") -> list[int]:
-  """Steps of `tag`'s points in the TensorBoard run <workdir>/tb/<run>."""
+def _scalar_steps(workdir: str, key: str, run: str = layout.RL_RUN) -> list[int]:
+  """Steps of metric `key`'s points (under its TensorBoard tag) in the run <workdir>/tb/<run>."""
   acc = EventAccumulator(os.path.join(workdir, "tb", run), size_guidance={"scalars": 0})
   acc.Reload()
-  return [e.step for e in acc.Scalars(tag)]
+  return [e.step for e in acc.Scalars(layout.tag(key))]
 
 
 def _metric_steps(workdir: str) -> list[int]:
@@ -86,7 +87,7 @@ def test_damaged_checkpoint_falls_back_and_tensorboard_has_one_point_per_step(re
   assert _scalar_steps(workdir, "reward/mean") == list(range(1, STEPS + 1))
   assert _scalar_steps(workdir, "eval/pass_at_1") == [0, STEPS]  # the JSON name, unchanged
   # This run trained the base: its loss is the TensorBoard run tb/sft.
-  assert _scalar_steps(workdir, "sft/loss", run="sft") == [1, 2, 3, 4, 5]
+  assert _scalar_steps(workdir, "sft/loss", run=layout.SFT_RUN) == [1, 2, 3, 4, 5]
   assert set(summary) >= {"config_fingerprint", "final_train_reward", "eval_end"}
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     last = json.loads(f.readlines()[-1])
