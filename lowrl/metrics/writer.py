@@ -91,7 +91,9 @@ class MetricWriter:
     """One histogram per tag over all elements of the array.
 
     Non-finite entries are dropped (tensorboardX can't bin them; log a NaN count as a scalar if it
-    matters); an array with no finite entry is skipped.
+    matters); an array with no finite entry is skipped. Bins: NumPy's "auto" over the values'
+    range (TensorFlow's default buckets are 10% of the value wide: values within a few percent of
+    each other, like the weight quantization errors, fall into one bucket and show as a block).
     """
     self._check_writing()
     step = int(step)
@@ -99,7 +101,7 @@ class MetricWriter:
       values = np.asarray(arr, dtype=np.float64).reshape(-1)
       values = values[np.isfinite(values)]
       if values.size:
-        self._writer.add_histogram(self._tag(name), values, global_step=step)
+        self._writer.add_histogram(self._tag(name), values, global_step=step, bins="auto")
 
   def texts(self, step: int, texts: Mapping[str, str]) -> None:
     """One (markdown) text per tag."""
