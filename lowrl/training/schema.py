@@ -534,8 +534,8 @@ TRAIN = Schema((
         EVAL_NUM_PROMPTS,
         Knob("eval_samples", 4, "samples per eval prompt for pass@1 at the rollout temperature",
              POSITIVE),
-        Knob("eval_every", 0, "steps between evaluations (0 = only at the start and the end)",
-             NON_NEGATIVE),
+        Knob("eval_every", 10, "steps between held-out evaluations besides the start and the end "
+             "(0 = only there); each costs ~5 rollouts of sampling", NON_NEGATIVE),
         Knob("log_every", 1, "steps between TensorBoard / metrics.jsonl points", POSITIVE),
         Knob("checkpoint_every", 10, "steps between checkpoints (the newest 2 intact ones are "
              "kept)", POSITIVE),
