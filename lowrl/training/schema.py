@@ -395,8 +395,8 @@ DIAGNOSTICS = Section("diagnostics", (
 ))
 
 SFT = Section("sft", (
-    Knob("steps", 150, "supervised mid-training steps of the base (0 = RL from the random/loaded "
-         "init)", NON_NEGATIVE),
+    Knob("steps", 50, "supervised mid-training steps of the base (0 = RL from the random/loaded "
+         "init); the default leaves RL room: held-out pass@1 0.48, greedy 0.70", NON_NEGATIVE),
     Knob("batch_size", 128, "SFT sequences per step", POSITIVE),
     Knob("lr", 3e-3, "SFT Adam learning rate", AtLeast(0, strict=True)),
     Knob("warmup_steps", 20, "SFT linear warmup steps", NON_NEGATIVE),

@@ -81,7 +81,7 @@ def test_train_defaults_are_the_loop_defaults():
   assert set(run_config.flatten(c)) == set(schema.TRAIN.docs())
   # A few values the README and the experiments rely on.
   assert (c.rl.steps, c.rl.num_prompts, c.rl.group_size, c.optimizer.lr) == (40, 32, 8, 2e-4)
-  assert (c.task.name, c.sft.steps, c.model.d_model, c.mesh.shape) == ("sorting", 150, 128,
+  assert (c.task.name, c.sft.steps, c.model.d_model, c.mesh.shape) == ("sorting", 50, 128,
                                                                         (-1, 1))
   assert c.rl.clip_eps_high is None
   c.rl.clip_eps_high = 0.3  # a typed placeholder: the command line can set a float
