@@ -17,7 +17,7 @@ def _cfg(**opt):
 def test_lr_is_the_learning_rate_the_optimizer_applies_at_each_steps_first_update():
   cfg = _cfg()
   p = pace.Pace(cfg)
-  tx = optimizer.make_optimizer(cfg.optimizer, 10 * 2 * 2)  # the Trainer's: steps x mu x minibatches
+  tx = optimizer.make_optimizer(cfg.optimizer, 10 * 2 * 2)  # the Trainer's: steps x mu x batches
   # Adam on a constant gradient from zero params: every bias-corrected step is m/sqrt(v) = 1
   # (times 1 / (1 + eps)), and weight decay of zero params is zero, so |update| = lr of the update.
   params = {"w": np.zeros(1, np.float32)}
