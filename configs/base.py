@@ -11,7 +11,7 @@ plus its meaning (and check) in lowrl/training/schema.py.
 The experiment the defaults describe: sorting 3-6 letters (a mid-trained base makes sampling errors
 RL can remove, and the problem space is large enough that held-out problems measure skill, not
 memory: 2-digit addition's ~12k problems get memorised, and RL then raises train reward but not
-held-out pass@1) with a ~0.8M-parameter decoder, 150 SFT steps, then 40 RL steps of 32 prompts x 8
+held-out pass@1) with a ~0.8M-parameter decoder, 50 SFT steps, then 40 RL steps of 32 prompts x 8
 completions at Adam lr 2e-4 (RL moves a mid-trained base: 1e-3 random-walks it away and the reward
 falls; 1e-4..4e-4 is stable).
 """
@@ -68,7 +68,7 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.refit_check_every = 1  # weight syncs between sampler-weight checks; 0 = off
 
   c.sft = ml_collections.ConfigDict()  # supervised mid-training of the base
-  c.sft.steps = 150  # 0 = RL from the init (or the hf_checkpoint)
+  c.sft.steps = 50  # 0 = RL from the init (or the hf_checkpoint); 50 leaves RL room
   c.sft.batch_size = 128  # sequences per step
   c.sft.lr = 3e-3  # Adam learning rate
   c.sft.warmup_steps = 20  # linear warmup steps
@@ -124,7 +124,7 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
 
   c.eval_num_prompts = 256  # held-out eval prompts
   c.eval_samples = 4  # samples per eval prompt (pass@1)
-  c.eval_every = 0  # steps between evaluations; 0 = at the start and the end only
+  c.eval_every = 10  # steps between held-out evaluations; 0 = at the start and the end only
   c.log_every = 1  # steps between TensorBoard / metrics.jsonl points
   c.checkpoint_every = 10  # steps between checkpoints (the newest 2 are kept)
   c.num_text_samples = 4  # sample completions in TensorBoard per logged step

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -21,6 +21,7 @@ class Writer(Protocol):
   def texts(self, step: int, texts: Mapping[str, str]) -> None: ...
   def image(self, step: int, name: str, image_HWC: Any) -> None: ...
   def hparams(self, values: Mapping[str, Any], metric_tags: Sequence[str]) -> None: ...
+  def custom_scalars(self, layout: Mapping[str, Mapping[str, Sequence[Any]]]) -> None: ...
   def flush(self) -> None: ...
   def close(self) -> None: ...
 
@@ -43,10 +44,14 @@ def _check_image(name: str, image_HWC: Any) -> np.ndarray:
 class MetricWriter:
   """Writes scalars, histograms, texts and images to TensorBoard event files under `logdir`."""
 
-  def __init__(self, logdir: str, flush_secs: int = 30, purge_step: int | None = None):
+  def __init__(self, logdir: str, flush_secs: int = 30, purge_step: int | None = None,
+               tags: Callable[[str], str] | None = None):
     """`purge_step`: a resumed run's first new step; TensorBoard then drops the points at
-    steps >= purge_step that earlier event files hold (logged before an interruption)."""
+    steps >= purge_step that earlier event files hold (logged before an interruption).
+    `tags`: maps each scalar/histogram name (and hparams metric tag) to its TensorBoard tag
+    (e.g. lowrl.metrics.layout.tag); None = the names as given."""
     self._logdir, self._flush_secs = str(logdir), flush_secs
+    self._tag = tags or (lambda name: name)
     self._writer = self._open(purge_step)
 
   def _open(self, purge_step: int | None):
@@ -80,13 +85,15 @@ class MetricWriter:
     step = int(step)
     for name, value in values.items():
       self._check_writing()
-      self._writer.add_scalar(name, _to_float(name, value), global_step=step)
+      self._writer.add_scalar(self._tag(name), _to_float(name, value), global_step=step)
 
   def histograms(self, step: int, arrays: Mapping[str, Any]) -> None:
     """One histogram per tag over all elements of the array.
 
     Non-finite entries are dropped (tensorboardX can't bin them; log a NaN count as a scalar if it
-    matters); an array with no finite entry is skipped.
+    matters); an array with no finite entry is skipped. Bins: NumPy's "auto" over the values'
+    range (TensorFlow's default buckets are 10% of the value wide: values within a few percent of
+    each other, like the weight quantization errors, fall into one bucket and show as a block).
     """
     self._check_writing()
     step = int(step)
@@ -94,7 +101,7 @@ class MetricWriter:
       values = np.asarray(arr, dtype=np.float64).reshape(-1)
       values = values[np.isfinite(values)]
       if values.size:
-        self._writer.add_histogram(name, values, global_step=step)
+        self._writer.add_histogram(self._tag(name), values, global_step=step, bins="auto")
 
   def texts(self, step: int, texts: Mapping[str, str]) -> None:
     """One (markdown) text per tag."""
@@ -115,8 +122,16 @@ class MetricWriter:
     plain = {k: v if isinstance(v, (bool, int, float, str)) else repr(v)
              for k, v in values.items()}
     file_writer = self._writer._get_file_writer()  # pylint: disable=protected-access
-    for summary in hparams(plain, {tag: 0.0 for tag in metric_tags}):
+    for summary in hparams(plain, {self._tag(tag): 0.0 for tag in metric_tags}):
       file_writer.add_summary(summary)
+
+  def custom_scalars(self, layout: Mapping[str, Mapping[str, Sequence[Any]]]) -> None:
+    """The CUSTOM SCALARS dashboard's layout: {category: {chart: ["Multiline", [tag regexes]]
+    or ["Margin", [value, lower, upper tags]]}} (tensorboardX's add_custom_scalars format)."""
+    from tensorboardX.summary import custom_scalars
+    self._check_writing()
+    self._writer._get_file_writer().add_summary(  # pylint: disable=protected-access
+        custom_scalars({c: dict(charts) for c, charts in layout.items()}))
 
   def image(self, step: int, name: str, image_HWC: Any) -> None:
     """A uint8 [H, W, C] image (C = 1, 3 or 4)."""
@@ -169,6 +184,10 @@ class NullWriter:
     """No-op."""
     del values, metric_tags
 
+  def custom_scalars(self, layout: Mapping[str, Mapping[str, Sequence[Any]]]) -> None:
+    """No-op."""
+    del layout
+
   def flush(self) -> None:
     """No-op."""
 
@@ -182,9 +201,9 @@ class NullWriter:
     self.close()
 
 
-def create_writer(logdir: str | None, enabled: bool = True,
-                  purge_step: int | None = None) -> MetricWriter | NullWriter:
+def create_writer(logdir: str | None, enabled: bool = True, purge_step: int | None = None,
+                  tags: Callable[[str], str] | None = None) -> MetricWriter | NullWriter:
   """A MetricWriter, or a NullWriter when disabled (e.g. `jax.process_index() != 0`) or no logdir."""
   if not enabled or logdir is None:
     return NullWriter()
-  return MetricWriter(logdir, purge_step=purge_step)
+  return MetricWriter(logdir, purge_step=purge_step, tags=tags)

@@ -34,8 +34,9 @@ import jax
 import ml_collections
 
 from lowrl import distributed
+from lowrl.metrics import layout as tb_layout
 from lowrl.metrics.writer import create_writer
-from lowrl.training import base_store, disk, preemption, run_config, run_logs, storage
+from lowrl.training import base_store, disk, pace, preemption, run_config, run_logs, storage
 from lowrl.training.checkpointing import Checkpointer, read_meta
 from lowrl.training.reporting import log_order, log_setup, log_step
 from lowrl.training.schedule import VersionBuffer
@@ -148,14 +149,16 @@ def _run_in_workdir(setup: Setup, ckpt: Checkpointer, resuming: bool, workdir: s
   tb_dir = os.path.join(workdir, run_logs.TB_DIR)
   # The SFT loss (when this run trains the base) goes to a TensorBoard run of its own, `tb/sft`:
   # its steps are SFT steps, and a resume's purge of RL steps must not touch them.
-  with create_writer(os.path.join(tb_dir, "sft"), enabled=primary and not resuming) as sft_tb:
+  with create_writer(os.path.join(tb_dir, tb_layout.SFT_RUN),
+                     enabled=primary and not resuming) as sft_tb:
     base = base_store.load_base(setup.base, setup.task, setup.model_cfg, setup.plan, workdir,
                                 log, on_sft_loss=lambda i, v: sft_tb.scalars(i, {"sft/loss": v}))
   trainer = Trainer(setup, log)
   start, state, versions = initial_state(trainer, ckpt, base, resuming, workdir, log)
 
   # Points logged after the resumed checkpoint (before an interruption) are replaced.
-  writer = create_writer(tb_dir, enabled=primary, purge_step=start + 1 if start else None)
+  writer = create_writer(os.path.join(tb_dir, tb_layout.RL_RUN), enabled=primary,
+                         purge_step=start + 1 if start else None, tags=tb_layout.tag)
   try:
     summary = _train(trainer, ckpt, writer, workdir, start, state, versions, log,
                      reevaluate=reevaluate and start == setup.loop.steps, stop=stop)
@@ -189,6 +192,7 @@ def _eval_start(trainer: Trainer, writer, workdir: str, start: int, params,
   writer.scalars(0, {f"eval/{k}": v for k, v in ev.items()})
   writer.texts(0, {"config": "```\n" + record.text + "\n```"})
   writer.hparams(record.hparams, ["eval/pass_at_1", "eval/greedy", "reward/mean"])
+  writer.custom_scalars(tb_layout.custom_scalars())
   if primary:
     run_logs.write_json(workdir, run_logs.EVAL_START, ev)
   return ev
@@ -219,8 +223,10 @@ def _train(trainer: Trainer, ckpt: Checkpointer, writer, workdir: str, start: in
   skipped_in_a_row = 0
   if preemption.agreed(stop):  # signalled while the base trained or the programs compiled
     raise preemption.Preempted(stop.signame or "a signal", None, workdir)
+  step_pace = pace.Pace(setup.lr_schedule, knobs.updates_per_step, knobs.batch_size)
   for step in range(start, knobs.steps):
     # -- the step: rollout from the sampler's version, then the update ----------------------
+    step_pace.start()
     sv = schedule.sampler_version(step)
     every = knobs.diagnostics_every
     params, opt_state, m, info = trainer.rl_step(storage.use(versions.get(sv)), params,
@@ -238,6 +244,7 @@ def _train(trainer: Trainer, ckpt: Checkpointer, writer, workdir: str, start: in
     # -- its metrics, evaluation and logging -------------------------------------------------
     m = {k: float(v) for k, v in log_order(m).items()}
     m.update({"sampler_version_lag": float(step - sv), "versions_held": float(len(versions))})
+    tb_only = step_pace.scalars(step, m["response_length"])  # wall times: not in metrics.jsonl
     skipped_in_a_row = skipped_in_a_row + 1 if m["skipped_updates"] > 0 else 0
     if skipped_in_a_row:
       log(f"[warn] step {done}: {int(m['skipped_updates'])} optimizer step(s) skipped "
@@ -245,8 +252,9 @@ def _train(trainer: Trainer, ckpt: Checkpointer, writer, workdir: str, start: in
     if knobs.eval_every and done % knobs.eval_every == 0 and done < knobs.steps:
       ev = trainer.evaluate(params, eval_key)
       m.update({f"eval/{k}": v for k, v in ev.items()})
+      log(f"[eval] step {done} held-out pass@1 {ev['pass_at_1']:.3f} greedy {ev['greedy']:.3f}")
     if done % knobs.log_every == 0 or done == knobs.steps:
-      log_step(trainer, writer, metrics_path, done, params, m, info, eta, log)
+      log_step(trainer, writer, metrics_path, done, params, m, info, eta, log, tb_only)
     if skipped_in_a_row >= knobs.max_skipped_steps:
       raise NonFiniteError(
           f"{skipped_in_a_row} consecutive steps (up to step {done}) had skipped optimizer "

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from lowrl import distributed, precision
+from lowrl.metrics import layout as tb_layout
 from lowrl.models import init, layout
 from lowrl.training import run_config, run_logs
 from lowrl.training.setup import Setup, describe_memory
@@ -46,15 +47,17 @@ def log_order(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def log_step(trainer: Trainer, writer, metrics_path: str, done: int, params,
-             m: dict[str, float], info: dict[str, Any], eta: run_logs.Eta, log: Log) -> None:
-  """Step `done`'s point: weight quantization errors added to `m`, TensorBoard, metrics.jsonl,
-  the console line."""
+             m: dict[str, float], info: dict[str, Any], eta: run_logs.Eta, log: Log,
+             tb_only: dict[str, float]) -> None:
+  """Step `done`'s point: weight quantization errors added to `m`, TensorBoard (`m` and
+  `tb_only`), metrics.jsonl (`m`), the console line."""
   knobs = trainer.setup.loop
   werr = {k: float(v) for k, v in trainer.weight_errors(params).items()}
   if werr:
-    writer.histograms(done, {"quant_error/weights": np.array(list(werr.values()))})
+    writer.histograms(done, {tb_layout.WEIGHT_ERROR_HISTOGRAM:
+                             100 * np.array(list(werr.values()))})
     m.update({f"quant_error/{k}": v for k, v in werr.items()})
-  writer.scalars(done, m)
+  writer.scalars(done, {**m, **tb_only})
   writer.texts(done, {"samples": sample_text(info, knobs.num_text_samples)})
   if distributed.is_primary():
     with open(metrics_path, "a") as f:

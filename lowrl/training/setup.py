@@ -56,6 +56,7 @@ class LoopConfig:
   master_rounding: str  # optimizer.master_rounding
   loss_scale: float  # optimizer.loss_scale
   task_name: str  # task.name (for the logs)
+  updates_per_step: int  # rl.mu x rl.num_minibatches optimizer updates per RL step
 
   @property
   def batch_size(self) -> int:
@@ -78,7 +79,8 @@ class LoopConfig:
                version_storage=cfg.async_rl.version_storage,
                master_dtype=cfg.optimizer.master_dtype,
                master_rounding=cfg.optimizer.master_rounding,
-               loss_scale=cfg.optimizer.loss_scale, task_name=cfg.task.name)
+               loss_scale=cfg.optimizer.loss_scale, task_name=cfg.task.name,
+               updates_per_step=rl.mu * rl.num_minibatches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +113,7 @@ class Setup:
   memory: memory.MemoryEstimate  # per-device estimate
   hardware: str  # the `hardware` knob
   device_memory: tuple[float | None, str] = (None, "")  # memory.device_memory(hardware)
+  lr_schedule: Any = None  # the optimizer's learning-rate schedule (optax.Schedule), per update
 
   @property
   def batch_size(self) -> int:
@@ -169,10 +172,12 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
                     seed=seed, fingerprint=sft.fingerprint(cfg.task, model_cfg, cfg.sft, seed))
   record = ConfigRecord(run_config.fingerprint(cfg), run_config.describe(cfg),
                         run_config.flatten(cfg))
-  tx = optimizer.make_optimizer(cfg.optimizer, rl.steps * rl.mu * rl.num_minibatches)
+  updates = rl.steps * rl.mu * rl.num_minibatches
+  tx = optimizer.make_optimizer(cfg.optimizer, updates)
   return Setup(loop, base, record, task, model_cfg, trainer_policy, sampler_policy, sampling,
                eval_sampling, update_cfg, BatchConfig.from_rl(rl, rl.max_new_tokens), tx,
-               schedule, plan, est, cfg.hardware, budget)
+               schedule, plan, est, cfg.hardware, budget,
+               lr_schedule=optimizer.make_schedule(cfg.optimizer, updates))
 
 
 # The loop's flags that shrink each term of the estimate (memory.KNOB_HINTS's keys).

@@ -29,7 +29,8 @@ def base_dir(tmp_path_factory):
   return str(tmp_path_factory.mktemp("base"))
 
 
-def tiny_config(base_dir: str, *, lag: int = 0, sampler_recipe: str = "", steps: int = STEPS):
+def tiny_config(base_dir: str, *, lag: int = 0, sampler_recipe: str = "", steps: int = STEPS,
+                eval_every: int = 0):
   # One layer: nothing here depends on the depth, and the NVFP4 sampler's programs are smaller.
   # A 150-step SFT learns 1-digit addition to a 10-50% train pass rate (rl steps 1-4: 0.125,
   # 0.5, 0.375, 0.375): advantages and updates are non-zero.
@@ -38,6 +39,7 @@ def tiny_config(base_dir: str, *, lag: int = 0, sampler_recipe: str = "", steps:
   c.model.n_layers = 1
   c.async_rl.lag = lag
   c.sampler_precision.recipe = sampler_recipe
+  c.eval_every = eval_every
   return c
 
 
@@ -53,7 +55,8 @@ def _quiet(_: str) -> None:
 @pytest.fixture(scope="module")
 def async_run(base_dir, tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("async"))
-  loop.run(tiny_config(base_dir, lag=LAG, sampler_recipe="nvfp4_naive"), workdir, log=_quiet)
+  loop.run(tiny_config(base_dir, lag=LAG, sampler_recipe="nvfp4_naive", eval_every=2), workdir,
+           log=_quiet)
   return workdir
 
 
@@ -79,8 +82,8 @@ def test_logged_drift_parts_add_up_and_both_are_present(async_run):
 
 
 def test_same_seed_same_metrics(async_run, base_dir, tmp_path):
-  loop.run(tiny_config(base_dir, lag=LAG, sampler_recipe="nvfp4_naive"), str(tmp_path),
-           log=_quiet)
+  loop.run(tiny_config(base_dir, lag=LAG, sampler_recipe="nvfp4_naive", eval_every=2),
+           str(tmp_path), log=_quiet)
   with open(os.path.join(async_run, "metrics.jsonl")) as a, \
        open(os.path.join(tmp_path, "metrics.jsonl")) as b:
     assert a.read() == b.read()
@@ -91,8 +94,9 @@ class _Crash(Exception):
 
 
 def test_interrupted_run_resumes_to_the_uninterrupted_result(async_run, base_dir, tmp_path):
-  """Crash right after step 2's metrics are written (before its checkpoint), then resume."""
-  cfg = tiny_config(base_dir, lag=LAG, sampler_recipe="nvfp4_naive")
+  """Crash right after step 2's metrics (with its held-out evaluation, eval_every=2) are
+  written, before its checkpoint; then resume: step 2 and its evaluation are run again."""
+  cfg = tiny_config(base_dir, lag=LAG, sampler_recipe="nvfp4_naive", eval_every=2)
 
   def crash_at_step_2(msg: str) -> None:
     if msg.startswith("[rl] step 2/"):
@@ -104,7 +108,10 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(async_run, base_dir
   logs = []
   loop.run(cfg, str(tmp_path), log=logs.append)
   assert any(m.startswith("[resume] from step 1") for m in logs)
-  assert _metrics(str(tmp_path)) == _metrics(async_run)
+  assert any(m.startswith("[eval] step 2 held-out pass@1") for m in logs)
+  rows = _metrics(str(tmp_path))
+  assert [r["step"] for r in rows if "eval/pass_at_1" in r] == [2]  # not 4: the final one
+  assert rows == _metrics(async_run)
 
 
 def _synchronous_reference(cfg, steps: int):

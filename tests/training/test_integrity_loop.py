@@ -4,6 +4,7 @@ repeated skipped updates, an earlier attempt's logs with only unfinished checkpo
 missing bookkeeping files, a read-only workdir holding a finished run."""
 import json
 import os
+import re
 import shutil
 
 import ml_collections
@@ -11,8 +12,10 @@ import pytest
 import small_fs
 import tiny
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
 
-from lowrl.training import loop, run_config, run_logs
+from lowrl.metrics import layout
+from lowrl.training import loop, pace, run_config, run_logs
 from lowrl.training.checkpointing import Checkpointer, verify_manifest
 
 STEPS = 4
@@ -24,7 +27,9 @@ def base_dir(tmp_path_factory):
 
 
 def tiny_config(base_dir: str) -> ml_collections.ConfigDict:
-  return tiny.loop_config("fp32", base_dir, steps=STEPS)
+  c = tiny.loop_config("fp32", base_dir, steps=STEPS)
+  c.eval_every = 2  # an evaluation between the start and the end, redone by the resume
+  return c
 
 
 class _Crash(Exception):
@@ -39,11 +44,11 @@ def _crash_at(prefix: str, logs: list[str]):
   return log
 
 
-def _scalar_steps(workdir: str, tag: str, run: str = "") -> list[int]:
-  """Steps of `tag`'s points in the TensorBoard run <workdir>/tb/<run>."""
+def _scalar_steps(workdir: str, key: str, run: str = layout.RL_RUN) -> list[int]:
+  """Steps of metric `key`'s points (under its TensorBoard tag) in the run <workdir>/tb/<run>."""
   acc = EventAccumulator(os.path.join(workdir, "tb", run), size_guidance={"scalars": 0})
   acc.Reload()
-  return [e.step for e in acc.Scalars(tag)]
+  return [e.step for e in acc.Scalars(layout.tag(key))]
 
 
 def _metric_steps(workdir: str) -> list[int]:
@@ -84,14 +89,43 @@ def test_damaged_checkpoint_falls_back_and_tensorboard_has_one_point_per_step(re
   assert _metric_steps(workdir) == list(range(1, STEPS + 1))
   # Points 2 and 3 logged before the crash were replaced by the resumed run's.
   assert _scalar_steps(workdir, "reward/mean") == list(range(1, STEPS + 1))
-  assert _scalar_steps(workdir, "eval/pass_at_1") == [0, STEPS]  # the JSON name, unchanged
+  # The evaluation at step 2 (logged before the crash) was replaced by the resumed run's.
+  assert _scalar_steps(workdir, "eval/pass_at_1") == [0, 2, STEPS]
   # This run trained the base: its loss is the TensorBoard run tb/sft.
-  assert _scalar_steps(workdir, "sft/loss", run="sft") == [1, 2, 3, 4, 5]
+  assert _scalar_steps(workdir, "sft/loss", run=layout.SFT_RUN) == [1, 2, 3, 4, 5]
   assert set(summary) >= {"config_fingerprint", "final_train_reward", "eval_end"}
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     last = json.loads(f.readlines()[-1])
   assert summary["final_train_reward"] == last["reward/mean"]
   assert summary["config_fingerprint"] == run_config.fingerprint(tiny_config(base_dir))
+
+
+def test_tensorboard_opens_on_reward_evaluation_and_pace(resumed_run, base_dir):
+  """Named runs, the first groups, one pace point per step after the resume, the layout."""
+  workdir = resumed_run[0]
+  assert sorted(os.listdir(os.path.join(workdir, "tb"))) == [layout.RL_RUN, layout.SFT_RUN]
+  acc = EventAccumulator(os.path.join(workdir, "tb", layout.RL_RUN),
+                         size_guidance={"scalars": 0, "tensors": 0})
+  acc.Reload()
+  tags = acc.Tags()["scalars"]
+  assert sorted({t.split("/")[0] for t in tags})[:3] == ["1_reward", "2_eval", "3_run"]
+  cfg, rows = tiny_config(base_dir), run_logs.read_metrics(workdir)
+  lr = acc.Scalars("3_run/lr")
+  assert [e.step for e in lr] == list(range(1, STEPS + 1))
+  want = [pace.Pace.from_config(cfg).lr(s) for s in range(STEPS)]
+  assert [e.value for e in lr] == pytest.approx(want)
+  step_time = acc.Scalars("3_run/step_time_s")
+  assert all(e.value > 0 for e in step_time)
+  rows_per_step = cfg.rl.num_prompts * cfg.rl.group_size
+  for e, tok, row in zip(step_time, acc.Scalars("3_run/tokens_per_s"), rows):
+    assert tok.value == pytest.approx(row["response_length"] * rows_per_step / e.value, rel=1e-5)
+  assert not any(k.startswith("run/") for k in rows[0])  # wall times stay out of metrics.jsonl
+  got = layout_pb2.Layout.FromString(
+      acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+  for category in got.category:
+    for chart in category.chart:
+      for pattern in chart.multiline.tag:
+        assert any(re.search(pattern, t) for t in tags), (chart.title, pattern)
 
 
 def test_finished_run_is_not_run_again(resumed_run, base_dir):
@@ -102,7 +136,7 @@ def test_finished_run_is_not_run_again(resumed_run, base_dir):
   assert any(m.startswith("[done]") for m in logs)
   assert not any(m.startswith("[eval]") for m in logs)
   assert open(os.path.join(workdir, "summary.json")).read() == before
-  assert _scalar_steps(workdir, "eval/pass_at_1") == [0, STEPS]
+  assert _scalar_steps(workdir, "eval/pass_at_1") == [0, 2, STEPS]
 
 
 def test_resume_with_changed_config_is_refused(resumed_run, base_dir):
@@ -161,7 +195,7 @@ def test_reevaluate_on_request_adds_no_point(resumed_run, base_dir):
   again = loop.run(tiny_config(base_dir), workdir, log=logs.append, reevaluate=True)
   assert again["eval_end"] == summary["eval_end"]  # same params, same eval key
   assert any(m.startswith("[eval] held-out") for m in logs)
-  assert _scalar_steps(workdir, "eval/pass_at_1") == [0, STEPS]
+  assert _scalar_steps(workdir, "eval/pass_at_1") == [0, 2, STEPS]
   assert _metric_steps(workdir) == list(range(1, STEPS + 1))
 
 

@@ -15,6 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import multiprocess
 import small_fs
 import tiny
+from lowrl.metrics import layout
 from lowrl.training import preemption
 from lowrl.training.checkpointing import verify_manifest
 
@@ -93,10 +94,10 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, full):
   assert "[lock] took over the lock of a run that is no longer running (pid" in out
   _same_result(killed, full)
   # TensorBoard: one point per step (those flushed before the kill were replaced on resume).
-  acc = EventAccumulator(os.path.join(killed, "tb"), size_guidance={"scalars": 0})
+  acc = EventAccumulator(os.path.join(killed, "tb", layout.RL_RUN), size_guidance={"scalars": 0})
   acc.Reload()
-  assert [e.step for e in acc.Scalars("reward/mean")] == list(range(1, STEPS + 1))
-  assert [e.step for e in acc.Scalars("eval/pass_at_1")] == [0, STEPS]
+  assert [e.step for e in acc.Scalars(layout.tag("reward/mean"))] == list(range(1, STEPS + 1))
+  assert [e.step for e in acc.Scalars(layout.tag("eval/pass_at_1"))] == [0, STEPS]
 
 
 @pytest.mark.slow

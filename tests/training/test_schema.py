@@ -15,7 +15,9 @@ from lowrl.asyncrl import simulator
 from lowrl.training import cli, run_config, schema
 from lowrl.training.setup import build
 
-# The resolved configs as they were on main before configs became data, generated there with
+# The resolved configs (first generated on main before configs became data, to show the move
+# changed none; regenerated since for deliberate changes: sft.steps 150 -> 50, eval_every 0 -> 10,
+# rl.routing_replay, the simulator's reduced grid), generated with
 # run_config.to_json(configs.<name>.get_config()) (and precision.recipe(name).to_dict(),
 # simulator.default_config()). A deliberate change of a value regenerates it the same way.
 ON_MAIN = json.loads((tiny.REPO / "tests" / "data" / "configs_on_main.json").read_text())

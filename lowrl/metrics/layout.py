@@ -1,0 +1,61 @@
+"""What TensorBoard shows first: the TensorBoard tag of each logged metric, and a custom-scalars
+layout (docs/configuration.md, "TensorBoard").
+
+TensorBoard's Time Series and Scalars dashboards group charts by a tag's first path component,
+list the groups in sorted order and open only the first ones. A run logs ~20 flat keys
+(`clip_frac`, `entropy`, ...), each a group of its own, and `reward` would sort 16th, folded. So
+the tags are a view of metrics.jsonl's keys (which stay as they are): the groups a reader looks
+at first carry a digit prefix that sorts before every letter (`1_reward`, `2_eval`, `3_run`),
+and the flat keys are gathered into a few named groups (`update`, `batch`, `async`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+# The TensorBoard runs of a workdir's tb/: the RL steps (with the evaluations) and the SFT of the
+# base (its steps are SFT steps). Named directories: a run at tb/ itself is listed as ".".
+RL_RUN, SFT_RUN = "rl", "sft"
+# Key prefix -> tag prefix of the groups shown first, in this order.
+FIRST_GROUPS = (("reward/", "1_reward/"), ("eval/", "2_eval/"), ("run/", "3_run/"))
+# Flat keys that are not the update's own (the rest of the flat keys go to `update/`).
+FLAT_GROUPS = {"response_length": "batch", "groups_kept": "batch",
+               "sampler_version_lag": "async", "versions_held": "async"}
+# The weight quantization errors' histogram (one entry per quantized weight, in percent: the
+# relative errors sit within ~1e-3 of each other, and TensorBoard's axis labels of such
+# fractions are six digits long and run into each other).
+WEIGHT_ERROR_HISTOGRAM = "quant_error_hist/weights_pct"
+
+
+def tag(key: str) -> str:
+  """The TensorBoard tag of metrics key `key` (a key already mapped is returned unchanged)."""
+  for prefix, first in FIRST_GROUPS:
+    if key.startswith(prefix):
+      return first + key[len(prefix):]
+  if "/" in key:
+    return key
+  return f"{FLAT_GROUPS.get(key, 'update')}/{key}"
+
+
+def custom_scalars() -> dict[str, dict[str, list[Any]]]:
+  """The CUSTOM SCALARS dashboard's layout (tensorboardX `add_custom_scalars`): training reward
+  next to the held-out evaluation, then the run's pace, then sampler/trainer drift.
+
+  Chart entries are regular expressions over tags."""
+  return {
+      "1 reward and held-out evaluation": {
+          "pass rate: train (rollouts) vs held-out pass@1": [
+              "Multiline", [r"^1_reward/pass_rate$", r"^2_eval/pass_at_1$"]],
+          "held-out greedy accuracy": ["Multiline", [r"^2_eval/greedy$"]],
+          "train reward": ["Multiline", [r"^1_reward/mean$"]],
+      },
+      "2 pace": {
+          "learning rate": ["Multiline", [r"^3_run/lr$"]],
+          "step time (s)": ["Multiline", [r"^3_run/step_time_s$"]],
+          "sampled tokens per second": ["Multiline", [r"^3_run/tokens_per_s$"]],
+      },
+      "3 drift": {
+          "sampler vs trainer KL": ["Multiline", [r"^mismatch/mismatch_kl(_k3)?$"]],
+          "effective sample size": ["Multiline", [r"^mismatch/ess$"]],
+          "gradient norm": ["Multiline", [r"^update/grad_norm$"]],
+      },
+  }
