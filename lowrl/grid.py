@@ -70,9 +70,13 @@ def append_line(path: str, row: Mapping[str, Any]) -> None:
     os.fsync(f.fileno())
 
 
-def check_done(jobs: Sequence[Job], done: Mapping[tuple, Mapping[str, Any]], path: str) -> None:
+_AFRESH = "use a new workdir or delete that file to start afresh."
+
+
+def check_done(jobs: Sequence[Job], done: Mapping[tuple, Mapping[str, Any]], path: str, *,
+               fix: str = _AFRESH) -> None:
   """Raises ValueError when two jobs share a key, or a finished line's fingerprint is not its
-  job's (before anything runs)."""
+  job's (before anything runs); `fix` ends the latter's message."""
   seen = set()
   for j in jobs:
     if j.key in seen:
@@ -81,8 +85,27 @@ def check_done(jobs: Sequence[Job], done: Mapping[tuple, Mapping[str, Any]], pat
     prev = done.get(j.key)
     if prev is not None and prev.get("fingerprint") != j.fingerprint:
       raise ValueError(f"{path} holds {j.label} from another config (fingerprint "
-                       f"{prev.get('fingerprint')} != {j.fingerprint}); use a new workdir or "
-                       "delete that file to start afresh.")
+                       f"{prev.get('fingerprint')} != {j.fingerprint}); {fix}")
+
+
+def _fields(jobs: Sequence[Job]) -> list[str]:
+  if not jobs:
+    raise ValueError("the grid is empty")
+  fields = [k for k, _ in jobs[0].key]
+  if any([k for k, _ in j.key] != fields for j in jobs):
+    raise ValueError(f"every job's key must have the fields {fields}")
+  return fields
+
+
+def finished(jobs: Sequence[Job], path: str, *, fix: str = _AFRESH
+             ) -> dict[tuple[tuple[str, Any], ...], dict[str, Any]]:
+  """The complete lines of `path` that finish a job of `jobs`, by job key, checked as `run`
+  checks them (check_done): for a report of a grid still running or cut short."""
+  fields = _fields(jobs)
+  done = {_key_of(r, fields): r for r in read_results(path) if all(f in r for f in fields)}
+  check_done(jobs, done, path, fix=fix)
+  keys = {j.key for j in jobs}
+  return {k: r for k, r in done.items() if k in keys}
 
 
 def run(jobs: Sequence[Job], path: str, work: Callable[[Job], Mapping[str, Any]], *,
@@ -90,11 +113,7 @@ def run(jobs: Sequence[Job], path: str, work: Callable[[Job], Mapping[str, Any]]
   """Runs every job of `jobs` without a line in `path` (JSONL), appending a line per finished
   job; returns the lines of all `jobs`, in job order (lines of jobs no longer in the grid stay in
   the file and are not returned)."""
-  if not jobs:
-    raise ValueError("the grid is empty")
-  fields = [k for k, _ in jobs[0].key]
-  if any([k for k, _ in j.key] != fields for j in jobs):
-    raise ValueError(f"every job's key must have the fields {fields}")
+  fields = _fields(jobs)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   lines = read_results(path)
   done = {_key_of(r, fields): r for r in lines if all(f in r for f in fields)}

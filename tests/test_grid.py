@@ -66,3 +66,17 @@ def test_changed_config_and_bad_grids_are_errors(tmp_path):
     f.write("not json\n")
   with pytest.raises(ValueError, match="line 1 is not JSON"):
     grid.read_results(str(tmp_path / "bad.jsonl"))
+
+
+def test_finished_reads_the_done_jobs_without_running(tmp_path):
+  path = tmp_path / "results.jsonl"
+  rows = grid.run(_jobs()[:3], str(path), _work([]), log=lambda _: None)
+  with open(path, "a") as f:
+    f.write('{"setting": "y", "seed": 1, "fingerp')  # a job being written
+  # Only the grid's jobs with a complete line, by key; the fourth job is not done yet.
+  done = grid.finished(_jobs()[1:], str(path))
+  assert list(done.values()) == rows[1:]
+  assert list(done) == [j.key for j in _jobs()[1:3]]
+  assert path.read_text().endswith('"fingerp')  # read only: the running writer's file is left be
+  with pytest.raises(ValueError, match=r"from another config .*; pass the old config"):
+    grid.finished(_jobs("b"), str(path), fix="pass the old config")

@@ -14,21 +14,21 @@ Outputs under the workdir:
   wall_clock.png             reward against simulated wall-clock hours and against GPU-hours
   phase.png                  final reward over LR x lag, one panel per precision x correction
 A sweep that is interrupted and started again skips the settings results.jsonl already holds; a
-setting whose config changed since (another fingerprint) is an error, not a silent mix.
+setting whose config changed since (another fingerprint) is an error, not a silent mix (the
+bookkeeping is lowrl.grid's, one job per setting keyed by its name).
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 import shutil
-import time
 from typing import Any, Callable
 
 import ml_collections
 import numpy as np
 
+from lowrl import grid as lowrl_grid
 from lowrl.asyncrl import simulator, timing
 from lowrl.asyncrl.summary import phase_table, summary_table, write_summary  # noqa: F401
 from lowrl.rl.drift import DRIFT_PARTS
@@ -238,62 +238,41 @@ def write_tensorboard(run_dir: str, metrics: dict[str, np.ndarray], seeds: tuple
       w.scalars(steps, {f"eval/{k}": metrics[f"eval/end/{k}"][i] for k in ("reward", "exact")})
 
 
-def _read_results(path: str) -> dict[str, dict]:
-  if not os.path.exists(path):
-    return {}
-  done = {}
-  with open(path) as f:
-    for line in f:
-      if line.endswith("\n"):  # a line cut short by an interruption is not a finished setting
-        row = json.loads(line)
-        done[row["name"]] = row
-  return done
+def _jobs(settings: list[Setting]) -> list[lowrl_grid.Job]:
+  # The line's key is the setting's name: {"name", "fingerprint", knobs..., numbers...}.
+  return [lowrl_grid.Job.of({"name": s.name}, s.fingerprint, s) for s in settings]
 
 
 def run_sweep(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[dict]:
-  """Runs every unfinished setting, then writes the summary; returns the rows of all settings."""
+  """Runs every unfinished setting (lowrl.grid: one results.jsonl line each), then writes the
+  summary; returns the rows of all settings."""
   settings = expand_grid(cfg)
-  os.makedirs(workdir, exist_ok=True)
-  results_path = os.path.join(workdir, "results.jsonl")
-  done = _read_results(results_path)
-  # Rewrite the file from its complete lines, so an interrupted write leaves no partial line.
-  with open(results_path, "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in done.values())
-  for s in settings:
-    if s.name in done and done[s.name]["fingerprint"] != s.fingerprint:
-      raise ValueError(f"{results_path} holds setting {s.name} from another config (fingerprint "
-                       f"{done[s.name]['fingerprint']} != {s.fingerprint}); use a new --workdir "
-                       "or delete that file to start the sweep afresh.")
-  todo = [s for s in settings if s.name not in done]
-  log(f"[sweep] {len(settings)} settings x {len(settings[0].seeds)} seeds, "
-      f"{len(settings) - len(todo)} already done, {len(todo)} to run -> {workdir}")
   # One ring size for the whole grid: settings differing in lag / sync share a compiled program.
   num_slots = max(simulator.schedule_of(s.cfg).max_versions for s in settings)
-  t_start = time.time()
-  for i, s in enumerate(todo):
+
+  def work(job: lowrl_grid.Job) -> dict[str, Any]:
+    s = job.payload
     result = simulator.simulate(simulator.build(s.cfg), simulator.schedule_of(s.cfg), s.seeds,
                                 num_slots=num_slots)
     run_dir = os.path.join(workdir, "runs", s.name)
     shutil.rmtree(run_dir, ignore_errors=True)  # a half-written one from an interrupted sweep
     write_tensorboard(run_dir, result.metrics, s.seeds, cfg.get("log_every", 1))
-    row = {"name": s.name, "fingerprint": s.fingerprint, **s.knobs,
-           "seeds": list(s.seeds), "steps": s.cfg.rl.steps,
+    row = {**s.knobs, "seeds": list(s.seeds), "steps": s.cfg.rl.steps,
            "compile_s": round(result.compile_s, 2), "run_s": round(result.run_s, 2),
            "updates_per_min": round(result.updates_per_minute, 1),
            **summarize(result.metrics), **clock_row(s.cfg)}
-    with open(results_path, "a") as f:
-      f.write(json.dumps(row) + "\n")
-    done[s.name] = row
-    elapsed = time.time() - t_start
-    eta = elapsed / (i + 1) * (len(todo) - i - 1)
-    log(f"[sweep] {i + 1}/{len(todo)} {s.name}: reward {row['reward_final']:.3f} "
+    log(f"[sweep] {s.name}: reward {row['reward_final']:.3f} "
         f"eval {row['eval_start']:.3f}->{row['eval_end']:.3f} "
         f"drift k1 q={row['quantization_k1']:.2e} s={row['staleness_k1']:.2e} "
         f"total={row['total_k1']:.2e} ess {row['total_ess']:.3f} "
         f"E[w] {row['total_is_weight_mean']:.3f}±{row['total_is_weight_se']:.3f} | "
         f"compile {result.compile_s:.0f}s run {result.run_s:.0f}s "
-        f"({result.updates_per_minute:,.0f} updates/min) elapsed {elapsed:.0f}s eta {eta:.0f}s")
-  return _write_rows(settings, done, workdir, log)
+        f"({result.updates_per_minute:,.0f} updates/min)")
+    return row
+
+  rows = lowrl_grid.run(_jobs(settings), os.path.join(workdir, "results.jsonl"), work, log=log,
+                        tag="sweep")
+  return _write_rows(settings, {r["name"]: r for r in rows}, workdir, log)
 
 
 def _write_rows(settings: list[Setting], done: dict[str, dict], workdir: str, log: Log
@@ -314,14 +293,11 @@ def write_report(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print)
   """The summary of the settings results.jsonl already holds (a sweep still running, or cut
   short), without running anything; rows from another config are an error as in run_sweep."""
   settings = expand_grid(cfg)
-  done = _read_results(os.path.join(workdir, "results.jsonl"))
-  for s in settings:
-    if s.name in done and done[s.name]["fingerprint"] != s.fingerprint:
-      raise ValueError(f"results.jsonl holds setting {s.name} from another config; pass the "
-                       "config the sweep ran with.")
-  if not any(s.name in done for s in settings):
+  done = lowrl_grid.finished(_jobs(settings), os.path.join(workdir, "results.jsonl"),
+                             fix="pass the config the sweep ran with.")
+  if not done:
     raise ValueError(f"{workdir}/results.jsonl holds no setting of this config yet.")
-  return _write_rows(settings, done, workdir, log)
+  return _write_rows(settings, {r["name"]: r for r in done.values()}, workdir, log)
 
 
 def clock_row(cfg: ml_collections.ConfigDict) -> dict[str, float]:

@@ -290,9 +290,14 @@ def test_sweep_writes_runs_summary_and_resumes(tmp_path):
   for png in ("summary.png", "wall_clock.png", "reward_vs_drift.png", "pareto.png"):
     assert os.path.getsize(os.path.join(workdir, png)) > 10_000
 
+  # --report_only: the rows of the lines already there, nothing run.
+  assert sweep.write_report(cfg, workdir, log=lambda _: None) == resumed
+
   cfg.sim.optimizer.lr = 1e-2  # another config in the same workdir must not mix in silently
   with pytest.raises(ValueError, match="from another config"):
     sweep.run_sweep(cfg, workdir, log=lambda _: None)
+  with pytest.raises(ValueError, match="from another config.*pass the config the sweep ran"):
+    sweep.write_report(cfg, workdir, log=lambda _: None)
 
 
 def test_summary_numbers_come_from_the_metrics():
