@@ -12,6 +12,7 @@ from configs import base as base_config
 from lowrl.training import schema
 from lowrl.training.loss_scaling import check_loss_scale, loss_scaled
 from lowrl.training.probes import grad_agreement, update_erasure
+from lowrl.training.setup import build
 
 # Sums of a handful of small integers and one sqrt/division each in FP32: relative error below
 # ~4 ulps of FP32 (2^-23 each).
@@ -106,7 +107,18 @@ def test_loss_scale_must_be_a_power_of_two(bad):
   check_loss_scale(0.5)
 
 
-def test_new_knobs_default_off():
-  """The default run has no probes, no loss scaling and its own seed for the base."""
-  cfg = base_config.get_config()
-  assert cfg.diagnostics.every == 0 and cfg.optimizer.loss_scale == 1.0 and cfg.sft.seed == -1
+def test_base_seed_follows_the_run_seed_unless_sft_seed_is_set():
+  """sft.seed = -1 means "the run's seed": the base (init and SFT data) is seeded by cfg.seed and
+  its fingerprint moves with it; a non-negative sft.seed pins the base across run seeds."""
+  def base(run_seed, sft_seed):
+    cfg = base_config.get_config("bf16")
+    cfg.sft.steps = 0
+    cfg.seed, cfg.sft.seed = run_seed, sft_seed
+    return build(cfg).base
+
+  follow_3, follow_4 = base(3, -1), base(4, -1)
+  assert (follow_3.seed, follow_4.seed) == (3, 4)
+  assert follow_3.fingerprint != follow_4.fingerprint
+  pinned_3, pinned_4 = base(3, 7), base(4, 7)
+  assert pinned_3.seed == pinned_4.seed == 7
+  assert pinned_3.fingerprint == pinned_4.fingerprint
