@@ -1,5 +1,6 @@
-"""The hardware presets (`lowrl.hardware`): tensor rates per format, the `hardware` knob's device memory
-(a preset's HBM, none, or the host's RAM shared by the CPU devices), one-line errors for unknown names."""
+"""The hardware presets (`lowrl.hardware`): tensor rates per format, the `hardware` knob's device
+memory (a preset's HBM, none, or the host's RAM shared by the CPU devices), one-line errors for
+unknown names."""
 
 import jax
 import pytest

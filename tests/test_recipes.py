@@ -1,5 +1,6 @@
-"""The named precision recipes (`lowrl.recipes`): each config file loads its recipe, each recipe differs from
-bf16 only where the papers' recipe says, a recipe is a fresh copy, unknown names and knobs are refused."""
+"""The named precision recipes (`lowrl.recipes`): each config file loads its recipe, each recipe
+differs from bf16 only where the papers' recipe says, a recipe is a fresh copy, unknown names and
+knobs are refused."""
 import os
 
 import ml_collections

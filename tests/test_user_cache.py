@@ -1,5 +1,5 @@
-"""The user cache (`lowrl.user_cache`): the compile-cache flag turns JAX's persistent compilation cache off
-("none") or points it at a directory it creates."""
+"""The user cache (`lowrl.user_cache`): the compile-cache flag turns JAX's persistent compilation
+cache off ("none") or points it at a directory it creates."""
 import os
 
 import jax

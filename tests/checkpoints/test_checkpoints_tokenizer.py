@@ -1,5 +1,5 @@
-"""A Hugging Face tokenizer.json through `lowrl.checkpoints.tokenizer.load_tokenizer`: round trips, special
-tokens found by name or given, one-line errors for a missing file or an unknown token."""
+"""A Hugging Face tokenizer.json through `lowrl.checkpoints.tokenizer.load_tokenizer`: round trips,
+special tokens found by name or given, one-line errors for a missing file or an unknown token."""
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st

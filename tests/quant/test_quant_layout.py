@@ -1,4 +1,5 @@
-"""Block layout helpers (`lowrl.quant.layout`): the paired 16-bit block amax against numpy's float max."""
+"""Block layout helpers (`lowrl.quant.layout`): the paired 16-bit block amax against numpy's float
+max."""
 
 import jax.numpy as jnp
 import ml_dtypes

@@ -1,5 +1,5 @@
-"""Safe arithmetic-expression parsing (`lowrl.tasks.expressions`): what parses to which value and numbers,
-what is refused, and render/parse round trips."""
+"""Safe arithmetic-expression parsing (`lowrl.tasks.expressions`): what parses to which value and
+numbers, what is refused, and render/parse round trips."""
 from fractions import Fraction
 
 import pytest

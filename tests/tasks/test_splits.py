@@ -1,5 +1,6 @@
-"""Train/eval splits by problem key (`lowrl.tasks.splits`): a small problem space partitioned with commuted
-pairs together, splits that nest across eval fractions and ignore size knobs, an empty split refused."""
+"""Train/eval splits by problem key (`lowrl.tasks.splits`): a small problem space partitioned with
+commuted pairs together, splits that nest across eval fractions and ignore size knobs, an empty
+split refused."""
 import itertools
 
 import numpy as np

@@ -1,6 +1,7 @@
-"""Checksummed checkpoints (`lowrl.training.checkpointing`): every flipped byte is detected, a damaged newest
-step falls back to the newest intact one keeping everything, rotation never deletes the last intact
-checkpoint, a non-finite state is never saved, unfinished saves are reported and not counted."""
+"""Checksummed checkpoints (`lowrl.training.checkpointing`): every flipped byte is detected, a
+damaged newest step falls back to the newest intact one keeping everything, rotation never deletes
+the last intact checkpoint, a non-finite state is never saved, unfinished saves are reported and not
+counted."""
 import glob
 import os
 import shutil

@@ -1,5 +1,6 @@
-"""The static loss scale (`lowrl.training.loss_scaling`): the forward unchanged, gradients that underflow in
-FP16 without it recovered with it, and a scale that is not a power of two refused naming the flag."""
+"""The static loss scale (`lowrl.training.loss_scaling`): the forward unchanged, gradients that
+underflow in FP16 without it recovered with it, and a scale that is not a power of two refused
+naming the flag."""
 
 import jax
 import jax.numpy as jnp

@@ -1,5 +1,5 @@
-"""Log files (`lowrl.training.run_logs`): a metrics line is strict JSON, the ETA leaves out the compiling first
-step, an earlier attempt's logs are moved aside, not overwritten."""
+"""Log files (`lowrl.training.run_logs`): a metrics line is strict JSON, the ETA leaves out the
+compiling first step, an earlier attempt's logs are moved aside, not overwritten."""
 import json
 
 
