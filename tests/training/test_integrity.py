@@ -1,7 +1,7 @@
-"""Run integrity: the update's non-finite guard, config checks and the workdir's config. Checkpoints
-are in test_checkpointing.py, log files in test_run_logs.py, the end-to-end loop checks in
-test_integrity_loop.py, the command line in test_cli.py."""
-import json
+"""Run integrity: the update's non-finite guard and config checks naming the flag. Checkpoints are
+in test_checkpointing.py, log files in test_run_logs.py, the workdir's config in
+test_run_config.py, the end-to-end loop checks in test_integrity_loop.py, the command line in
+test_cli.py."""
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +45,7 @@ def test_update_skips_a_non_finite_new_state():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
 
 
-# -- config checks, fingerprint, the workdir's copy -------------------------------------------
+# -- config checks ---------------------------------------------------------------------------
 
 def _tiny_config():
   return tiny.loop_config("fp32")
@@ -82,33 +82,3 @@ def test_jsonl_non_utf8_names_file_and_line(tmp_path):
   path.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": "caf\xe9", "answer": "3"}\n')
   with pytest.raises(ValueError, match=r"bad.jsonl:3: not valid UTF-8 \(byte 0xe9 at column 16\)"):
     JsonlTask(path)
-
-
-def test_resume_with_changed_config_is_refused_unless_allowed(tmp_path):
-  c = _tiny_config()
-  assert run_config.check_or_write(str(tmp_path), c, resuming=False, allow_change=False) == []
-  saved = json.load(open(tmp_path / "config.json"))
-  assert saved["fingerprint"] == run_config.fingerprint(c) and saved["config"]["seed"] == 0
-  c2 = _tiny_config()
-  c2.log_every, c2.num_text_samples = 5, 0  # cosmetic: same fingerprint, accepted
-  assert run_config.fingerprint(c2) == run_config.fingerprint(c)
-  assert run_config.check_or_write(str(tmp_path), c2, resuming=True, allow_change=False) == []
-  saved = json.load(open(tmp_path / "config.json"))
-  assert saved["config"]["log_every"] == 5
-  c2.optimizer.lr, c2.rl.num_prompts = 1e-3, 16
-  assert run_config.fingerprint(c2) != run_config.fingerprint(c)
-  with pytest.raises(run_config.ConfigChangedError,
-                     match=r"optimizer.lr: 0.0002 -> 0.001; rl.num_prompts: 32 -> 16.*"
-                           "--allow_config_change"):
-    run_config.check_or_write(str(tmp_path), c2, resuming=True, allow_change=False)
-  assert json.load(open(tmp_path / "config.json")) == saved  # refused: the old copy stays
-  changes = run_config.check_or_write(str(tmp_path), c2, resuming=True, allow_change=True)
-  assert len(changes) == 2
-  assert json.load(open(tmp_path / "config.json"))["fingerprint"] == run_config.fingerprint(c2)
-
-
-def test_did_you_mean():
-  c = _tiny_config()
-  assert run_config.did_you_mean("rl.los", c) == " (did you mean --config.rl.loss?)"
-  assert run_config.did_you_mean("task.kwargs.path", c) == " (did you mean --config.task.path?)"
-  assert run_config.did_you_mean("zzzzzz", c) == ""

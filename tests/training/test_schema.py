@@ -1,6 +1,5 @@
 """The config schema (lowrl.training.schema): checks naming the flag, both run kinds; the config
 files as data (configs/base.py's values, lowrl/recipes.py's recipes) resolving as on main."""
-import hashlib
 import importlib
 import json
 
@@ -40,24 +39,6 @@ def test_recipes_and_simulator_defaults_resolve_as_on_main():
     assert list(recipes.RECIPES[name]) == list(precision.KNOBS), name  # every knob, KNOBS' order
   assert run_config.to_json(simulator.default_config()) == ON_MAIN["simulator_default"]
   assert run_config.fingerprint(base.get_config()) == ON_MAIN["fingerprint_default"]
-
-
-def test_dotted_paths_and_digest():
-  c = base.get_config("bf16")
-  _set(c, "rl.loss", "dapo")
-  _set(c, "seed", 3)
-  assert (c.rl.loss, c.seed, run_config.get_path(c, "precision.format")) == ("dapo", 3, "none")
-  with pytest.raises(TypeError):
-    _set(c, "rl.steps", "many")  # the config file's type holds
-  with pytest.raises(KeyError):
-    run_config.get_path(c, "rl.nope.x")
-  lag = simulator.default_config()
-  _set(lag, "async_rl.lag", "auto", ignore_type=True)
-  assert lag.async_rl.lag == "auto"
-  # sha256 of the sorted JSON text, written out here.
-  text = '{"a": [1, 2], "b": "x"}'
-  assert run_config.digest({"b": "x", "a": (1, 2)}, 12) == hashlib.sha256(
-      text.encode()).hexdigest()[:12]
 
 
 # -- the training loop's schema ------------------------------------------------------------------
