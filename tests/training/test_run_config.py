@@ -3,6 +3,7 @@ config.json on resume (cosmetic changes accepted, a changed config refused namin
 allowed), did-you-mean for an unknown flag."""
 import hashlib
 import json
+import re
 
 import pytest
 
@@ -18,7 +19,7 @@ def test_resume_with_changed_config_is_refused_unless_allowed(tmp_path):
   c = _tiny_config()
   assert run_config.check_or_write(str(tmp_path), c, resuming=False, allow_change=False) == []
   saved = json.load(open(tmp_path / "config.json"))
-  assert saved["fingerprint"] == run_config.fingerprint(c) and saved["config"]["seed"] == 0
+  assert saved["fingerprint"] == run_config.fingerprint(c) and saved["config"]["seed"] == c.seed
   c2 = _tiny_config()
   c2.log_every, c2.num_text_samples = 5, 0  # cosmetic: same fingerprint, accepted
   assert run_config.fingerprint(c2) == run_config.fingerprint(c)
@@ -27,9 +28,12 @@ def test_resume_with_changed_config_is_refused_unless_allowed(tmp_path):
   assert saved["config"]["log_every"] == 5
   c2.optimizer.lr, c2.rl.num_prompts = 1e-3, 16
   assert run_config.fingerprint(c2) != run_config.fingerprint(c)
-  with pytest.raises(run_config.ConfigChangedError,
-                     match=r"optimizer.lr: 0.0002 -> 0.001; rl.num_prompts: 32 -> 16.*"
-                           "--allow_config_change"):
+  # The message names each change as old -> new (the old values are this config's, whatever the
+  # defaults are).
+  lr, prompts = c.optimizer.lr, c.rl.num_prompts
+  assert (lr, prompts) != (1e-3, 16)
+  names = re.escape(f"optimizer.lr: {lr!r} -> 0.001; rl.num_prompts: {prompts!r} -> 16")
+  with pytest.raises(run_config.ConfigChangedError, match=names + ".*--allow_config_change"):
     run_config.check_or_write(str(tmp_path), c2, resuming=True, allow_change=False)
   assert json.load(open(tmp_path / "config.json")) == saved  # refused: the old copy stays
   changes = run_config.check_or_write(str(tmp_path), c2, resuming=True, allow_change=True)
