@@ -92,7 +92,7 @@ _FILE_SECONDS = {
     "tests/test_partitioner.py": 73,
     "tests/training/test_async_loop.py": 61,
     "tests/quant/test_qdot.py": 45,
-    "tests/training/test_micro_batches.py": 43,
+    "tests/training/test_rl_update.py": 43,
     "tests/experiments/test_export_hf.py": 40,
     "tests/quant/test_exact.py": 40,
     "tests/models/test_transformer.py": 37,

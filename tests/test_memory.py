@@ -1,4 +1,4 @@
-"""lowrl.memory (per-device memory and FLOPs), lowrl.hardware and experiments/estimate_memory.
+"""lowrl.memory (per-device memory and FLOPs) and experiments/estimate_memory.
 
 State bytes are checked against the arrays the code builds (jax.eval_shape of init_params,
 init_opt_state, init_cache); the dominant activation terms against hand counts and against the
@@ -21,7 +21,6 @@ from experiments import estimate_memory
 import tiny
 from lowrl import hardware as hardware_lib
 from lowrl import memory
-from lowrl.asyncrl import cost_model
 from lowrl.models import init, layout, logprobs, transformer
 from lowrl.models.config import preset
 from lowrl.precision import PrecisionPolicy
@@ -261,19 +260,6 @@ def test_bad_input_names_the_flag(kw, match):
     _est(**kw)
 
 
-def test_hardware_presets():
-  assert cost_model.HARDWARE is hardware_lib.HARDWARE  # moved, not copied
-  v5p = hardware_lib.hardware("v5p")
-  assert v5p.flops_per_s("mxfp8_e4m3") == v5p.flops_per_s("bf16") == 459e12
-  h100 = hardware_lib.hardware("h100_sxm")
-  assert h100.flops_per_s("nvfp4") == h100.flops_per_s("bf16")  # no FP4 tensor cores
-  assert hardware_lib.hardware("b200").flops_per_s("nvfp4") == 9000e12
-  with pytest.raises(ValueError, match="unknown hardware 'tpu'"):
-    hardware_lib.hardware("tpu")
-  with pytest.raises(ValueError, match="has no tensor rate"):
-    h100.flops_per_s("int4")
-
-
 def test_binary_qwen3_8b_on_8_h100(capsys):
   with flagsaver.flagsaver():
     flags.FLAGS(["estimate_memory", "--model=qwen3_8b", "--hardware=h100_sxm", "--devices=8"])
@@ -284,17 +270,6 @@ def test_binary_qwen3_8b_on_8_h100(capsys):
                  "--logprob_chunk=8192", "--reference_dtype=bfloat16"])
     assert estimate_memory.main([]) == 0
     assert "fits in 0.9 x 80 GB" in capsys.readouterr().out
-
-
-def test_device_memory():
-  assert memory.device_memory("h100_sxm")[0] == 80e9
-  assert memory.device_memory("none")[0] is None
-  # The tests' fake devices are CPUs: auto means the host's RAM, shared by them.
-  ram, source = memory.host_memory()
-  assert ram > 0 and source in ("host RAM", "cgroup memory limit")
-  assert memory.device_memory("auto")[0] == ram / jax.local_device_count()
-  with pytest.raises(ValueError, match="hardware='tpu'; use one of"):
-    memory.device_memory("tpu")
 
 
 def test_check_fits_takes_a_binarys_flag_names():

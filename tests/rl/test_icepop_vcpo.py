@@ -140,12 +140,10 @@ def test_vcpo_update_is_tis_update_times_the_step_scale():
 
 @pytest.mark.parametrize("mode", ["icepop", "vcpo"])
 def test_loop_config_selects_the_correction(mode):
-  """rl.correction takes both in the loop's schema (default none: the main job is unchanged);
-  IcePop at sequence level is a one-line error naming the fix, before anything compiles."""
+  """rl.correction takes both in the loop's schema; IcePop at sequence level is a one-line error naming the fix, before anything compiles."""
   from configs import base
   from lowrl.training import schema
   cfg = base.get_config("bf16")
-  assert cfg.rl.correction == "none"
   cfg.rl.correction = mode
   schema.TRAIN.validate(cfg)
   cfg.rl.correction_level = "sequence"

@@ -142,8 +142,11 @@ def test_finished_run_is_not_run_again(resumed_run, base_dir):
 def test_resume_with_changed_config_is_refused(resumed_run, base_dir):
   workdir = resumed_run[0]
   cfg = tiny_config(base_dir)
+  old_lr = cfg.optimizer.lr
+  assert old_lr != 1e-3
   cfg.optimizer.lr = 1e-3
-  with pytest.raises(run_config.ConfigChangedError, match="optimizer.lr: 0.0002 -> 0.001"):
+  with pytest.raises(run_config.ConfigChangedError,
+                     match=re.escape(f"optimizer.lr: {old_lr!r} -> 0.001")):
     loop.run(cfg, workdir, log=lambda _: None)
 
 

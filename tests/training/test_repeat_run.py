@@ -5,11 +5,9 @@ import re
 import subprocess
 import sys
 
-import jax
 
 import multiprocess
 import tiny
-from lowrl import user_cache
 
 FLAGS = [
     "--config=configs/fp32.py",
@@ -55,20 +53,3 @@ def test_cached_run_with_a_reused_base_is_byte_identical(tmp_path):
   with open(tmp_path / "first" / "metrics.jsonl", "rb") as f, \
       open(tmp_path / "repeat" / "metrics.jsonl", "rb") as g:
     assert f.read() == g.read()
-
-
-def test_compile_cache_flag_values(tmp_path):
-  saved = (jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache,
-           jax.config.jax_persistent_cache_min_compile_time_secs)
-  try:
-    assert user_cache.enable_compile_cache("none") is None
-    assert not jax.config.jax_enable_compilation_cache
-    assert jax.config.jax_compilation_cache_dir is None
-    where = str(tmp_path / "moved")
-    assert user_cache.enable_compile_cache(where) == where and os.path.isdir(where)
-    assert jax.config.jax_compilation_cache_dir == where
-    assert jax.config.jax_enable_compilation_cache
-  finally:
-    for name, value in zip(("jax_compilation_cache_dir", "jax_enable_compilation_cache",
-                            "jax_persistent_cache_min_compile_time_secs"), saved):
-      jax.config.update(name, value)

@@ -6,6 +6,7 @@ import ml_collections
 import pytest
 
 import tiny
+from configs import base as base_config
 from lowrl.training.setup import Setup, build
 
 
@@ -60,3 +61,20 @@ def test_the_reference_is_kept_for_the_kl_penalty_or_its_log(kl_coef, log_kl_ref
   setup = build(cfg)
   assert isinstance(setup, Setup) and setup.loop.keep_reference is kept
   assert (setup.memory.reference > 0) is kept  # the memory estimate counts the same copy
+
+
+def test_base_seed_follows_the_run_seed_unless_sft_seed_is_set():
+  """sft.seed = -1 means "the run's seed": the base (init and SFT data) is seeded by cfg.seed and
+  its fingerprint moves with it; a non-negative sft.seed pins the base across run seeds."""
+  def base(run_seed, sft_seed):
+    cfg = base_config.get_config("bf16")
+    cfg.sft.steps = 0
+    cfg.seed, cfg.sft.seed = run_seed, sft_seed
+    return build(cfg).base
+
+  follow_3, follow_4 = base(3, -1), base(4, -1)
+  assert (follow_3.seed, follow_4.seed) == (3, 4)
+  assert follow_3.fingerprint != follow_4.fingerprint
+  pinned_3, pinned_4 = base(3, 7), base(4, 7)
+  assert pinned_3.seed == pinned_4.seed == 7
+  assert pinned_3.fingerprint == pinned_4.fingerprint

@@ -1,6 +1,7 @@
-"""The sampler's routing record (MoE, routing replay) and the trainer's replayed scores: the
-record is the sampler's own routing, replaying it is the trainer's own forward when sampler =
-trainer, and pi_old (`replay.score`) and the update's logprob function replay alike."""
+"""Routing replay (`lowrl.sampling.replay`): the sampler's routing record (MoE) and the trainer's
+replayed scores: the record is the sampler's own routing, replaying it is the trainer's own forward
+when sampler = trainer, and pi_old (`replay.score`) and the update's logprob function replay
+alike."""
 import jax
 import jax.numpy as jnp
 import numpy as np

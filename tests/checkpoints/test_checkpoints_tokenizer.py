@@ -1,0 +1,56 @@
+"""A Hugging Face tokenizer.json through `lowrl.checkpoints.tokenizer.load_tokenizer`: round trips,
+special tokens found by name or given, one-line errors for a missing file or an unknown token."""
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lowrl.checkpoints.tokenizer import load_tokenizer
+from lowrl.tasks.tokenizer import Tokenizer as TaskTokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory):
+  """A small byte-level BPE tokenizer.json trained on the spot (no download)."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator(["12+345=357", "what is 2+2? \\boxed{4}", "hello world"] * 10, trainer)
+  path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+  tok.save(str(path))
+  return str(path)
+
+
+@given(text=st.text(max_size=40))
+def test_hf_round_trip(tokenizer_json, text):
+  tok = load_tokenizer(tokenizer_json)
+  ids = tok.encode(text)
+  assert tok.decode(ids) == text
+  assert tok.decode([tok.bos_id] + ids + [tok.eos_id] + ids) == text
+
+
+def test_hf_special_tokens(tokenizer_json):
+  tok = load_tokenizer(tokenizer_json)  # no config files: the common names <pad>, <s>, </s>
+  assert isinstance(tok, TaskTokenizer)
+  assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
+  from tokenizers import Tokenizer
+  assert tok.vocab_size == Tokenizer.from_file(tokenizer_json).get_vocab_size() > 256
+  tok2 = load_tokenizer(tokenizer_json, bos_token="</s>", eos_token="<s>", pad_token="</s>")
+  assert (tok2.bos_id, tok2.eos_id, tok2.pad_id) == (2, 1, 2)
+
+
+def test_hf_errors(tokenizer_json, tmp_path):
+  with pytest.raises(ValueError, match="eos_token='<nope>' is not in the tokenizer vocabulary"):
+    load_tokenizer(tokenizer_json, eos_token="<nope>")
+  with pytest.raises(FileNotFoundError, match="missing.json not found"):
+    load_tokenizer(str(tmp_path / "missing.json"))
+  from tokenizers import Tokenizer, models
+  bare = Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a"))
+  path = tmp_path / "bare.json"
+  bare.save(str(path))
+  with pytest.raises(ValueError, match="pass eos_token=... explicitly"):
+    load_tokenizer(str(path))
+  tok = load_tokenizer(str(path), eos_token="b")  # no bos: allowed; pad falls back to eos
+  assert tok.bos_id is None and tok.pad_id == tok.eos_id == 1
