@@ -5,7 +5,7 @@ calibration, the greedy held-out evaluation, the supervised warm start and the t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,7 @@ import optax
 
 from lowrl import precision
 from lowrl.asyncrl.setup import SimSetup
-from lowrl.models import calibration, init, layout, transformer
+from lowrl.models import calibration, init, layout, routing, transformer
 from lowrl.rl.drift import version_distance
 from lowrl.sampling import SampleOutput, SamplingConfig, generate_in_jit, rescore
 from lowrl.sampling.act_scales import used_act_amax
@@ -185,9 +185,40 @@ def initial_params(setup: SimSetup, key: jax.Array):
 def make_rl_step(setup: SimSetup) -> tuple[Step, Any]:
   """(the loop's RL step `lowrl.training.step.make_step` for this setup, the trainer's
   `logprob_fn` that scores the rollouts)."""
-  logprob_fn = make_logprob_fn(setup.model_cfg, setup.trainer_policy, setup.sampling)
+  logprob_fn = make_logprob_fn(setup.model_cfg, setup.trainer_policy, setup.sampling,
+                               replay=setup.routing_replay)
   return make_step(logprob_fn, setup.make_optimizer(), setup.update_cfg,
                    setup.batch_cfg), logprob_fn
+
+
+class RoutedTokens(NamedTuple):
+  """A `TokenBatch` with the sampler's routing, for a replaying logprob function."""
+
+  tokens_BT: jax.Array
+  input_mask_BT: jax.Array
+  routing: Any
+
+
+def record_routing(setup: SimSetup, out: SampleOutput, sampler_params, key: jax.Array,
+                   act_amax=None) -> SampleOutput:
+  """`out` with the sampler's expert choices (`routing.record_routing`: its weights, precision,
+  static scales and the quant key of the rollout keyed by `key`) in `out.routing`."""
+  policy, model_cfg = setup.sampler_policy, setup.model_cfg
+  ids = routing.record_routing(sampler_params, out.tokens, model_cfg, policy,
+                               mask_BT=out.attention_mask,
+                               quant_key=policy.quant_key(_rollout_keys(key)[2]),
+                               act_amax=used_act_amax(policy, model_cfg, act_amax))[1]
+  return out.replace(routing=ids)
+
+
+def routing_flips(setup: SimSetup, out: SampleOutput, params, quant_key) -> jax.Array:
+  """routing/flips: the fraction of (completion token, MoE layer) whose top-k set differs between
+  the sampler's record and the trainer's own routers (with replay: what they would have chosen
+  inside the replayed forward), as the loop's `lowrl.sampling.replay.flip_metrics`."""
+  own = routing.forward_routed(params, out.tokens, setup.model_cfg, setup.trainer_policy,
+                               out.routing if setup.routing_replay else None,
+                               mask_BT=out.attention_mask, quant_key=quant_key)[1]
+  return routing.routing_flips(out.routing, own, out.completion_mask)["mean"]
 
 
 def sampler_scores_are_trainers(setup: SimSetup) -> bool:
@@ -216,6 +247,7 @@ def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict
   use_ref = setup.update_cfg.loss.kl_coef > 0
   same_precision = sampler_scores_are_trainers(setup)
   p_width = setup.task.length + 1
+  moe = setup.model_cfg.is_moe  # dense programs trace exactly as before
 
   def train(params, key, plan):
     _, k_steps = jax.random.split(key)
@@ -258,6 +290,9 @@ def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict
       else:
         out, reward_B, exact_B = rollout(setup, sampler_params, k_roll, sampler_amax)
         tokens = TokenBatch(out.tokens, out.attention_mask)
+        if moe:  # the sampler's routing rides with the batch (replayed if routing_replay)
+          out = record_routing(setup, out, sampler_params, k_roll, sampler_amax)
+          tokens = RoutedTokens(out.tokens, out.attention_mask, out.routing)
         logp_stale_BT = logprob_fn(sampler_params, tokens, qk)[0]
       logp_now_BT = logprob_fn(params, tokens, qk)[0]
       if same_precision:
@@ -270,6 +305,8 @@ def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict
           params, opt_state, ref_params,
           Rollout(out, reward_B, logp_now_BT, logp_stale_BT, logp_now_sampler_BT), k_upd)
       version = ring_version[read_slot]
+      if moe:
+        m = {**m, "routing/flips": routing_flips(setup, out, params_before, qk)}
       if setup.eval_every:  # t comes from the scan, not the seeds: a real cond under vmap
         m = {**m, "eval/curve/reward": jax.lax.cond(
             (t + 1) % setup.eval_every == 0,

@@ -13,7 +13,7 @@ from lowrl import hardware as hardware_lib, quant_blocks
 from lowrl import precision, sharding
 from lowrl.asyncrl import timing
 from lowrl.asyncrl.task import REWARD_KINDS, TASK_KINDS, SequenceTask
-from lowrl.models import layout
+from lowrl.models import layout, routing
 from lowrl.models.config import ModelConfig
 from lowrl.sampling import SamplingConfig, check_row_local
 from lowrl.training import optimizer, rl_update, schema
@@ -62,6 +62,11 @@ SCHEMA = schema.Schema((
                     "starting weights)", schema.OneOf(ACT_CALIBRATIONS)),
         schema.Knob("calib_num_prompts", 64, "prompts (+ targets) of the calibration batch",
                     schema.POSITIVE),
+        # MoE models (model.n_experts > 0): the rollout records the sampler's routing and the
+        # step logs routing/flips (lowrl.asyncrl.scan); this knob replays it in the update.
+        schema.Knob("routing_replay", False, "MoE routing replay (R3), as the loop's "
+                    "rl.routing_replay: the trainer's forwards (pi_old, the stale score, the "
+                    "update) send each token to the experts the sampler chose"),
     )),
     schema.SIM_RL.with_defaults(steps=400, num_prompts=8, group_size=8),
     schema.OPTIMIZER.with_defaults(lr=3e-3),
@@ -162,6 +167,7 @@ class SimSetup:
   batch_cfg: BatchConfig | None = None  # rollout -> batch of the RL step (set by `build`)
   pipeline: bool = False  # in-flight weight updates: per-token versions (PipelineSchedule)
   eval_every: int = 0  # greedy held-out eval of the trainer's policy every this many steps
+  routing_replay: bool = False  # MoE: the trainer replays the sampler's recorded routing
 
   @property
   def batch_size(self) -> int:
@@ -193,6 +199,14 @@ def build(cfg: ml_collections.ConfigDict) -> SimSetup:
         policy.act_paths(matmuls, "tensor"), 0.0))
     quant_blocks.check_quant_blocks(policy, model_cfg, sharding.single_device_plan(),
                                 what=f"{policy.name} recipe")
+  if model_cfg.is_moe and cfg.async_rl.schedule == "pipeline":
+    raise ValueError("--config.async_rl.schedule=pipeline records no MoE routing; use another "
+                     "schedule (or model.n_experts=0).")
+  if cfg.routing_replay:
+    try:
+      routing.check_replay(model_cfg)
+    except ValueError as e:
+      raise ValueError(f"--config.routing_replay: {e}") from None
   update_cfg = rl_update.update_config_from(rl, cfg.optimizer.master_rounding,
                                             max_len=task.length)
   return SimSetup(task, model_cfg, policies[0], policies[1], sampling, update_cfg,
@@ -201,7 +215,8 @@ def build(cfg: ml_collections.ConfigDict) -> SimSetup:
                   std_ddof=rl.std_ddof, act_calibration=cfg.act_calibration,
                   calib_num_prompts=cfg.calib_num_prompts,
                   batch_cfg=BatchConfig.from_rl(rl, task.length),
-                  pipeline=cfg.async_rl.schedule == "pipeline", eval_every=cfg.eval_every)
+                  pipeline=cfg.async_rl.schedule == "pipeline", eval_every=cfg.eval_every,
+                  routing_replay=bool(cfg.routing_replay))
 
 
 def lag_of(cfg: ml_collections.ConfigDict) -> int:

@@ -60,6 +60,8 @@ def weight_amax(policy: PrecisionPolicy, layer: int,
   Traceable; its value gets no gradient through the quantizers (static amaxes don't)."""
   out = {}
   for group in shared_groups(policy, layer):
+    if not all(p in kernels for p in group):  # a layer without them (an MoE layer's MLP)
+      continue
     amax = joint_amax(kernels, group)
     out.update({p: amax for p in group})
   return out
@@ -74,10 +76,20 @@ def weight_amaxes(params: Mapping, model_cfg: ModelConfig, policy: PrecisionPoli
   for i in range(model_cfg.n_layers):
     groups = shared_groups(policy, i)
     if groups:
-      kernels = layer_kernels(params[layout.layer_key(i)], [p for g in groups for p in g])
+      layer = params[layout.layer_key(i)]
+      kernels = layer_kernels(layer, [p for g in groups for p in g if _has_kernel(layer, p)])
       out.update({layout.matmul_path(i, p): a
                   for p, a in weight_amax(policy, i, kernels).items()})
   return out
+
+
+def _has_kernel(layer_params: Mapping, path: str) -> bool:
+  node = layer_params
+  for k in path.split("/"):
+    if k not in node:
+      return False
+    node = node[k]
+  return "kernel" in node
 
 
 def layer_kernels(layer_params: Mapping, paths) -> dict[str, jax.Array]:

@@ -490,13 +490,48 @@ def test_simulator_supports_kl_dynamic_sampling_and_top_k():
     simulator.build(c)
 
 
+def moe_config(sampler_recipe: str, replay: bool = False):
+  """tiny_config with a 1-layer MoE MLP (4 experts, top-2): the router's input does not depend on
+  any routing, so the trainer's own choice is the same with and without replay."""
+  c = tiny_config(sampler_recipe)
+  c.model.update(n_experts=4, n_experts_per_tok=2, moe_d_ff=16, norm_topk_prob=True)
+  c.routing_replay = replay
+  return c
+
+
 def test_tiny_moe_option_builds():
-  """The model section's MoE knobs give the simulator a mixture-of-experts policy (the run itself
-  compiles for minutes: experiments/moe_routing_flips.py measures the routing)."""
-  c = tiny_config("nvfp4_moe_experts")
-  c.model.update(d_model=32, n_experts=4, n_experts_per_tok=2, moe_d_ff=16, norm_topk_prob=True)
+  """The model section's MoE knobs give the simulator a mixture-of-experts policy; replay needs
+  one, and the pipeline schedule records no routing."""
+  c = moe_config("nvfp4_moe_experts", replay=True)
   setup = simulator.build(c)
-  assert setup.model_cfg.is_moe and setup.model_cfg.n_experts == 4
+  assert setup.model_cfg.is_moe and setup.model_cfg.n_experts == 4 and setup.routing_replay
+  c.async_rl.schedule = "pipeline"
+  with pytest.raises(ValueError, match="schedule=pipeline records no MoE routing"):
+    simulator.build(c)
+  c = tiny_config()
+  c.routing_replay = True
+  with pytest.raises(ValueError, match="routing_replay.*mixture-of-experts"):
+    simulator.build(c)
+  c = moe_config("nvfp4_moe_experts")
   c.model.moe_d_ff = 0
   with pytest.raises(ValueError, match="moe_d_ff"):
     simulator.build(c)
+
+
+def test_moe_routing_flips_with_and_without_replay():
+  """NVFP4 sampler (per-token activation scales: naive NVFP4 everywhere, routers included) vs a
+  BF16 trainer: routing/flips > 0; at step 0 (same sampler, same trainer, 1 MoE layer) the flips
+  are bit-identical with replay on and off, while replay changes pi_old (the trainer's score the
+  mismatch metrics compare with the sampler's)."""
+  runs = {}
+  for replay in (False, True):
+    c = moe_config("nvfp4_naive", replay)
+    c.recipe.act_per_token = True
+    c.rl.steps, c.eval_num_prompts = 1, 2
+    runs[replay] = simulator.simulate(simulator.build(c), AsyncSchedule(lag=0), (0,)).metrics
+  off, on = runs[False], runs[True]
+  assert off["routing/flips"].shape == (1, 1)
+  assert 0 < off["routing/flips"][0, 0] <= 1
+  np.testing.assert_array_equal(off["routing/flips"], on["routing/flips"])
+  np.testing.assert_array_equal(off["reward/mean"], on["reward/mean"])  # the same rollout
+  assert off["mismatch/mismatch_kl"][0, 0] != on["mismatch/mismatch_kl"][0, 0]
