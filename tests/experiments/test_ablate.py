@@ -51,6 +51,10 @@ def test_grid_runs_every_setting_and_seed(grid):
       assert r["twin_kl_end"] == 0.0 and r["update_erasure"] == 0.0
     for k in ("twin_kl_start", "twin_kl_end", "grad_cos", "final_reward"):
       assert r[k] is not None
+    # The sr group's outcome KL(final policy || base) on held-out prompts (k3 >= 0 per token).
+    assert ("ref_kl_k3_end" in r) == (r["group"] == "sr")
+    if r["group"] == "sr":
+      assert r["ref_kl_k3_end"] >= 0 and r["ref_kl_end"] is not None
     # eval_samples = 1: pass@1 only, from the same kind of samples as eval's pass_at_1.
     assert set(r["pass_at_k_end"]) == {"1"} and 0 <= r["pass_at_k_end"]["1"] <= 1
 
