@@ -61,9 +61,9 @@ GRID = (
     {"name": "bf16_sr_cast", "group": "sr", "each": "lrs", "min_travel": "$sr_travel",
      "overrides": {"precision": "bf16", "optimizer.compute_cast_rounding": "stochastic",
                    "precision.name": "bf16_sr_cast"}},
-    {"name": "bf16_rtn", "group": "sr", "each": "lrs", "min_travel": "$sr_travel",
+    {"name": "bf16_rtn", "group": "sr", "each": "lrs",
      "overrides": {"precision": "bf16", "optimizer.master_dtype": "bfloat16"}},
-    {"name": "bf16_sr", "group": "sr", "each": "lrs", "min_travel": "$sr_travel",
+    {"name": "bf16_sr", "group": "sr", "each": "lrs",
      "overrides": {"precision": "bf16", "optimizer.master_dtype": "bfloat16",
                    "optimizer.master_rounding": "stochastic"}},
     {"name": "fp16", "group": "sr", "each": "lrs", "min_travel": "$sr_travel",
@@ -86,9 +86,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Stochastic-rounding group: BF16 RTN erases updates at the low end; the first is run.optimizer.lr
   # (its fp32_master setting is the bf16 setting: one run).
   c.lrs = (2e-4, 2e-5, 2e-6)
-  # lr x steps every sr-group run reaches (its rows' min_travel): half a BF16 ulp of a typical
-  # weight (|w| ~ 0.08 at d = 64: ulp 2**-11, half 2.4e-4), so even the lowest lr's arms can move
-  # the BF16 cast of most weights. 2e-4 and 2e-5 keep run.rl.steps (30); 2e-6 runs 122 steps.
+  # lr x steps every run of the seed's SR arm reaches (its rows' min_travel): half a BF16 ulp of a
+  # typical weight (|w| ~ 0.08 at d = 64: ulp 2**-11, half 2.4e-4), the farthest Adam can move a
+  # weight in that many steps (noisy gradients move it less), so that even the lowest lr's arms can
+  # move the BF16 cast. 2e-4 and 2e-5 keep run.rl.steps (30); 2e-6 runs 122 steps. 0 = off.
   c.sr_travel = 2.44e-4
   c.fp16_loss_scale = 1024.0  # static loss scale of every FP16-compute setting
   c.grid = GRID  # the settings (see GRID)

@@ -12,11 +12,12 @@ every run seed). Settings (`settings`), by group:
                 (+ per-token activation scale, + 4/6, + last 15% of layers BF16, + dequantized
                 backward = nvfp4_recipe) and nvfp4_recipe with quantized backward;
   sampler_only  the trainer in BF16, the sampler in mxfp8 / nvfp4_naive / nvfp4_recipe;
-  sr            at each learning rate of `lrs` (with rl.steps raised so that lr x steps reaches
-                `sr_travel`): BF16 compute with FP32 master weights and the compute cast rounded
-                to nearest (fp32_master) or stochastically (bf16_sr_cast,
-                optimizer.compute_cast_rounding), FP16 compute (FP32 master, static loss scale),
-                and BF16 master weights rounded to nearest / stochastically after each update;
+  sr            at each learning rate of `lrs`: the seed's arm (rl.steps raised so that lr x
+                steps reaches `sr_travel`), BF16 compute with FP32 master weights and the compute
+                cast rounded to nearest (fp32_master) or stochastically (bf16_sr_cast,
+                optimizer.compute_cast_rounding) and FP16 compute (FP32 master, static loss
+                scale); and BF16 master weights rounded to nearest / stochastically after each
+                update (bf16_rtn, bf16_sr; run.rl.steps);
   kl_reset      BF16 with a KL penalty (kl_coef) to the base, without and with resetting the
                 reference every `ref_reset_every` steps.
 A run's workdir is `<workdir>/runs/<config fingerprint>`: two settings with the same config (e.g.
