@@ -300,9 +300,10 @@ class Trainer:
     program), no tensor-scaled activations (so both act_amax are None) and `sampler_params`
     the very buffers of `params` (not stale, no copy: lag 0, sync every step), both calls run one
     program on identical inputs, which is bit-identical; the mismatch metrics are then exactly 0
-    either way.
+    either way. Never with a stochastic compute cast: pi_old is then the trainer's score of its
+    compute copy (`compute_cast`), which the sampler (the nearest cast) does not sample from.
     """
-    if not self._exact_twin or stale:
+    if not self._exact_twin or stale or self._cast is not None:
       return False
     ours, theirs = jax.tree.leaves(sampler_params), jax.tree.leaves(params)
     return len(ours) == len(theirs) and all(a is b for a, b in zip(ours, theirs))

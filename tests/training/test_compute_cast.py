@@ -166,3 +166,25 @@ def test_jitted_update_with_the_stochastic_cast_is_deterministic():
   assert not all(np.array_equal(x, y) for x, y in zip(a, nearest))
   # The master weights stay FP32 (the cast copy is only what the update computes on).
   assert all(x.dtype == np.float32 for x in a)
+
+
+def test_trainer_scores_pi_old_on_the_compute_copy():
+  """With the knob the sampler samples the master weights (nearest cast) and the trainer scores
+  pi_old on update 0's stochastic compute copy (`cast_key`): a mismatch that the nearest cast,
+  scored by the same trainer, does not have."""
+  from lowrl.training.trainer import Trainer  # noqa: PLC0415 (the heavy import, this test only)
+  cfg = tiny.loop_config("bf16")
+  cfg.model.n_layers = 1
+  cfg.rl.update(num_prompts=2, group_size=4, max_new_tokens=4, log_kl_ref=False)
+  cfg.optimizer.compute_cast_rounding = "stochastic"
+  trainer = Trainer(build(cfg), log=lambda _: None)
+  params = init.init_params(trainer.setup.model_cfg, jax.random.key(0))
+  key = jax.random.key(1)
+  plain, _ = trainer.rollout(params, params, 0, key, stale=False)
+  cast, _ = trainer.rollout(params, params, 0, key, stale=False,
+                            cast_key=compute_cast.update_key(key, 0))
+  mask = np.asarray(plain.out.completion_mask) > 0
+  assert mask.sum() > 0 and np.array_equal(plain.out.tokens, cast.out.tokens)
+  # Same program, same (nearest-cast) weights: the sampler's record exactly.
+  assert np.array_equal(np.asarray(plain.logp_now_BT)[mask], np.asarray(plain.out.logprobs)[mask])
+  assert not np.array_equal(np.asarray(cast.logp_now_BT)[mask], np.asarray(cast.out.logprobs)[mask])
