@@ -480,7 +480,7 @@ NOT_YET = ["## What this grid cannot test yet", "",
            "NVFP4 weight codes that change.",
            "- **Stochastic rounding at long horizons**: the grid's SR arm (section above) runs "
            "30 steps (122 at lr 2e-6) on the d = 64 toy; the seed's low-LR regime (hundreds of "
-           "updates, each far below a BF16 ulp, on a wider model) needs the regime below. The "
+           "updates, each far below a BF16 ulp, on a wider model) needs the regime of the first bullet. The "
            "master-weight rows' erasure numbers hold by construction (one SR draw erases less "
            "than RTN whatever happens), so they are not a claim here.",
            "- **KL reference reset**: the seed's claim is about the odds of optimal answers "
