@@ -23,7 +23,9 @@ from configs import base
 # any other path (sampler_precision.recipe, optimizer.lr, ...) is set as --config.run.<path>
 # would. A value "$knob" is this config's top-level knob (so --config.kl_coef changes the rows
 # that use it); a row with "each": "lrs" is repeated for every learning rate of `lrs`, named
-# "<name>@<lr>" with optimizer.lr set first.
+# "<name>@<lr>" with optimizer.lr set first, and with "min_travel": t its run at lr takes
+# rl.steps = max(run.rl.steps, ceil(t / lr)) (so lr x steps, the distance Adam can move a
+# weight, reaches t at every lr).
 _PT = {"precision": "nvfp4_naive", "precision.act_per_token": True}  # + per-token act scales
 _PT46 = {**_PT, "precision.four_over_six": True}  # + 4/6 block scaling
 _SCALE = {"optimizer.loss_scale": "$fp16_loss_scale"}  # every FP16-compute setting
@@ -48,14 +50,24 @@ GRID = (
     *({"name": f"s={s}/t=bf16", "group": "sampler_only",
        "overrides": {"precision": "bf16", "sampler_precision.recipe": s}}
       for s in ("mxfp8", "nvfp4_naive", "nvfp4_recipe")),
-    # Master weights at each learning rate: FP32, BF16 rounded to nearest, BF16 stochastic, FP16.
-    {"name": "fp32_master", "group": "sr", "each": "lrs", "overrides": {"precision": "bf16"}},
+    # Stochastic rounding at each learning rate. The seed's arm (experiments/report.py
+    # `sr_cast_claims`): FP32 master weights with the BF16 compute cast rounded to nearest
+    # (fp32_master), the same cast rounded stochastically (bf16_sr_cast), and FP16 compute with
+    # FP32 master weights and a static loss scale (fp16). The master-weight arm (`sr_gain@lr`:
+    # pure-BF16 training, where RTN erases updates below half an ulp): BF16 master weights
+    # rounded to nearest (bf16_rtn) or stochastically (bf16_sr) after each update.
+    {"name": "fp32_master", "group": "sr", "each": "lrs", "min_travel": "$sr_travel",
+     "overrides": {"precision": "bf16"}},
+    {"name": "bf16_sr_cast", "group": "sr", "each": "lrs", "min_travel": "$sr_travel",
+     "overrides": {"precision": "bf16", "optimizer.compute_cast_rounding": "stochastic",
+                   "precision.name": "bf16_sr_cast"}},
     {"name": "bf16_rtn", "group": "sr", "each": "lrs",
      "overrides": {"precision": "bf16", "optimizer.master_dtype": "bfloat16"}},
     {"name": "bf16_sr", "group": "sr", "each": "lrs",
      "overrides": {"precision": "bf16", "optimizer.master_dtype": "bfloat16",
                    "optimizer.master_rounding": "stochastic"}},
-    {"name": "fp16", "group": "sr", "each": "lrs", "overrides": {"precision": "fp16", **_SCALE}},
+    {"name": "fp16", "group": "sr", "each": "lrs", "min_travel": "$sr_travel",
+     "overrides": {"precision": "fp16", **_SCALE}},
     {"name": "kl", "group": "kl_reset",
      "overrides": {"precision": "bf16", "rl.kl_coef": "$kl_coef"}},
     {"name": "kl+reset", "group": "kl_reset",
@@ -74,6 +86,11 @@ def get_config() -> ml_collections.ConfigDict:
   # Stochastic-rounding group: BF16 RTN erases updates at the low end; the first is run.optimizer.lr
   # (its fp32_master setting is the bf16 setting: one run).
   c.lrs = (2e-4, 2e-5, 2e-6)
+  # lr x steps every run of the seed's SR arm reaches (its rows' min_travel): half a BF16 ulp of a
+  # typical weight (|w| ~ 0.08 at d = 64: ulp 2**-11, half 2.4e-4), the farthest Adam can move a
+  # weight in that many steps (noisy gradients move it less), so that even the lowest lr's arms can
+  # move the BF16 cast. 2e-4 and 2e-5 keep run.rl.steps (30); 2e-6 runs 122 steps. 0 = off.
+  c.sr_travel = 2.44e-4
   c.fp16_loss_scale = 1024.0  # static loss scale of every FP16-compute setting
   c.grid = GRID  # the settings (see GRID)
   c.kl_coef = 0.05  # KL reference reset group: beta of the KL penalty

@@ -121,6 +121,7 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.optimizer.master_dtype = "float32"  # master-weight dtype
   c.optimizer.master_rounding = "nearest"  # rounding of BF16 master weights
   c.optimizer.loss_scale = 1.0  # static loss scale (FP16 compute: e.g. 1024); 1 = off
+  c.optimizer.compute_cast_rounding = "nearest"  # FP32 -> BF16 weight cast: nearest | stochastic
 
   c.eval_num_prompts = 256  # held-out eval prompts
   c.eval_samples = 4  # samples per eval prompt (pass@1)

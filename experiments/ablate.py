@@ -12,9 +12,12 @@ every run seed). Settings (`settings`), by group:
                 (+ per-token activation scale, + 4/6, + last 15% of layers BF16, + dequantized
                 backward = nvfp4_recipe) and nvfp4_recipe with quantized backward;
   sampler_only  the trainer in BF16, the sampler in mxfp8 / nvfp4_naive / nvfp4_recipe;
-  sr            BF16 compute with FP32 master weights, BF16 master weights rounded to nearest, BF16
-                master weights with stochastic rounding, and FP16 compute (FP32 master, static
-                loss scale), at each learning rate of `lrs`;
+  sr            at each learning rate of `lrs`: the seed's arm (rl.steps raised so that lr x
+                steps reaches `sr_travel`), BF16 compute with FP32 master weights and the compute
+                cast rounded to nearest (fp32_master) or stochastically (bf16_sr_cast,
+                optimizer.compute_cast_rounding) and FP16 compute (FP32 master, static loss
+                scale); and BF16 master weights rounded to nearest / stochastically after each
+                update (bf16_rtn, bf16_sr; run.rl.steps);
   kl_reset      BF16 with a KL penalty (kl_coef) to the base, without and with resetting the
                 reference every `ref_reset_every` steps.
 A run's workdir is `<workdir>/runs/<config fingerprint>`: two settings with the same config (e.g.
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -113,7 +117,7 @@ def _value(cfg: ml_collections.ConfigDict, v: Any, row: str) -> Any:
 
 def _settings_of_row(cfg: ml_collections.ConfigDict, row: dict[str, Any]) -> list[Setting]:
   """The Setting(s) of one row of `cfg.grid` (configs/ablate.py GRID says how a row applies)."""
-  known = {"name", "group", "overrides", "each"}
+  known = {"name", "group", "overrides", "each", "min_travel"}
   ov = dict(row.get("overrides", {}))
   if set(row) - known or not {"name", "group"} <= set(row) or "precision" not in ov:
     raise run_config.ConfigError(f"--config.grid: row {row!r} needs name, group and overrides "
@@ -135,8 +139,14 @@ def _settings_of_row(cfg: ml_collections.ConfigDict, row: dict[str, Any]) -> lis
   if row["each"] != "lrs":
     raise run_config.ConfigError(f"--config.grid: row {name}: each={row['each']!r}; only "
                                  "'lrs' is known.")
-  return [Setting(f"{name}@{_lr_tag(lr)}", row["group"], prec, sampler,
-                  (("optimizer.lr", float(lr)),) + overrides) for lr in cfg.lrs]
+  travel = float(_value(cfg, row.get("min_travel", 0.0), name))
+  out = []
+  for lr in cfg.lrs:
+    steps = max(int(cfg.run.rl.steps), math.ceil(travel / float(lr) - 1e-9))
+    more = (("rl.steps", steps),) if steps > cfg.run.rl.steps else ()
+    out.append(Setting(f"{name}@{_lr_tag(lr)}", row["group"], prec, sampler,
+                       (("optimizer.lr", float(lr)),) + more + overrides))
+  return out
 
 
 def settings(cfg: ml_collections.ConfigDict) -> list[Setting]:
@@ -177,7 +187,8 @@ def quick(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.lrs = (2e-6,)
   # One setting of every group besides the twin: each setting's first seed is mostly compiling
   # (75-140 s), so the quick grid's length is its number of settings.
-  c.only = ("nvfp4_recipe", "s=nvfp4_recipe/t=bf16", "bf16_sr@2e-6", "kl+reset")
+  c.only = ("nvfp4_recipe", "s=nvfp4_recipe/t=bf16", "bf16_sr_cast@2e-6", "kl+reset")
+  c.sr_travel = 0.0  # every run 8 steps
   c.ref_reset_every = 4
   r = c.run
   r.rl.update(steps=8, num_prompts=8, group_size=4)
@@ -240,9 +251,11 @@ def _pass_at_k(trainer: Trainer, params, key: jax.Array) -> dict[str, float]:
 
 
 def _after_run(cfg: ml_collections.ConfigDict, workdir: str, twin_cfg: ml_collections.ConfigDict,
-               twin_dir: str, base) -> dict[str, Any]:
+               twin_dir: str, base, ref_kl: bool = False) -> dict[str, Any]:
   """KL(run || twin) of the final policies and of the base under both precisions, and pass@k of
-  the base and the final policy (held-out)."""
+  the base and the final policy (held-out). `ref_kl`: also KL(final policy || base), both under
+  the run's trainer precision (`ref_kl_end`, k1 and k3: how far training moved the policy from
+  the reference, measured as the twin KL is)."""
   trainer = Trainer(build(cfg), log=lambda _: None)
   twin = Trainer(build(twin_cfg), log=lambda _: None)
   key = jax.random.key(cfg.seed)
@@ -252,10 +265,14 @@ def _after_run(cfg: ml_collections.ConfigDict, workdir: str, twin_cfg: ml_collec
   end = trainer.policy_kl(end_params, final_params(twin_cfg, twin_dir, twin),
                           twin.setup.trainer_policy, key)
   k_pass = jax.random.fold_in(key, 7)
-  return {"twin_kl_start": start["kl"], "twin_kl_k3_start": start["kl_k3"],
-          "twin_kl_end": end["kl"], "twin_kl_k3_end": end["kl_k3"],
-          "pass_at_k_start": _pass_at_k(trainer, start_params, k_pass),
-          "pass_at_k_end": _pass_at_k(trainer, end_params, k_pass)}
+  out = {"twin_kl_start": start["kl"], "twin_kl_k3_start": start["kl_k3"],
+         "twin_kl_end": end["kl"], "twin_kl_k3_end": end["kl_k3"],
+         "pass_at_k_start": _pass_at_k(trainer, start_params, k_pass),
+         "pass_at_k_end": _pass_at_k(trainer, end_params, k_pass)}
+  if ref_kl:
+    ref = trainer.policy_kl(end_params, start_params, trainer.setup.trainer_policy, key)
+    out.update(ref_kl_end=ref["kl"], ref_kl_k3_end=ref["kl_k3"])
+  return out
 
 
 def run_grid(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print,
@@ -300,7 +317,7 @@ def run_grid(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print,
       base.append(loop.load_base(c, run_dir, log=lambda s: None))
     twin_c = seed_config(twin_setting, seed)
     twin_dir = os.path.join(workdir, "runs", run_config.fingerprint(twin_c))
-    kl = _after_run(c, run_dir, twin_c, twin_dir, base[0])
+    kl = _after_run(c, run_dir, twin_c, twin_dir, base[0], ref_kl=setting.group == "sr")
     line = {"group": setting.group, "run_dir": os.path.relpath(run_dir, workdir),
             "precision": dict(setting.precision)["name"], "sampler": setting.sampler,
             "overrides": dict(setting.overrides),

@@ -47,6 +47,7 @@ from lowrl.rl.masked import masked_count, masked_mean, safe_divide
 from lowrl.rl.mismatch import OUTSIDE_SUPPORT_LOGP, in_support, mismatch_metrics
 from lowrl.sampling import SamplingConfig, sampling_logits
 from lowrl.sharding import ShardingPlan
+from lowrl.training import compute_cast
 from lowrl.training.batch import RLBatch
 from lowrl.training.optimizer import apply_update, tree_all_finite
 
@@ -71,6 +72,9 @@ class UpdateConfig:
   old_logp_source: str = "trainer"
   master_rounding: str = "nearest"
   micro_batches: int = 1
+  # optimizer.compute_cast_rounding=stochastic: the param keys whose FP32 -> BF16 compute cast is
+  # rounded stochastically, fresh per update (lowrl.training.compute_cast); () = to nearest.
+  compute_cast: tuple[tuple[str, ...], ...] = ()
 
   def __post_init__(self):
     if self.mu < 1:
@@ -198,10 +202,16 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
       raise ValueError(f"a minibatch of {batch_size // cfg.num_minibatches} sequences is not "
                        f"divisible into rl.micro_batches={cfg.micro_batches}.")
 
+    def compute_weights(p, i):  # what update i's forward and backward run on
+      if not cfg.compute_cast:
+        return p
+      return compute_cast.stochastic_cast(p, cfg.compute_cast, compute_cast.update_key(key, i))
+
     if batch.logp_trainer_BT is not None:
       logp_trainer_BT = jax.lax.stop_gradient(batch.logp_trainer_BT)
-    else:  # no external scorer: recompute inside this program
-      logp_trainer_BT = jax.lax.stop_gradient(logprob_fn(params, batch, key_fwd)[0])
+    else:  # no external scorer: recompute inside this program (on update 0's weights)
+      logp_trainer_BT = jax.lax.stop_gradient(
+          logprob_fn(compute_weights(params, 0), batch, key_fwd)[0])
     logp_sampler_BT = batch.logp_sampler_BT
     logp_old_BT = logp_trainer_BT if cfg.old_logp_source == "trainer" else logp_sampler_BT
     is_w_BT, corr_metrics = correction_weights(logp_trainer_BT, logp_sampler_BT, mask_BT,
@@ -259,7 +269,8 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
     def step(carry, i):
       p, o = carry
       b = _part(minibatches, i % cfg.num_minibatches)
-      (loss, m), grads = loss_and_grads(p, b)
+      # The gradient at the compute copy is the master's (the cast passes it straight through).
+      (loss, m), grads = loss_and_grads(compute_weights(p, i), b)
       grad_norm = optax.tree.norm(grads)
       new_p, new_o = apply_update(tx, p, grads, o, master_rounding=cfg.master_rounding,
                                   key=jax.random.fold_in(key_opt, i), step_scale=step_scale)

@@ -31,6 +31,7 @@ from lowrl.rl.losses import AGGREGATIONS, LOSSES
 from lowrl.sampling import SamplingConfig
 from lowrl.training.knobs import (UNSET, AtLeast, Below, Check, Knob, OneOf, Schema,  # noqa: F401
                                   Section, SectionCheck, flatten, knob, NON_NEGATIVE, POSITIVE)
+from lowrl.training.compute_cast import ROUNDINGS as COMPUTE_CAST_ROUNDINGS
 from lowrl.training.loss_scaling import check_loss_scale
 from lowrl.training.optimizer import MASTER_DTYPES, MASTER_ROUNDINGS, SCHEDULES
 from lowrl.training.rl_update import OLD_LOGP_SOURCES, update_config_from
@@ -206,6 +207,11 @@ def _loss_scale_check(prefix: str, o: ml_collections.ConfigDict) -> None:
 TRAIN_OPTIMIZER = _OPTIMIZER.extended(
     knob("loss_scale", "static loss scale, a power of two: the backward runs on gradients "
          "x loss_scale, unscaled before the optimizer (FP16 compute: e.g. 1024; 1 = off)"),
+    knob("compute_cast_rounding", "rounding of the trainer's FP32 -> BF16 cast of the BF16 "
+         "GEMMs' weights for each update: nearest | stochastic (unbiased, a fresh key per "
+         "update; needs FP32 master weights, precision.compute_dtype=bfloat16, format=none; "
+         "sampler, eval and reference stay nearest: lowrl/training/compute_cast.py)",
+         OneOf(COMPUTE_CAST_ROUNDINGS)),
     checks=(_loss_scale_check,))
 
 # Probes of the step logged by the loop (lowrl.training.probes); off by default.

@@ -22,7 +22,7 @@ from lowrl.models.config import ModelConfig
 from lowrl.sampling import SamplingConfig
 from lowrl.tasks.base import Task
 from lowrl.tasks.registry import make_task
-from lowrl.training import optimizer, run_config, schema, sft
+from lowrl.training import compute_cast, optimizer, run_config, schema, sft
 from lowrl.training.base_store import BaseConfig
 from lowrl.training.rl_update import UpdateConfig, update_config_from
 from lowrl.training.schedule import AsyncSchedule
@@ -149,6 +149,11 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   sampling.check(model_cfg)
   eval_sampling = dataclasses.replace(sampling, temperature=0.0, top_k=0, top_p=1.0)
   update_cfg = update_config_from(rl, cfg.optimizer.master_rounding, max_len=rl.max_new_tokens)
+  compute_cast.check(cfg.optimizer.compute_cast_rounding, cfg.optimizer.master_dtype,
+                     cfg.precision)
+  if cfg.optimizer.compute_cast_rounding == "stochastic":
+    update_cfg = dataclasses.replace(
+        update_cfg, compute_cast=compute_cast.cast_paths(model_cfg, trainer_policy))
   a = cfg.async_rl
   schedule = AsyncSchedule(lag=a.lag, sync_every=a.sync_every,
                            lag_distribution=a.lag_distribution, seed=cfg.seed)

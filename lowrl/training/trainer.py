@@ -2,6 +2,7 @@
 probes) built from its `Setup`; the state lives in plain pytrees the loop passes in."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -14,7 +15,7 @@ from lowrl.rl.mismatch import mismatch_metrics
 from lowrl.sampling import SampleOutput, Sampler, refit, rescore
 from lowrl.sampling.act_scales import calibration_paths
 from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
-from lowrl.training import diagnostics, optimizer, probes, routing_replay
+from lowrl.training import compute_cast, diagnostics, optimizer, probes, routing_replay
 from lowrl.training.evaluation import eval_metrics
 from lowrl.training.kv_share import kv_share_metrics
 from lowrl.training.loss_scaling import loss_scaled
@@ -53,6 +54,11 @@ class Trainer:
     self.step = jax.jit(self.step_fn, donate_argnums=(0, 1),
                         in_shardings=(p_sh, o_sh, ref_sh, batch, repl),
                         out_shardings=(p_sh, o_sh, repl))
+    # optimizer.compute_cast_rounding=stochastic: pi_old is scored on the compute copy of the
+    # step's first update (the sampler keeps the nearest cast: lowrl.training.compute_cast).
+    cast = setup.update_cfg.compute_cast
+    self._cast = (jax.jit(lambda p, k: compute_cast.stochastic_cast(p, cast, k),
+                          in_shardings=(p_sh, repl), out_shardings=p_sh) if cast else None)
     # Rollouts in the sampler's precision (exact mode: re-scored by the sampler's own policy).
     self.sampler = Sampler(setup.model_cfg, setup.sampler_policy, setup.sampling,
                            exact=knobs.sampler_exact, plan=plan,
@@ -86,7 +92,8 @@ class Trainer:
                   in_shardings=grad_in, out_shardings=p_sh),
           jax.jit(probes.make_grad_fn(make_logprob_fn(setup.model_cfg, fp32, setup.sampling,
                                                       replay=knobs.routing_replay),
-                                      setup.update_cfg, setup.batch_cfg, param_dtype="float32"),
+                                      dataclasses.replace(setup.update_cfg, compute_cast=()),
+                                      setup.batch_cfg, param_dtype="float32"),
                   in_shardings=grad_in, out_shardings=p_sh),
           jax.jit(probes.grad_agreement, out_shardings=repl),
           jax.jit(probes.make_erasure_fn(self.tx, knobs.master_rounding),
@@ -239,7 +246,8 @@ class Trainer:
   # -- one step ---------------------------------------------------------------------------------
 
   def rollout(self, sampler_params, params, step: int, key: jax.Array,
-              stale: bool, sampler_version: int | None = None) -> tuple[Rollout, dict[str, Any]]:
+              stale: bool, sampler_version: int | None = None,
+              cast_key: jax.Array | None = None) -> tuple[Rollout, dict[str, Any]]:
     """Samples the step's batch with `sampler_params` (in the sampler's precision) and scores it.
 
     The trainer scores the sampled tokens with the current `params` in the trainer's precision
@@ -259,13 +267,18 @@ class Trainer:
                        trainer_params=sampler_params, trainer_quant_key=sampler_qk,
                        act_amax=act_amax)
     routing_metrics = {}
+    scored_sampler_params = sampler_params  # the weights the trainer's scores run on
+    if self._cast is not None and cast_key is not None:
+      params = self._cast(params, cast_key)
+      scored_sampler_params = self._cast(sampler_params, cast_key) if stale else params
     if self.setup.model_cfg.is_moe:  # routing flips; rl.routing_replay (routing_replay.py)
       logp_now_BT, logp_stale_BT, routing_metrics = routing_replay.trainer_scores(
-          self, out, sampler_params, params, k_quant, stale)
+          self, out, scored_sampler_params, params, k_quant, stale)
     else:
-      logp_now_BT = (out.logprobs if self.sampler_scored_pi_old(sampler_params, params, stale)
+      logp_now_BT = (out.logprobs
+                     if self.sampler_scored_pi_old(scored_sampler_params, params, stale)
                      else self.score(params, self.setup.trainer_policy, out, k_quant))
-      logp_stale_BT = (self.score(sampler_params, self.setup.trainer_policy, out, k_quant)
+      logp_stale_BT = (self.score(scored_sampler_params, self.setup.trainer_policy, out, k_quant)
                        if stale else logp_now_BT)
     rewards, completions = self.rewards(out, examples)
     rollout = self.plan.put(Rollout(out, jnp.asarray(rewards), logp_now_BT, logp_stale_BT),
@@ -287,9 +300,10 @@ class Trainer:
     program), no tensor-scaled activations (so both act_amax are None) and `sampler_params`
     the very buffers of `params` (not stale, no copy: lag 0, sync every step), both calls run one
     program on identical inputs, which is bit-identical; the mismatch metrics are then exactly 0
-    either way.
+    either way. Never with a stochastic compute cast: pi_old is then the trainer's score of its
+    compute copy (`compute_cast`), which the sampler (the nearest cast) does not sample from.
     """
-    if not self._exact_twin or stale:
+    if not self._exact_twin or stale or self._cast is not None:
       return False
     ours, theirs = jax.tree.leaves(sampler_params), jax.tree.leaves(params)
     return len(ours) == len(theirs) and all(a is b for a, b in zip(ours, theirs))
@@ -316,8 +330,9 @@ class Trainer:
     host info of the rollout).
     """
     k_roll, k_upd = jax.random.split(key)
+    cast_key = compute_cast.update_key(k_upd, 0) if self._cast is not None else None
     rollout, info = self.rollout(sampler_params, params, step, k_roll, stale=stale,
-                                 sampler_version=sampler_version)
+                                 sampler_version=sampler_version, cast_key=cast_key)
     probe_metrics = {}
     if probe and self._probe_fns is not None:
       probe_metrics = self.probe(params, opt_state, ref_params, rollout,

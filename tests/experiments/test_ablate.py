@@ -51,6 +51,10 @@ def test_grid_runs_every_setting_and_seed(grid):
       assert r["twin_kl_end"] == 0.0 and r["update_erasure"] == 0.0
     for k in ("twin_kl_start", "twin_kl_end", "grad_cos", "final_reward"):
       assert r[k] is not None
+    # The sr group's outcome KL(final policy || base) on held-out prompts (k3 >= 0 per token).
+    assert ("ref_kl_k3_end" in r) == (r["group"] == "sr")
+    if r["group"] == "sr":
+      assert r["ref_kl_k3_end"] >= 0 and r["ref_kl_end"] is not None
     # eval_samples = 1: pass@1 only, from the same kind of samples as eval's pass_at_1.
     assert set(r["pass_at_k_end"]) == {"1"} and 0 <= r["pass_at_k_end"]["1"] <= 1
 
@@ -118,9 +122,16 @@ def test_rows_are_data_knobs_and_lrs_expand():
   assert dict(by_name["kl"].overrides) == {"rl.kl_coef": 0.125}
   sr = [s.name for s in ablate.settings(cfg) if s.group == "sr"]
   assert sr == [f"{m}@{lr}" for lr in ("1e-3", "1e-5")
-                for m in ("fp32_master", "bf16_rtn", "bf16_sr", "fp16")]
+                for m in ("fp32_master", "bf16_sr_cast", "bf16_rtn", "bf16_sr", "fp16")]
   assert dict(by_name["bf16_sr@1e-5"].overrides)["optimizer.lr"] == 1e-5
   assert by_name["bf16_sr@1e-5"].config(cfg.run, 0).optimizer.master_rounding == "stochastic"
+  assert (by_name["bf16_sr_cast@1e-5"].config(cfg.run, 0).optimizer.compute_cast_rounding
+          == "stochastic")
+  # min_travel: rl.steps = max(run.rl.steps, ceil(sr_travel / lr)), so lr x steps reaches it.
+  cfg.sr_travel = 1e-3
+  by_name = {s.name: s for s in ablate.settings(cfg)}
+  assert by_name["fp16@1e-5"].config(cfg.run, 0).rl.steps == 100
+  assert "rl.steps" not in dict(by_name["fp16@1e-3"].overrides)  # 1 step < run.rl.steps
   bf16 = {"precision": "bf16"}
   for bad, match in (({"name": "x", "group": "g", "overrides": {**bf16, "rl.kl_coef": "$nope"}},
                       r"\$nope names no knob"),

@@ -114,3 +114,82 @@ def test_distance_claims_pair_the_trajectory_part_by_seed():
   assert r.claim.result.mean == pytest.approx(-0.01, abs=2e-4)
   md = "\n".join(report._distance_table(lines))  # noqa: SLF001
   assert "| nvfp4_recipe | 5 | 0.2000 | 0.2000 |" in md
+
+
+# -- the seed's SR arm: FP32 master + BF16 RTN cast / SR cast, FP16 ----------------------------
+
+LRS = ("2e-4", "2e-5", "2e-6")
+
+
+def _cast_lines(gains, ref_kls=None, seeds=SEEDS):
+  """Results lines of the arm: gains[arm][lr] is a per-seed array (or a number)."""
+  out = []
+  for arm, by_lr in gains.items():
+    for lr, g in by_lr.items():
+      for s in seeds:
+        gs = float(np.broadcast_to(g, (len(seeds),))[s])
+        kl = 0.01 if ref_kls is None else float(np.broadcast_to(ref_kls[arm][lr], (len(seeds),))[s])
+        out.append({"setting": f"{arm}@{lr}", "group": "sr", "seed": s, "wall_s": 1.0,
+                    "eval_start": {"pass_at_1": 0.3, "greedy": 0.5},
+                    "eval_end": {"pass_at_1": 0.3 + gs, "greedy": 0.5}, "ref_kl_k3_end": kl,
+                    "overrides": {"optimizer.lr": float(lr)}})
+  return out
+
+
+def test_sr_cast_claims_find_the_lagging_lr_from_data_and_test_the_gap():
+  rng = np.random.default_rng(3)
+  seed = np.array([0.03, -0.02, 0.01, -0.04, 0.02])  # shared by the arms of a seed
+  noise = lambda: rng.normal(0, 1e-3, 5)  # noqa: E731
+  # A lag at 2e-5 and 2e-6 (FP16 above RTN); SR at FP16's level: the lowest lagging lr is 2e-6.
+  gains = {"fp32_master": {"2e-4": 0.05 + seed + noise(), "2e-5": 0.02 + seed + noise(),
+                           "2e-6": 0.00 + seed + noise()},
+           "bf16_sr_cast": {"2e-4": 0.05 + seed + noise(), "2e-5": 0.03 + seed + noise(),
+                            "2e-6": 0.01 + seed + noise()},
+           "fp16": {"2e-4": 0.049 + seed + noise(), "2e-5": 0.03 + seed + noise(),
+                    "2e-6": 0.01 + seed + noise()}}
+  kls = {a: {lr: (0.02 if a != "fp32_master" and lr == "2e-6" else 0.01) + 1e-4 * noise()
+             for lr in LRS} for a in gains}
+  results = _cast_lines(gains, kls)
+  lr, lags = report.lag_lr(results)
+  assert lr == "2e-6" and list(lags) == list(LRS) and lags["2e-4"] < 0 < lags["2e-5"]
+  v = _by_name(stats.judge(report.grid_claims(results)))
+  assert {f"cast_lag@{t}" for t in LRS} <= set(v)  # the lag at every lr: none chosen by data
+  assert v["cast_lag@2e-6"].verdict == "held" and v["cast_lag@2e-4"].verdict != "held"
+  g = v["cast_sr_closes_gap_gain"]
+  assert g.verdict == "held" and "lr 2e-6" in g.claim.design
+  assert g.claim.result.mean == pytest.approx(0.005, abs=2e-3)  # SR - midpoint(RTN, FP16)
+  assert v["cast_sr_closes_gap_ref_kl"].verdict == "held"
+  # SR no better than RTN: contradicted (it is below the midpoint on every seed).
+  for lr_ in LRS:
+    gains["bf16_sr_cast"][lr_] = gains["fp32_master"][lr_] + noise()
+  v = _by_name(stats.judge(report.sr_cast_claims(_cast_lines(gains, kls))))
+  assert v["cast_sr_closes_gap_gain"].verdict == "contradicted"
+  md = "\n".join(report._sr_cast_section(_cast_lines(gains, kls)))  # noqa: SLF001
+  assert "**2e-6**" in md and "| 2e-6 |" in md
+
+
+def test_sr_cast_claim_without_a_lag_is_not_tested():
+  same = {a: {lr: 0.02 + 0.0 * np.arange(5) for lr in LRS}
+          for a in ("fp32_master", "bf16_sr_cast", "fp16")}
+  same["fp16"] = {lr: 0.01 + 1e-3 * np.arange(5) for lr in LRS}  # FP16 below RTN everywhere
+  v = _by_name(stats.judge(report.sr_cast_claims(_cast_lines(same))))
+  assert report.lag_lr(_cast_lines(same))[0] is None
+  assert v["cast_sr_closes_gap_gain"].verdict == "not tested"
+  assert v["cast_sr_closes_gap_ref_kl"].verdict == "not tested"
+
+
+def test_choosing_the_lr_by_the_lag_does_not_make_the_gap_claim_pass():
+  """Under the null (the three arms equal in distribution, independent seed noise of equal
+  variance) the chosen lr's gap claim holds no more often than the t-test's one-sided level:
+  P(held) = 0.025 when the statistic is independent of the choice, which it is here (jointly
+  normal and uncorrelated). 200 grids: held ~ Binomial(200, 0.025), mean 5, P(>= 15) < 1e-3."""
+  rng = np.random.default_rng(4)
+  held = 0
+  for _ in range(200):
+    gains = {a: {lr: rng.normal(0.02, 0.01, 5) for lr in LRS}
+             for a in ("fp32_master", "bf16_sr_cast", "fp16")}
+    claims = [c for c in report.sr_cast_claims(_cast_lines(gains))
+              if c.name == "cast_sr_closes_gap_gain"]
+    if claims and not np.isnan(claims[0].result.p):
+      held += stats.verdict_of(claims[0].result.mean, claims[0].result.p, +1) == "held"
+  assert held < 15, held

@@ -14,7 +14,8 @@ from lowrl.training.setup import build
 
 # The resolved configs (first generated on main before configs became data, to show the move
 # changed none; regenerated since for deliberate changes: sft.steps 150 -> 50, eval_every 0 -> 10,
-# rl.routing_replay, the simulator's reduced grid), generated with
+# rl.routing_replay, the simulator's reduced grid,
+# optimizer.compute_cast_rounding and the ablation's sr_travel), generated with
 # run_config.to_json(configs.<name>.get_config()) (and precision.recipe(name).to_dict(),
 # simulator.default_config()). A deliberate change of a value regenerates it the same way.
 ON_MAIN = json.loads((tiny.REPO / "tests" / "data" / "configs_on_main.json").read_text())
@@ -134,8 +135,10 @@ def test_simulator_shares_the_loop_sections():
   sim, train = simulator.default_config(), base.get_config("bf16")
   assert {k.name for k in schema.RL.knobs} < set(sim.rl.keys())
   assert set(sim.rl.keys()) == {k.name for k in schema.SIM_RL.knobs} < set(train.rl.keys())
-  # The loop's optimizer adds only the static loss scale (the simulator has no FP16 recipe need).
-  assert set(sim.optimizer.keys()) | {"loss_scale"} == set(train.optimizer.keys())
+  # The loop's optimizer adds only the static loss scale (the simulator has no FP16 recipe need)
+  # and the trainer's stochastic compute cast (lowrl.training.compute_cast: the loop's trainer).
+  assert (set(sim.optimizer.keys()) | {"loss_scale", "compute_cast_rounding"}
+          == set(train.optimizer.keys()))
   # The loop's model section adds the real-checkpoint knobs to the shared ones.
   assert set(train.model.keys()) - set(sim.model.keys()) == {"hf_checkpoint", "param_dtype"}
   assert set(sim.model.keys()) < set(train.model.keys())
