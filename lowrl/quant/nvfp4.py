@@ -177,11 +177,15 @@ def _code_thresholds(s_block: jax.Array, t4: jax.Array) -> jax.Array:
   return where(s_block[None] > 0, jnp.stack(_seven(t4)), sentinel)
 
 
-def _magnitude(x_b: jax.Array, parts: _OuterParts) -> jax.Array:
+def _magnitude(x_b: jax.Array, parts: _OuterParts, nan_as_inf: bool = True) -> jax.Array:
   """v = |x| * 2**-e in FP32, NaN read as +inf (integer min of the magnitude bits; a NaN element
-  only occurs in a NaN block, where inf and NaN both give code 4)."""
+  only occurs in a NaN block, where inf and NaN both give code 4). nan_as_inf=False keeps NaN
+  (one operation less) for consumers whose NaN-block results do not depend on the codes: the
+  decoded values (code * NaN) and the 4/6 choice (both candidates' scales are the same NaN)."""
   bits = lax.bitcast_convert_type(x_b.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
-  return lax.bitcast_convert_type(jnp.minimum(bits, 0x7F800000), jnp.float32) * parts.down
+  if nan_as_inf:
+    bits = jnp.minimum(bits, 0x7F800000)
+  return lax.bitcast_convert_type(bits, jnp.float32) * parts.down
 
 
 def _select(v: jax.Array, thr: jax.Array, values) -> jax.Array:
@@ -213,7 +217,7 @@ def _choose_block_scale(x_b, amax_b, outer, parts, cfg: QuantConfig, layout: Lay
   # 4/6 compares round-to-nearest errors (also under SR). Codes of blocks whose scale is 0 or NaN
   # do not matter here: their candidates' products code * s are 0 or NaN whatever the code.
   t4_both = _materialize(thresholds(s_both, parts))  # [4, 2, ...]
-  v = _magnitude(x_b, parts)
+  v = _magnitude(x_b, parts, nan_as_inf=False)
   code6, code4 = _codes(v[None], _seven(t4_both))  # both candidates in one copy
   use4 = four_over_six.four_wins(
       v, code4, code6, s_both[1], s_both[0], parts.g, parts.g_hi, parts.g_lo,
@@ -274,12 +278,11 @@ def _decode_by_table(x_b, s_block, t4, outer, parts: _OuterParts) -> jax.Array:
   ~(entry0 << 1) clears it; entry 0 is +0 elsewhere and the mask keeps x's sign). The selected
   values are dtype values held in FP32, so the final cast is exact (for BF16, the top half of the
   bits). NaN elements occur only in NaN blocks, whose thresholds are NaN: every compare fails and
-  entry 0 is selected, so v need not map NaN to inf here (as `_magnitude` does).
+  entry 0 is selected, so v need not map NaN to inf here.
   """
   table = _decode_table(s_block, outer, parts, x_b.dtype)
   x_bits = lax.bitcast_convert_type(x_b.astype(jnp.float32), jnp.int32)
-  v = lax.bitcast_convert_type(x_bits & 0x7FFFFFFF, jnp.float32) * parts.down
-  mag = _select(v, _seven(t4), list(table))
+  mag = _select(_magnitude(x_b, parts, nan_as_inf=False), _seven(t4), list(table))
   keep_sign = ~(lax.bitcast_convert_type(table[0], jnp.int32) << 1) & jnp.int32(-0x80000000)
   out = lax.bitcast_convert_type(mag, jnp.int32) | (x_bits & keep_sign)
   if x_b.dtype == jnp.bfloat16:
@@ -292,8 +295,18 @@ def _decode_by_product(x_b, s_block, t4, outer, parts: _OuterParts) -> jax.Array
   """RNE_dtype(y) of y = fl32(code * s_block * outer), the codes from the seven thresholds:
   `_nvfp4_apply` without narrow_product, exact for FP32 output, and for BF16 output where
   `_bf16_double_rounding_free` holds."""
-  grid_b = with_sign_of(_codes(_magnitude(x_b, parts), _seven(t4)), x_b.astype(jnp.float32))
-  return (_opaque(grid_b * s_block) * outer).astype(x_b.dtype)
+  grid_b = with_sign_of(_codes(_magnitude(x_b, parts, nan_as_inf=False), _seven(t4)),
+                        x_b.astype(jnp.float32))
+  y = _opaque(grid_b * s_block) * outer
+  if x_b.dtype != jnp.bfloat16:
+    return y.astype(x_b.dtype)
+  # RNE to BF16 on the bits (add half an ulp minus one, plus the kept last bit, truncate): the
+  # cast's result for every finite y and inf, without its NaN branch. y is NaN only in NaN blocks,
+  # where it is the scale's quiet NaN (0x7FC00000, from jnp.nan), which this keeps as 0x7FC0.
+  bits = lax.bitcast_convert_type(y, jnp.int32)
+  bits = bits + (0x7FFF + (lax.shift_right_logical(bits, 16) & 1))
+  return lax.bitcast_convert_type(
+      lax.shift_right_logical(bits, 16).astype(jnp.uint16), jnp.bfloat16)
 
 
 # Odd parts of every product code * s_block / 2**k (code in E2M1, s_block E4M3: (1 or 3) * m,
