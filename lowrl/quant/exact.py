@@ -24,6 +24,7 @@ import numpy as np
 from jax import lax
 
 from lowrl.quant.formats import ElementFormat
+from lowrl.quant.layout import clip, where
 from lowrl.quant.rounding import f32_exponent, pow2, round_to_grid
 
 _LOW12 = 0xFFF
@@ -39,7 +40,7 @@ def materialize(v: jax.Array) -> jax.Array:
   rounding for NVFP4), but it never duplicates an "expensive" op (a division) that way. Dividing by
   a runtime 1 (2 for NaN, so XLA cannot fold it) is an exact identity that ends the fusion here.
   """
-  return v / jnp.where(jnp.isnan(v), 2.0, 1.0).astype(v.dtype)
+  return v / where(jnp.isnan(v), 2.0, 1.0).astype(v.dtype)
 
 
 def opaque(v: jax.Array) -> jax.Array:
@@ -68,7 +69,7 @@ def narrow_product(y_f32: jax.Array, cs_abs: jax.Array, down: jax.Array, g_hi: j
   p = cs_abs * g_lo
   bits = lax.bitcast_convert_type(y_f32, jnp.int32)
   trunc = bits - (d > p).astype(jnp.int32)  # |y| above the exact value: the FP32 number below
-  odd = jnp.where((d != p) & (jnp.abs(y_f32) > _F32_MIN_NORMAL), trunc | 1, bits)
+  odd = where((d != p) & (jnp.abs(y_f32) > _F32_MIN_NORMAL), trunc | 1, bits)
   return lax.bitcast_convert_type(odd, jnp.float32).astype(dtype)
 
 
@@ -82,7 +83,7 @@ def split12(v_f32: jax.Array) -> tuple[jax.Array, jax.Array]:
 def normalize(s_f32: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(e, G) with s = G * 2**e, G in [1, 2), for normal positive s (e = -127, G meaningless for 0)."""
   e = f32_exponent(s_f32)
-  return e, s_f32 * pow2(jnp.clip(-e, -126, 127))
+  return e, s_f32 * pow2(clip(-e, -126, 127))
 
 
 def round_quotient(num: jax.Array, den_a: jax.Array | float, g_hi: jax.Array, g_lo: jax.Array,
@@ -107,8 +108,8 @@ def round_quotient(num: jax.Array, den_a: jax.Array | float, g_hi: jax.Array, g_
   mb = fmt.mantissa_bits
   # Everything above the top interval's midpoint (NaN and inf included) is in the top interval.
   cap = fmt.max_normal - 2.0 ** (fmt.emax - mb - 1)
-  q = jnp.where(approx < cap, approx, cap)
-  shift = jnp.where(q < 2.0 ** fmt.emin, 2.0 ** fmt.emin, 0.0)
+  q = where(approx < cap, approx, cap)
+  shift = where(q < 2.0 ** fmt.emin, 2.0 ** fmt.emin, 0.0)
   bits = lax.bitcast_convert_type(q + shift, jnp.int32)
   low = (1 << (23 - mb)) - 1  # the FP32 mantissa bits below the format's
   m_top = lax.bitcast_convert_type((bits & ~low) | (1 << (22 - mb)), jnp.float32)
@@ -117,8 +118,8 @@ def round_quotient(num: jax.Array, den_a: jax.Array | float, g_hi: jax.Array, g_
   a = m * den_a
   d = num - a * g_hi
   p = a * g_lo
-  up = jnp.where((bits & (1 << (23 - mb))) != 0, d >= p, d > p)
-  return m + jnp.where(up, h, -h)
+  up = where((bits & (1 << (23 - mb))) != 0, d >= p, d > p)
+  return m + where(up, h, -h)
 
 
 def ceil_quotient(num: jax.Array, den_a: float, g_hi: jax.Array, g_lo: jax.Array,
@@ -136,7 +137,7 @@ def ceil_quotient(num: jax.Array, den_a: float, g_hi: jax.Array, g_lo: jax.Array
   above = d > a * g_lo
   k = fmt.mantissa_bits - jnp.maximum(f32_exponent(c), fmt.emin)
   nxt = jnp.minimum(c + pow2(-k), fmt.max_normal)
-  return jnp.where(above, nxt, c)
+  return where(above, nxt, c)
 
 
 def div_rn(num: jax.Array, den: float, round_up: bool = False) -> jax.Array:
@@ -174,7 +175,7 @@ def div_rn(num: jax.Array, den: float, round_up: bool = False) -> jax.Array:
   shift = e - (152 + p + big_l)  # the result is f * 2**shift: add shift to f's exponent field
   out_exp = (f_bits >> 23) + shift
   out = lax.bitcast_convert_type(f_bits + (shift << 23), jnp.float32)
-  return jnp.where((e > 0) & (out_exp > 0), out, 0.0)
+  return where((e > 0) & (out_exp > 0), out, 0.0)
 
 
 def round_e2m1_quotient(num: jax.Array, s_hi: jax.Array, s_lo: jax.Array,
@@ -196,11 +197,11 @@ def round_e2m1_quotient(num: jax.Array, s_hi: jax.Array, s_lo: jax.Array,
   """
   # Everything above the top midpoint 5 decides against 5; so does a NaN approx (inf * 0 when a
   # block's scale is 0: s_hi = inf then makes d NaN and the code 4 * 0).
-  q = jnp.where(approx < 5.5, approx, 5.5)
+  q = where(approx < 5.5, approx, 5.5)
   # Below 1 the grid (0, 0.5, 1) is [1, 2)'s (1, 1.5, 2) shifted by 1: pick there, shift back.
   # (q + 1 rounds, but only moves q by 2**-24, and below 1 the interval ends are 0, 0.5, 1, away
   # from the midpoints 0.25 and 0.75.)
-  shift = jnp.where(q < 1.0, 1.0, 0.0)
+  shift = where(q < 1.0, 1.0, 0.0)
   bits = lax.bitcast_convert_type(q + shift, jnp.int32)
   m_top = lax.bitcast_convert_type((bits & ~0x3FFFFF) | 0x200000, jnp.float32)
   h = lax.bitcast_convert_type(bits & ~0x7FFFFF, jnp.float32) * 0.25  # half the grid step
@@ -209,5 +210,5 @@ def round_e2m1_quotient(num: jax.Array, s_hi: jax.Array, s_lo: jax.Array,
   p = m * s_lo
   # Ties go up iff the lower neighbour is odd: 0.5, 1.5, 3 (m_top = 1.75, 1.75, 3.5).
   tie_up = (bits & 0x400000) != 0
-  up = jnp.where(tie_up, d >= p, d > p)
-  return m + jnp.where(up, h, -h)
+  up = where(tie_up, d >= p, d > p)
+  return m + where(up, h, -h)

@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from lowrl.quant import exact
+from lowrl.quant.layout import clip, where
 from lowrl.quant.rounding import f32_exponent, pow2
 
 _M15 = 0x7FFF
@@ -85,44 +87,83 @@ def _above(a: jax.Array, g_hi: jax.Array, g_lo: jax.Array, x_abs: jax.Array) -> 
   return (p > d).astype(jnp.float32) - (p < d).astype(jnp.float32)
 
 
+_MAGIC = np.float32(1.5 * 2.0**23)  # x + _MAGIC has unit spacing for |x| < 2**22
+_MAGIC_BITS = int(np.float32(_MAGIC).view(np.int32))
+
+
+def _small_int(v: jax.Array) -> jax.Array:
+  """int32 of an integer-valued FP32 v with |v| < 2**22, exactly (v + 1.5 * 2**23 is exact and
+  has unit spacing, so its bit pattern minus the magic number's is v): two operations, where
+  astype's saturating conversion takes six. Other values give some int32 (callers multiply
+  those by 0)."""
+  return lax.bitcast_convert_type(v + _MAGIC, jnp.int32) - _MAGIC_BITS
+
+
+def _one_limb_shift(x_sig_bits: int, block_elems: int, metric: str) -> int | None:
+  """k such that X = X' * 2**k with X' an integer for every contributing element, when the
+  whole sum of coef_x * X' fits in int32 (|sum| < n * 2**coef_bits * 2**(30 - k)), else None (15-bit limbs). An input with p significant
+  bits has |x| >= 2**(E - 6) on contributing elements, so X (unit 2**(E - 29)) is a multiple of
+  2**(23 - p + 1) and X' = X / 2**k < 2**(30 - k); |coef_x| < 2**9 (mse) or <= 2 (mae)."""
+  if x_sig_bits >= 24:
+    return None
+  k = 24 - x_sig_bits
+  coef_bits = 9 if metric == "mse" else 2
+  return k if block_elems * 2 ** (coef_bits + 30 - k) <= 2 ** 31 else None
+
+
 def four_wins(x_abs: jax.Array, code4: jax.Array, code6: jax.Array, s4: jax.Array, s6: jax.Array,
               g: jax.Array, g_hi: jax.Array, g_lo: jax.Array, amax_b: jax.Array, axes,
-              metric: str) -> jax.Array:
+              metric: str, x_sig_bits: int = 24) -> jax.Array:
   """True per block (keepdims over `axes`) where the exact error with scale 4 is strictly
   smaller than with scale 6 (module docstring). x_abs: |x| / 2**e (FP32, blocked view); code4,
-  code6: E2M1 grid values (any sign); s4, s6: E4M3 block scales (keepdims); g = g_hi + g_lo: the
-  outer scale's significand; amax_b: the block max / 2**e (keepdims)."""
-  a4 = jnp.abs(code4) * s4  # exact: <= 6 significant bits
-  a6 = jnp.abs(code6) * s6
+  code6: E2M1 grid magnitudes (>= 0); s4, s6: E4M3 block scales (keepdims); g = g_hi + g_lo: the
+  outer scale's significand; amax_b: the block max / 2**e (keepdims); x_sig_bits: significant
+  bits of the input dtype (8 BF16, 11 FP16, 24 FP32): 16-bit inputs sum X in one int32 limb."""
   kb = jnp.minimum(_scale_k(s4), _scale_k(s6))
   e_block = f32_exponent(amax_b)
+  axes = tuple(ax % x_abs.ndim for ax in axes)
+  n = int(np.prod([x_abs.shape[ax] for ax in axes]))
+  k = _one_limb_shift(x_sig_bits, n, metric)
   # The per-block factors once into one buffer (materialize: fused into the element loops, their
-  # exponent arithmetic would be redone for every element).
-  unit_a, unit_x = exact.materialize(jnp.stack([pow2(jnp.clip(1 - kb, -126, 127)),
-                                                pow2(jnp.clip(29 - e_block, -126, 127))]))
-  al4, al6 = a4 * unit_a, a6 * unit_a  # integers <= 360
-  x_units = (x_abs * unit_x).astype(jnp.int32)
-  x_lo, x_hi = _limbs15(x_units)
+  # exponent arithmetic would be redone for every element). s * unit_a is exact (a power of two
+  # times an E4M3 value, >= 1), so code * (s * unit_a) = (code * s) * unit_a.
+  unit_a = pow2(clip(1 - kb, -126, 127))
+  su4, su6, unit_x = exact.materialize(jnp.stack([
+      s4 * unit_a, s6 * unit_a, pow2(clip(29 - (k or 0) - e_block, -126, 127))]))
+  al4, al6 = code4 * su4, code6 * su6  # integers <= 360
   if metric == "mae":
+    a4, a6 = code4 * s4, code6 * s6  # exact: <= 6 significant bits
     sig4, sig6 = _above(a4, g_hi, g_lo, x_abs), _above(a6, g_hi, g_lo, x_abs)
     coef_a = sig4 * al4 - sig6 * al6
-    coef_x = (sig4 - sig6).astype(jnp.int32)
+    coef_x = _small_int(sig4 - sig6)
     t_off = 5
   else:
     coef_a = al4 * al4 - al6 * al6
-    coef_x = (al4 - al6).astype(jnp.int32)
+    coef_x = _small_int(al4 - al6)
     t_off = 4
-  # One variadic reduction: the three sums share their elementwise inputs in one loop.
-  axes = tuple(ax % x_abs.ndim for ax in axes)
   zero_f, zero_i = jnp.float32(0), jnp.int32(0)
-  sum_a, b_lo, b_hi = lax.reduce(
-      (coef_a, coef_x * x_lo, coef_x * x_hi), (zero_f, zero_i, zero_i),
-      lambda u, v: tuple(p + q for p, q in zip(u, v)), axes)
-  sum_a, b_lo, b_hi = (jnp.expand_dims(v, axes) for v in (sum_a, b_lo, b_hi))
+  add = lambda u, v: tuple(p + q for p, q in zip(u, v))  # noqa: E731
+  # One variadic reduction: the sums share their elementwise inputs in one loop.
+  if k is None:
+    x_units = (x_abs * unit_x).astype(jnp.int32)
+    x_lo, x_hi = _limbs15(x_units)
+    sum_a, b_lo, b_hi = lax.reduce((coef_a, coef_x * x_lo, coef_x * x_hi),
+                                   (zero_f, zero_i, zero_i), add, axes)
+    b = [jnp.expand_dims(b_lo, axes), jnp.expand_dims(b_hi, axes)]
+  else:
+    # X' < 2**22 for every finite element (|x| <= amax_b), an exact integer where it counts.
+    sum_a, b1 = lax.reduce((coef_a, coef_x * _small_int(x_abs * unit_x)), (zero_f, zero_i), add,
+                           axes)
+    b1 = jnp.expand_dims(b1, axes)
+    lo, hi = _limbs15(b1)
+    # B = B' * 2**k in 15-bit limbs (each < 2**30).
+    b = ([lo << k, hi << k] if k <= 15 else
+         [jnp.zeros_like(lo), lo << (k - 15), hi << (k - 15)])
+  sum_a = jnp.expand_dims(sum_a, axes)
   # g * A in 15-bit limbs: g = g1 2**15 + g0 (g < 2**24), A = A1 2**15 + A0 (|A| < 2**21).
   g_int = (g * 8388608.0).astype(jnp.int32)
   g0, g1 = _limbs15(g_int)
   a0, a1 = _limbs15(sum_a.astype(jnp.int32))
   p = [g0 * a0, g1 * a0 + g0 * a1, g1 * a1]
-  t = jnp.clip(kb - e_block + t_off, -14, 14)
-  return _lt_shifted(p, [b_lo, b_hi], t)
+  t = clip(kb - e_block + t_off, -14, 14)
+  return _lt_shifted(p, b, t)

@@ -78,8 +78,22 @@ def check_tensor_amax(cfg: QuantConfig, tensor_amax) -> jax.Array | None:
 
 def static_amax(tensor_amax: jax.Array) -> jax.Array:
   """A given amax; negative (invalid) values become NaN, so the tensor dequantizes to NaN."""
-  return jnp.where(tensor_amax >= 0, tensor_amax, jnp.nan)
+  return where(tensor_amax >= 0, tensor_amax, jnp.nan)
 
+
+
+def where(cond, a, b) -> jax.Array:
+  """jnp.where(cond, a, b) (same promotion, same select) as one inline select: jnp.where lowers
+  to a private StableHLO function per call site, and program size is what lowering and
+  compilation time scale with."""
+  dtype = jnp.result_type(a, b)
+  cond, a, b = jnp.broadcast_arrays(cond, jnp.asarray(a, dtype), jnp.asarray(b, dtype))
+  return lax.select(cond, a, b)
+
+
+def clip(v: jax.Array, lo, hi) -> jax.Array:
+  """jnp.clip(v, lo, hi) (max, then min) inline, without its private function (see `where`)."""
+  return jnp.minimum(jnp.maximum(v, lo), hi)
 
 
 def squeeze(a: jax.Array, layout: Layout) -> jax.Array:
@@ -130,7 +144,7 @@ def _abs_max_pairs(x_b: jax.Array, axes, keepdims: bool) -> jax.Array:
 def recip(s_f32: jax.Array) -> jax.Array:
   """1 / s per scale (before broadcasting), and 0 where s is 0 or NaN, so those codes are 0."""
   pos = s_f32 > 0
-  return jnp.where(pos, 1.0 / jnp.where(pos, s_f32, 1.0), 0.0)
+  return where(pos, 1.0 / where(pos, s_f32, 1.0), 0.0)
 
 
 def inv_const(c: float) -> np.float32:

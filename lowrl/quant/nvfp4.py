@@ -27,7 +27,8 @@ from jax import lax
 from lowrl.quant import exact, formats, four_over_six
 from lowrl.quant.config import QuantConfig
 from lowrl.quant.formats import E4M3
-from lowrl.quant.layout import Layout, abs_max, recip, squeeze, static_amax, unsqueeze
+from lowrl.quant.layout import (Layout, abs_max, clip, recip, squeeze, static_amax, unsqueeze,
+                                where)
 from lowrl.quant.rounding import pow2, stochastic_round_to_grid
 
 _materialize = exact.materialize
@@ -56,9 +57,9 @@ def _nvfp4_outer(amax_b: jax.Array, cfg: QuantConfig, layout: Layout,
   # Stochastic rounding rounds the scales up (exactly): then no element quotient exceeds 6, so no
   # element saturates and SR stays unbiased on every element (RNE scales that round down clip the
   # block max; RNE also flushes tiny blocks to 0).
-  q = exact.div_rn(jnp.where(finite, amax, 0.0), denom, round_up=cfg.stochastic_rounding)
+  q = exact.div_rn(where(finite, amax, 0.0), denom, round_up=cfg.stochastic_rounding)
   # Computed once (a scalar, or one per row): its exact division stays out of every consumer.
-  return _materialize(jnp.where(finite, q, jnp.nan))
+  return _materialize(where(finite, q, jnp.nan))
 
 
 class _OuterParts(NamedTuple):
@@ -77,7 +78,7 @@ def _outer_parts(outer: jax.Array) -> _OuterParts:
   consumer: XLA would otherwise repeat the exponent arithmetic in each of their fusions."""
   e, g = exact.normalize(outer)
   g_hi, g_lo = exact.split12(g)
-  down, g, g_hi, g_lo = _materialize(jnp.stack([pow2(jnp.clip(-e, -126, 127)), g, g_hi, g_lo]))
+  down, g, g_hi, g_lo = _materialize(jnp.stack([pow2(clip(-e, -126, 127)), g, g_hi, g_lo]))
   return _OuterParts(down, g, g_hi, g_lo, outer > 0)
 
 
@@ -97,8 +98,8 @@ def _nvfp4_block_scale(amax_b, outer, parts: _OuterParts, target,
   approx = a_b * recip(target * parts.g)
   rnd = exact.ceil_quotient if round_up else exact.round_quotient
   s_block = rnd(a_b, target, parts.g_hi, parts.g_lo, approx, E4M3)
-  s_block = jnp.where(parts.valid, s_block, 0.0)
-  return jnp.where(jnp.isnan(amax_b) | jnp.isnan(outer), jnp.nan, s_block)
+  s_block = where(parts.valid, s_block, 0.0)
+  return where(jnp.isnan(amax_b) | jnp.isnan(outer), jnp.nan, s_block)
 
 
 def _sr_elements(x_f32, s_block, parts: _OuterParts, key) -> jax.Array:
@@ -158,7 +159,7 @@ def thresholds(s_block: jax.Array, parts: _OuterParts) -> jax.Array:
   p = a * parts.g
   d = a * parts.g_hi - p
   lo = a * parts.g_lo
-  bump = jnp.where(np.asarray(_TIE_UP[:4]).reshape(shape), lo > -d, lo >= -d)
+  bump = where(np.asarray(_TIE_UP[:4]).reshape(shape), lo > -d, lo >= -d)
   return lax.bitcast_convert_type(
       lax.bitcast_convert_type(p, jnp.int32) + bump.astype(jnp.int32), jnp.float32)
 
@@ -173,21 +174,25 @@ def _code_thresholds(s_block: jax.Array, t4: jax.Array) -> jax.Array:
   NaN, so finite v gives code 0 and v = inf gives 4 there, as the quotient rounding did (NaN
   elements are read as inf, see `_magnitude`)."""
   sentinel = np.array([np.inf] * 6 + [np.nan], np.float32).reshape((7,) + (1,) * s_block.ndim)
-  return jnp.where(s_block[None] > 0, jnp.stack(_seven(t4)), sentinel)
+  return where(s_block[None] > 0, jnp.stack(_seven(t4)), sentinel)
 
 
-def _magnitude(x_b: jax.Array, parts: _OuterParts) -> jax.Array:
+def _magnitude(x_b: jax.Array, parts: _OuterParts, nan_as_inf: bool = True) -> jax.Array:
   """v = |x| * 2**-e in FP32, NaN read as +inf (integer min of the magnitude bits; a NaN element
-  only occurs in a NaN block, where inf and NaN both give code 4)."""
+  only occurs in a NaN block, where inf and NaN both give code 4). nan_as_inf=False keeps NaN
+  (one operation less) for consumers whose NaN-block results do not depend on the codes: the
+  decoded values (code * NaN) and the 4/6 choice (both candidates' scales are the same NaN)."""
   bits = lax.bitcast_convert_type(x_b.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
-  return lax.bitcast_convert_type(jnp.minimum(bits, 0x7F800000), jnp.float32) * parts.down
+  if nan_as_inf:
+    bits = jnp.minimum(bits, 0x7F800000)
+  return lax.bitcast_convert_type(bits, jnp.float32) * parts.down
 
 
 def _select(v: jax.Array, thr: jax.Array, values) -> jax.Array:
   """values[k] with k = #{i: v >= thr[i]} (thresholds nondecreasing): seven compares and selects."""
   out = values[0]
   for i in range(7):
-    out = jnp.where(v >= thr[i], values[i + 1], out)
+    out = where(v >= thr[i], values[i + 1], out)
   return out
 
 
@@ -203,7 +208,7 @@ def _choose_block_scale(x_b, amax_b, outer, parts, cfg: QuantConfig, layout: Lay
   sr = cfg.stochastic_rounding
   if not cfg.four_over_six:
     s_block = _materialize(_nvfp4_block_scale(amax_b, outer, parts, 6.0, sr))
-    return s_block, (None if sr else _materialize(thresholds(s_block, parts)))
+    return s_block, (None if sr else thresholds(s_block, parts))
   # Four over six: also try mapping the block max to 4 (finer steps near the top of the block),
   # keep whichever reconstructs the block better; ties keep 6. Both candidates' scales come from
   # one copy of the scale rounding, stacked on a leading axis (index 0: 6, 1: 4).
@@ -212,17 +217,17 @@ def _choose_block_scale(x_b, amax_b, outer, parts, cfg: QuantConfig, layout: Lay
   # 4/6 compares round-to-nearest errors (also under SR). Codes of blocks whose scale is 0 or NaN
   # do not matter here: their candidates' products code * s are 0 or NaN whatever the code.
   t4_both = _materialize(thresholds(s_both, parts))  # [4, 2, ...]
-  v = _magnitude(x_b, parts)
+  v = _magnitude(x_b, parts, nan_as_inf=False)
   code6, code4 = _codes(v[None], _seven(t4_both))  # both candidates in one copy
   use4 = four_over_six.four_wins(
       v, code4, code6, s_both[1], s_both[0], parts.g, parts.g_hi, parts.g_lo,
-      _scaled_by_outer(amax_b, parts), layout.reduce_axes, cfg.four_over_six_metric)
+      _scaled_by_outer(amax_b, parts), layout.reduce_axes, cfg.four_over_six_metric,
+      x_sig_bits=jnp.finfo(x_b.dtype).nmant + 1)
   # The per-block choice once into a buffer: fused into its consumers, its integer comparison
   # would be recomputed for each of them.
   use4 = _materialize(use4.astype(jnp.float32)) > 0
-  s_block = _materialize(jnp.where(use4, s_both[1], s_both[0]))
-  return s_block, (None if sr else _materialize(jnp.where(use4[None], t4_both[:, 1],
-                                                          t4_both[:, 0])))
+  s_block = _materialize(where(use4, s_both[1], s_both[0]))
+  return s_block, (None if sr else where(use4[None], t4_both[:, 1], t4_both[:, 0]))
 
 
 def _scales(x_b, cfg: QuantConfig, layout: Layout, tensor_amax):
@@ -251,16 +256,105 @@ def quantize_blocked(x_b, cfg: QuantConfig, layout: Layout, key, tensor_amax):
   return grid_b, scale, outer_stored, (s_block, outer, parts)
 
 
-def fake_quant_blocked(x_b, cfg: QuantConfig, layout: Layout, tensor_amax) -> jax.Array:
-  """Round to nearest: `_nvfp4_apply` of the codes from the block's four base thresholds.
+def _decode_table(s_block, outer, parts: _OuterParts, dtype) -> jax.Array:
+  """[8, *s_block.shape] FP32 per block, materialized: the decoded magnitudes `_nvfp4_apply(g)`
+  of the eight E2M1 magnitudes g, by the same operations (so the same values) as decoding each
+  element, in dtype and held exactly in FP32; one copy of the arithmetic on a leading axis.
+  Entry 0 is +0, or the scale's NaN in NaN blocks."""
+  grid = np.asarray(_GRID, np.float32).reshape((8,) + (1,) * s_block.ndim)
+  return _materialize(
+      _nvfp4_apply(grid, (s_block[None], outer, parts), dtype).astype(jnp.float32))
 
-  The codes of blocks whose scale is 0 or NaN may differ from `quantize_blocked`'s (no sentinel
-  thresholds), but not their decoded values: code * 0 * outer is 0 with the code's sign (x's),
-  and code * NaN is the scale's NaN, whatever the code.
+
+def _decode_by_table(x_b, s_block, t4, outer, parts: _OuterParts) -> jax.Array:
+  """Each element's decoded value selected from its block's table (`_decode_table`) by the
+  block's seven thresholds, with x's sign OR-ed in: seven compares and selects and a few bit
+  operations per element; the exact narrow decoding runs once per block and code.
+
+  Equal to `_nvfp4_apply` of the signed codes, bit for bit: decoding is odd in the code
+  (fl(-a) = -fl(a); narrow_product's round to odd works on magnitudes; the dtype cast is RNE),
+  except in NaN blocks, where it is the scale's NaN whatever x's sign: there the sign is masked
+  off (entry 0 is NaN, whose exponent bits shifted left by one set the sign bit, so
+  ~(entry0 << 1) clears it; entry 0 is +0 elsewhere and the mask keeps x's sign). The selected
+  values are dtype values held in FP32, so the final cast is exact (for BF16, the top half of the
+  bits). NaN elements occur only in NaN blocks, whose thresholds are NaN: every compare fails and
+  entry 0 is selected, so v need not map NaN to inf here.
+  """
+  table = _decode_table(s_block, outer, parts, x_b.dtype)
+  x_bits = lax.bitcast_convert_type(x_b.astype(jnp.float32), jnp.int32)
+  mag = _select(_magnitude(x_b, parts, nan_as_inf=False), _seven(t4), list(table))
+  keep_sign = ~(lax.bitcast_convert_type(table[0], jnp.int32) << 1) & jnp.int32(-0x80000000)
+  out = lax.bitcast_convert_type(mag, jnp.int32) | (x_bits & keep_sign)
+  if x_b.dtype == jnp.bfloat16:
+    return lax.bitcast_convert_type(
+        lax.shift_right_logical(out, 16).astype(jnp.uint16), jnp.bfloat16)
+  return lax.bitcast_convert_type(out, jnp.float32).astype(x_b.dtype)
+
+
+def _decode_by_product(x_b, s_block, t4, outer, parts: _OuterParts) -> jax.Array:
+  """RNE_dtype(y) of y = fl32(code * s_block * outer), the codes from the seven thresholds:
+  `_nvfp4_apply` without narrow_product, exact for FP32 output, and for BF16 output where
+  `_bf16_double_rounding_free` holds."""
+  grid_b = with_sign_of(_codes(_magnitude(x_b, parts, nan_as_inf=False), _seven(t4)),
+                        x_b.astype(jnp.float32))
+  y = _opaque(grid_b * s_block) * outer
+  if x_b.dtype != jnp.bfloat16:
+    return y.astype(x_b.dtype)
+  # RNE to BF16 on the bits (add half an ulp minus one, plus the kept last bit, truncate): the
+  # cast's result for every finite y and inf, without its NaN branch. y is NaN only in NaN blocks,
+  # where it is the scale's quiet NaN (0x7FC00000, from jnp.nan), which this keeps as 0x7FC0.
+  bits = lax.bitcast_convert_type(y, jnp.int32)
+  bits = bits + (0x7FFF + (lax.shift_right_logical(bits, 16) & 1))
+  return lax.bitcast_convert_type(
+      lax.shift_right_logical(bits, 16).astype(jnp.uint16), jnp.bfloat16)
+
+
+# Odd parts of every product code * s_block / 2**k (code in E2M1, s_block E4M3: (1 or 3) * m,
+# m <= 15 an integer).
+_ODD_PARTS = np.array(sorted({(g * m) >> ((g * m) & -(g * m)).bit_length() - 1
+                              for g in (1, 3) for m in range(1, 16)}), np.float32)
+
+
+def _bf16_double_rounding_free(outer: jax.Array) -> jax.Array:
+  """True when RNE_bf16(fl32(cs * outer)) = RNE_bf16(cs * outer) for every product cs = code *
+  s_block (scalar, over every outer scale given).
+
+  The two differ only where y = fl32(z) is exactly a BF16 midpoint (low 16 bits 0x8000) and
+  z != y: every BF16 grid point and midpoint is an FP32 number and RNE_f32 is monotone, so y
+  stays in z's closed interval between neighbouring ones; at a grid point y is within half an
+  FP32 step of z, far from any midpoint. cs = c * 2**k with c an odd integer in _ODD_PARTS, and
+  for normal results fl32(c * 2**k * outer) = 2**k * fl32(c * outer) has the same low bits, so
+  checking the 13 products c * outer (normal: outer >= 2**-126, c * outer < 2**123) covers
+  every element. Results at or below 2**-126 are flushed or kept as they are on both paths
+  (narrow_product keeps them), and overflow rounds to inf on both.
+  """
+  c = _ODD_PARTS.reshape((-1,) + (1,) * outer.ndim)
+  low = lax.bitcast_convert_type(c * outer[None], jnp.int32) & 0xFFFF
+  return ~jnp.any(low == 0x8000)
+
+
+def fake_quant_blocked(x_b, cfg: QuantConfig, layout: Layout, tensor_amax) -> jax.Array:
+  """Round to nearest: the decoded value of the code from the block's thresholds, bit for bit
+  `_nvfp4_apply` of `quantize_blocked`'s codes, by the cheapest exact path: the plain FP32
+  product for FP32 output, and for BF16 output too when no product can round twice
+  (`_bf16_double_rounding_free`, decided once per tensor: lax.cond runs one branch); else (and
+  for FP16) per-block tables of exactly rounded values (`_decode_by_table`).
+
+  Blocks whose scale is 0 or NaN may get other codes than `quantize_blocked`'s (no sentinel
+  thresholds), but not other decoded values: code * 0 * outer is 0 with x's sign, and a NaN
+  scale's products are that NaN, whatever the code.
   """
   outer, parts, s_block, t4 = _scales(x_b, cfg, layout, tensor_amax)
-  grid_b = with_sign_of(_codes(_magnitude(x_b, parts), _seven(t4)), x_b.astype(jnp.float32))
-  return _nvfp4_apply(grid_b, (s_block, outer, parts), x_b.dtype)
+  # Four threshold planes (the other three are exact doublings, in the loop): the element pass
+  # reads every per-block plane once per element, and fewer planes measured faster.
+  t4 = _materialize(t4)
+  if x_b.dtype == jnp.float32:
+    return _decode_by_product(x_b, s_block, t4, outer, parts)
+  by_table = lambda: _decode_by_table(x_b, s_block, t4, outer, parts)  # noqa: E731
+  if x_b.dtype != jnp.bfloat16:
+    return by_table()
+  return lax.cond(_bf16_double_rounding_free(outer),
+                  lambda: _decode_by_product(x_b, s_block, t4, outer, parts), by_table)
 
 
 def params(scale, outer, layout: Layout, cfg: QuantConfig):
