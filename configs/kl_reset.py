@@ -21,7 +21,7 @@ success probability p_hat, the fraction of prompts with no correct sample, pass@
 """
 import ml_collections
 
-from lowrl.asyncrl import simulator
+from configs import simulate
 
 VARIANTS = ("full", "tiny")
 
@@ -32,19 +32,18 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     raise ValueError(f"configs/kl_reset.py:{variant}: use one of {VARIANTS}.")
   c = ml_collections.ConfigDict()
   c.variant = variant
-  c.sim = simulator.default_config()
-  # The simulator sweep's regime (configs/simulate.py): RL from a weak supervised base at a
+  # The simulator sweep's full-grid regime (configs/simulate.py:full: sort 6 of 8, per-token
+  # reward, 40-step supervised base, lr 1e-3, 8 prompts x 8, 300 updates): RL from a weak base at a
   # learning rate where the on-policy BF16 run improves clearly; exact match = the optimal answer.
-  c.sim.task.update(kind="sort", num_symbols=8, length=6, reward="per_token")
-  c.sim.sft.steps = 40
-  c.sim.optimizer.lr = 1e-3
-  c.sim.rl.steps = 300
+  c.sim = simulate.get_config("full").sim
   c.sim.rl.kl_estimator = "k3"
   c.sim.eval_every = 0  # the greedy eval only at the start and the end
   c.sim.eval_num_prompts = 128  # held-out prompts of the greedy and the sampled eval
   c.seeds = (0, 1, 2, 3, 4)
   # Beta of the KL arms: large enough that the fixed reference visibly holds the run back
-  # against no_kl (chosen from a pilot, docs/kl_reset.md "Choosing the coefficient").
+  # against no_kl, which the report's kl_bites claim tests (docs/kl_reset.md "Choosing the
+  # coefficient": the penalty's per-token pull beta * log(pi / pi_ref) must reach the size of the
+  # per-token advantage signal, ~0.5-1, at the drift the no-KL run reaches, ~0.3-0.5).
   c.kl_coef = 1.0
   c.ref_reset_every = 25  # 12 resets in 300 updates
   c.pass_eval_every = 50
@@ -53,6 +52,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # pass@n = 1 - (fraction of prompts with no correct sample), the first claim again.
   c.large_k = 16
   c.bootstrap_seed = 0
+  # Other workdirs of this experiment (the same config but disjoint seeds) whose runs join this
+  # one's in the analysis, e.g. seeds 5-9 run separately: --config.pool_workdirs="('/tmp/b',)".
+  c.pool_workdirs = ()
   if variant == "tiny":  # the test model of tests/asyncrl/test_simulator.py
     c.sim.task.update(num_symbols=5, length=4)
     c.sim.model.update(d_model=16, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=16, d_ff=32)

@@ -75,8 +75,9 @@ def _counts(m: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def run_arms(cfg: ml_collections.ConfigDict, log: Log = print) -> dict[str, Any]:
-  """Runs the three arms; {arm: {"counts": [S, points, P], "per_seed": scalars [S]}, "points":
-  update counts of the eval points, "timing": seconds}."""
+  """Runs the three arms; {arm: {"counts": [S, points, P], "kl_ref": [S, steps], "per_seed":
+  scalars [S]}, "seeds", "points": update counts of the eval points, "timing": [{seeds, seconds,
+  load}] (one entry per set of runs pooled)}."""
   check(cfg)
   seeds = tuple(int(s) for s in cfg.seeds)
   setup0, schedule = _setup(cfg, 0.0)
@@ -107,10 +108,11 @@ def run_arms(cfg: ml_collections.ConfigDict, log: Log = print) -> dict[str, Any]
                 "kl_ref": kl_ref[sl]}  # [S, steps]: KL to the reference during update t
   every, steps = cfg.pass_eval_every, cfg.sim.rl.steps
   out["points"] = list(range(0, steps + 1, every))
-  out["timing"] = {"wall_s": time.perf_counter() - t0,
-                   "compile_s": res0.compile_s + res1.compile_s,
-                   "run_s": res0.run_s + res1.run_s,
-                   "load_start": load0, "load_end": os.getloadavg()}
+  out["seeds"] = list(seeds)
+  out["timing"] = [{"seeds": list(seeds), "wall_s": time.perf_counter() - t0,
+                    "compile_s": res0.compile_s + res1.compile_s,
+                    "run_s": res0.run_s + res1.run_s,
+                    "load_start": load0, "load_end": os.getloadavg()}]
   return out
 
 
@@ -168,12 +170,15 @@ def report(cfg: ml_collections.ConfigDict, arms: dict[str, Any], summ: dict[str,
   """The markdown report (docs/kl_reset.md holds a full run's)."""
   n, pts = cfg.pass_samples, arms["points"]
   ks = success.powers_of_two(n)
-  tm = arms["timing"]
   load = lambda la: "/".join(f"{x:.1f}" for x in la)  # noqa: E731
-  lines = [
-      f"{len(cfg.seeds)} seeds x 3 arms x {cfg.sim.rl.steps} updates; wall {tm['wall_s'] / 60:.1f}"
-      f" min (compile {tm['compile_s']:.0f} s, run {tm['run_s']:.0f} s); load average (1/5/15 "
-      f"min) {load(tm['load_start'])} at the start, {load(tm['load_end'])} at the end.",
+  lines = [f"{len(arms['seeds'])} seeds x 3 arms x {cfg.sim.rl.steps} updates; seeds "
+           f"{', '.join(map(str, arms['seeds']))}.", ""]
+  for tm in arms["timing"]:
+    lines.append(f"- seeds {', '.join(map(str, tm['seeds']))}: wall {tm['wall_s'] / 60:.1f} min "
+                 f"(compile {tm['compile_s']:.0f} s, run {tm['run_s']:.0f} s); load average "
+                 f"(1/5/15 min) {load(tm['load_start'])} at the start, {load(tm['load_end'])} at "
+                 "the end (2 CPU cores).")
+  lines += [
       "", "## Claims", "",
       "Effect = mean over seeds of the paired difference at the end of the run, 95% CI of the "
       "paired t-test; Holm over the claims below; verdict at 0.05 (**not resolved**: the design "
@@ -226,8 +231,8 @@ def figure(cfg: ml_collections.ConfigDict, arms: dict[str, Any], summ: dict[str,
     b.errorbar(arms["points"], z.mean(0), yerr=z.std(0), capsize=3, label=arm)
   a.set(xscale="log", xlabel="k", ylabel="held-out pass@k", title="pass@k at the end")
   a.set_xticks(ks, [str(k) for k in ks])
-  b.set(xlabel="updates", ylabel="fraction of prompts with no correct sample",
-        title=f"collapsed prompts (of {cfg.pass_samples} samples; mean ± std over seeds)")
+  b.set(xlabel="updates", ylabel="fraction of prompts (mean ± std over seeds)",
+        title=f"prompts with no correct sample of {cfg.pass_samples}")
   a.legend()
   b.legend()
   fig.tight_layout()
@@ -235,7 +240,15 @@ def figure(cfg: ml_collections.ConfigDict, arms: dict[str, Any], summ: dict[str,
   plt.close(fig)
 
 
-def _saved_arms(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
+def _fingerprint(cfg: ml_collections.ConfigDict, *without: str) -> str:
+  """The config's fingerprint without `pool_workdirs` (which runs join the analysis is not what
+  ran) and the keys `without`."""
+  d = {k: v for k, v in cfg.to_dict().items() if k not in ("pool_workdirs", *without)}
+  return run_config.fingerprint(ml_collections.ConfigDict(d))
+
+
+def _saved_arms(cfg: ml_collections.ConfigDict, workdir: str, *, fingerprint: str | None = None
+                ) -> dict[str, Any] | None:
   """The arms a previous run of this config left in <workdir>/arms.json (None if none); another
   config's is an error, not a silent mix."""
   path = os.path.join(workdir, ARMS_FILE)
@@ -243,7 +256,7 @@ def _saved_arms(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] 
     return None
   with open(path) as f:
     saved = json.load(f)
-  if saved["fingerprint"] != run_config.fingerprint(cfg):
+  if saved["fingerprint"] != (fingerprint or _fingerprint(cfg)):
     raise ValueError(f"{path} holds another config's runs; use a fresh --workdir or delete it.")
   arms = saved["arms"]
   for arm in ARMS:
@@ -259,8 +272,38 @@ def _save_arms(cfg: ml_collections.ConfigDict, workdir: str, arms: dict[str, Any
                 for a in ARMS})
   path = os.path.join(workdir, ARMS_FILE)
   with open(path + ".tmp", "w") as f:
-    json.dump({"fingerprint": run_config.fingerprint(cfg), "arms": plain}, f)
+    json.dump({"fingerprint": _fingerprint(cfg), "config": cfg.to_dict(), "arms": plain}, f,
+              default=str)
   os.replace(path + ".tmp", path)
+
+
+def _pooled_arms(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """The arms of another workdir of this experiment: the same config but its seeds."""
+  path = os.path.join(workdir, RESULTS)
+  if not os.path.exists(path):
+    raise ValueError(f"--config.pool_workdirs: {path} does not exist; run the experiment there "
+                     "first (same config, other seeds).")
+  with open(path) as f:
+    other = ml_collections.ConfigDict(json.load(f)["config"])
+  if _fingerprint(other, "seeds") != _fingerprint(cfg, "seeds"):
+    raise ValueError(f"--config.pool_workdirs: {workdir} ran another config (not only other "
+                     "seeds); pool only runs of this config.")
+  return _saved_arms(other, workdir)
+
+
+def _pool(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+  """Two sets of runs of one config with disjoint seeds, as one (seed order: a's, then b's)."""
+  if set(a["seeds"]) & set(b["seeds"]):
+    raise ValueError(f"--config.pool_workdirs: seeds {sorted(set(a['seeds']) & set(b['seeds']))} "
+                     "ran twice; pool runs of disjoint seeds.")
+  out = {"seeds": a["seeds"] + b["seeds"], "points": a["points"],
+         "timing": a["timing"] + b["timing"]}
+  for arm in ARMS:
+    out[arm] = {"counts": np.concatenate([a[arm]["counts"], b[arm]["counts"]]),
+                "kl_ref": np.concatenate([a[arm]["kl_ref"], b[arm]["kl_ref"]]),
+                "per_seed": {k: np.concatenate([v, b[arm]["per_seed"][k]])
+                             for k, v in a[arm]["per_seed"].items()}}
+  return out
 
 
 def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[stats.Verdict]:
@@ -274,10 +317,14 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[
     _save_arms(cfg, workdir, arms)  # before the analysis: a report bug loses no run
   else:
     log(f"[kl_reset] reusing the runs in {os.path.join(workdir, ARMS_FILE)}")
+  for other in cfg.pool_workdirs:
+    arms = _pool(arms, _pooled_arms(cfg, other))
+    log(f"[kl_reset] + the runs of {other} (seeds {arms['timing'][-1]['seeds']})")
   summ = summaries(arms, cfg.pass_samples)
   verdicts, notes = claims(summ, arms, cfg)
   with open(os.path.join(workdir, RESULTS), "w") as f:
-    json.dump({"config": cfg.to_dict(), "points": arms["points"], "timing": arms["timing"],
+    json.dump({"config": cfg.to_dict(), "seeds": arms["seeds"], "points": arms["points"],
+               "timing": arms["timing"],
                "claims": [v.row() for v in verdicts],
                "arms": {a: {"summaries": summ[a], "counts": arms[a]["counts"].tolist(),
                             "kl_ref": arms[a]["kl_ref"].tolist(),
