@@ -1,6 +1,7 @@
 """The jitted pieces of one simulated run: rollouts (plain and pipelined), static activation
-calibration, the greedy held-out evaluation, the supervised warm start and the training scan
-(`make_train`). Everything here traces inside one program; `simulator` compiles and runs it.
+calibration, the greedy held-out evaluation and the sampled one (per-prompt success counts), the
+supervised warm start and the training scan (`make_train`, optionally resetting the KL reference
+on a `reset_plan`). Everything here traces inside one program; `simulator` compiles and runs it.
 """
 from __future__ import annotations
 
