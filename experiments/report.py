@@ -488,7 +488,8 @@ NOT_YET = ["## What this grid cannot test yet", "",
            "enough to matter, per-prompt probability of a correct answer, the fraction of prompts "
            "whose probability goes to 0, pass@k for k up to 64. The grid's mean KL to a reference "
            "that was just reset is 0 by construction and is not a claim here; `kl_reset_pass_k` "
-           "is the grid's proxy (pass@k at k = eval_samples).",
+           "is the grid's proxy (pass@k at k = eval_samples). The seed's claim, tested in the "
+           "simulator (300 updates, 10 seeds, fixed vs reset vs no KL): [kl_reset.md](kl_reset.md).",
            "- **Distance to BF16 in two parts at 25% and 50% of every run**: experiments.paired "
            "measures the static and trajectory parts at the start and the end (table above); the "
            "loop keeps only its two newest checkpoints, so the middle points need it to keep "

@@ -1,6 +1,7 @@
 """The jitted pieces of one simulated run: rollouts (plain and pipelined), static activation
-calibration, the greedy held-out evaluation, the supervised warm start and the training scan
-(`make_train`). Everything here traces inside one program; `simulator` compiles and runs it.
+calibration, the greedy held-out evaluation and the sampled one (per-prompt success counts), the
+supervised warm start and the training scan (`make_train`, optionally resetting the KL reference
+on a `reset_plan`). Everything here traces inside one program; `simulator` compiles and runs it.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from lowrl import precision
@@ -136,20 +138,41 @@ def pipeline_rollout(setup: SimSetup, ring, token_slot_H: jax.Array, key: jax.Ar
   return out, reward_B, exact_B
 
 
+def _eval_decode(setup: SimSetup, params, prompt_BP: jax.Array, config: SamplingConfig,
+                 key: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(reward_B, exact_B) of the trainer's policy (trainer precision) decoding `prompt_BP` under
+  `config`, keyed by `key` (sampling, quantization and the calibration prompts)."""
+  # A trainer recipe with per-tensor activation scales decodes as deployed: static scales
+  # calibrated from the evaluated weights.
+  act_amax = calibrate(setup, setup.trainer_policy, params, calib_key(key))
+  out = _generate(setup, setup.trainer_policy, config, params, prompt_BP, key,
+                  setup.trainer_policy.quant_key(key), act_amax)
+  return setup.task.rewards(prompt_BP, out.tokens[:, out.prompt_width:])
+
+
 def evaluate(setup: SimSetup, params, key: jax.Array) -> dict[str, jax.Array]:
   """Greedy reward and exact-match rate of the trainer's policy (trainer precision) on held-out
   prompts (the eval split: problems never drawn for training); `evaluation.eval_metrics`."""
   prompt_BP = setup.task.prompts(key, setup.eval_num_prompts, "eval")
   greedy = dataclasses.replace(setup.sampling, temperature=0.0, top_k=0, top_p=1.0)
-  # A trainer recipe with per-tensor activation scales decodes as deployed: static scales
-  # calibrated from the evaluated weights.
-  act_amax = calibrate(setup, setup.trainer_policy, params, calib_key(key))
-  out = _generate(setup, setup.trainer_policy, greedy, params, prompt_BP, key,
-                  setup.trainer_policy.quant_key(key), act_amax)
-  reward_B, _ = setup.task.rewards(prompt_BP, out.tokens[:, out.prompt_width:])
+  reward_B, _ = _eval_decode(setup, params, prompt_BP, greedy, key)
   # Solved = reward 1 = every position right: the exact match under either reward kind.
   m = eval_metrics(reward_B)
   return {"reward": m["greedy_reward"], "exact": m["greedy"]}
+
+
+def sampled_correct(setup: SimSetup, params, key: jax.Array) -> jax.Array:
+  """[eval_num_prompts] int32: of `pass_eval_samples` completions per held-out prompt (the greedy
+  eval's prompts for this key), sampled at the rollout temperature from the trainer's policy in
+  its precision, how many are the exact answer (reward 1 under either kind). Per-prompt success
+  counts for p_hat, the zero-success fraction and pass@k (`lowrl.analysis.success`)."""
+  n = setup.pass_eval_samples
+  prompt_PL = setup.task.prompts(key, setup.eval_num_prompts, "eval")
+  prompt_BL = jnp.repeat(prompt_PL, n, axis=0)  # prompt-contiguous: row p * n + j
+  # Its own sampling key (the greedy eval's is `key`); the same at every eval point of a run.
+  _, exact_B = _eval_decode(setup, params, prompt_BL, setup.sampling,
+                            jax.random.fold_in(key, 1))
+  return jnp.sum(exact_B.reshape(setup.eval_num_prompts, n), axis=1).astype(jnp.int32)
 
 
 def warm_start(setup: SimSetup, key: jax.Array):
@@ -240,7 +263,12 @@ def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict
   `plan` is `AsyncSchedule.ring_plan(setup.steps, num_slots)` (as arrays; a pipeline setup adds
   `token_read_slot` [steps, horizon] of `PipelineSchedule.token_ring_plan`); `metrics` are
   [steps] arrays of per-step scalars. Pure and jittable. With rl.kl_coef > 0 the KL penalty is
-  to the starting params (the loop's reference: its base).
+  to the starting params (the loop's reference: its base), unless `plan` holds `ref_reset`
+  ([steps] bool, `reset_plan`): then after the update of every step t where it is true the
+  reference becomes the current params (the loop's rl.ref_reset_every; a runtime input, so fixed
+  and reset runs share one program). With `setup.pass_eval_every` > 0, after every that many
+  updates `sampled_correct` of the params (`eval/pass/correct`, [steps, eval_num_prompts], -1 on
+  the other steps).
   """
   tx = setup.make_optimizer()
   rl_step, logprob_fn = make_rl_step(setup)
@@ -253,6 +281,9 @@ def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict
     _, k_steps = jax.random.split(key)
     opt_state = optimizer.init_opt_state(tx, params)
     ref_params = params if use_ref else None
+    resets = "ref_reset" in plan  # the reference rides in the carry only then
+    if resets and not use_ref:
+      raise ValueError("plan['ref_reset'] resets the KL reference; it needs rl.kl_coef > 0.")
     k_calib = calib_key(key)
     base_amax = calibrate(setup, setup.sampler_policy, params, k_calib)
 
@@ -267,8 +298,11 @@ def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict
     ring_version = jnp.full((num_slots,), -1, jnp.int32)
 
     def step(carry, xs):
-      params, opt_state, ring, ring_version = carry
-      t, write, write_slot, read_slot, token_slot_H = xs
+      if resets:
+        params, opt_state, ring, ring_version, ref = carry
+      else:
+        (params, opt_state, ring, ring_version), ref = carry, ref_params
+      t, write, write_slot, read_slot, token_slot_H, *reset = xs
       # Sync: version t (params after t updates) reaches the samplers' slot.
       ring = jax.tree.map(
           lambda r, p: r.at[write_slot].set(jnp.where(write, p, r[write_slot])), ring,
@@ -302,7 +336,7 @@ def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict
                                             rollout_weights(params)[1]).logprobs
       params_before = params
       params, opt_state, m = rl_step(
-          params, opt_state, ref_params,
+          params, opt_state, ref,
           Rollout(out, reward_B, logp_now_BT, logp_stale_BT, logp_now_sampler_BT), k_upd)
       version = ring_version[read_slot]
       if moe:
@@ -312,20 +346,38 @@ def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict
             (t + 1) % setup.eval_every == 0,
             lambda p: evaluate(setup, p, eval_key(key))["reward"],
             lambda p: jnp.float32(jnp.nan), params)}
+      if setup.pass_eval_every:
+        m = {**m, "eval/pass/correct": jax.lax.cond(
+            (t + 1) % setup.pass_eval_every == 0,
+            lambda p: sampled_correct(setup, p, eval_key(key)),
+            lambda p: jnp.full((setup.eval_num_prompts,), -1, jnp.int32), params)}
       m = {**m, "reward/exact": jnp.mean(exact_B), "sampler_version": version,
            "drift/tokens": jnp.sum(out.completion_mask),
            "drift/staleness/version_distance": version_distance(sampler_params, params_before),
            "sampler_version_lag": t - version}
+      if resets:  # pi_ref <- the params after this update (where the plan says so)
+        ref = jax.tree.map(lambda r, p: jnp.where(reset[0], p, r), ref, params)
+        return (params, opt_state, ring, ring_version, ref), m
       return (params, opt_state, ring, ring_version), m
 
     token_slot = plan.get("token_read_slot",
                           jnp.zeros((setup.steps, setup.task.length), jnp.int32))
     xs = (jnp.arange(setup.steps, dtype=jnp.int32), plan["write"], plan["write_slot"],
-          plan["read_slot"], token_slot)
-    (params, *_), metrics = jax.lax.scan(step, (params, opt_state, ring, ring_version), xs)
+          plan["read_slot"], token_slot) + ((plan["ref_reset"],) if resets else ())
+    carry = (params, opt_state, ring, ring_version) + ((ref_params,) if resets else ())
+    (params, *_), metrics = jax.lax.scan(step, carry, xs)
     return params, metrics
 
   return train
+
+
+def reset_plan(steps: int, every: int) -> np.ndarray:
+  """[steps] bool: reset the KL reference after the update of step t iff (t + 1) % every == 0,
+  as the loop's rl.ref_reset_every (0 = never: a fixed reference)."""
+  if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+    raise ValueError(f"ref_reset_every={every!r}: use an int >= 0 (0 = a fixed reference).")
+  t = np.arange(steps)
+  return (t + 1) % every == 0 if every else np.zeros(steps, bool)
 
 
 def eval_key(key: jax.Array) -> jax.Array:

@@ -168,6 +168,10 @@ class SimSetup:
   pipeline: bool = False  # in-flight weight updates: per-token versions (PipelineSchedule)
   eval_every: int = 0  # greedy held-out eval of the trainer's policy every this many steps
   routing_replay: bool = False  # MoE: the trainer replays the sampler's recorded routing
+  # Sampled held-out eval (scan.sampled_correct) every this many steps (0 = off), with this many
+  # completions per prompt; set by callers (experiments/kl_reset.py), not a SCHEMA knob.
+  pass_eval_every: int = 0
+  pass_eval_samples: int = 0
 
   @property
   def batch_size(self) -> int:

@@ -56,7 +56,8 @@ import numpy as np
 # The public names of the simulator's pieces (task, setting, one run), so callers import one module.
 from lowrl.asyncrl.scan import (  # noqa: F401
     calib_key, calibrate, eval_key, evaluate, initial_params, make_rl_step, make_train,
-    pipeline_rollout, rollout, sampler_score, sampler_scores_are_trainers, warm_start)
+    pipeline_rollout, reset_plan, rollout, sampled_correct, sampler_score,
+    sampler_scores_are_trainers, warm_start)
 from lowrl.asyncrl.setup import (ACT_CALIBRATIONS, AUTO, RECIPE_COMPONENTS,  # noqa: F401
                                  SCHEDULE_KINDS, SCHEMA, SimSetup, build, default_config, lag_of,
                                  schedule_of)
@@ -94,7 +95,7 @@ def _eval_view(setup: SimSetup) -> SimSetup:
   return dataclasses.replace(setup, sampler_policy=setup.trainer_policy,
                              update_cfg=UpdateConfig(LossConfig(), CorrectionConfig()), steps=1,
                              num_prompts=1, group_size=2, advantage="grpo", sampler_exact=False,
-                             std_ddof=0, batch_cfg=None, eval_every=0)
+                             std_ddof=0, batch_cfg=None, eval_every=0, pass_eval_every=0)
 
 
 @functools.lru_cache(maxsize=32)
@@ -107,14 +108,26 @@ def _init_eval(setup: SimSetup, num_seeds: int) -> tuple[Any, Any, float]:
   return init, ev.compile(), time.perf_counter() - t0
 
 
+@functools.lru_cache(maxsize=8)
+def _pass_eval(setup: SimSetup, num_seeds: int) -> tuple[Any, float]:
+  """Compiled (vmapped) sampled_correct on the eval key, and how long compiling took."""
+  t0 = time.perf_counter()
+  keys, params = _specs(setup, num_seeds)
+  pe = jax.jit(jax.vmap(lambda p, k: sampled_correct(setup, p, eval_key(k))))
+  return pe.lower(params, keys).compile(), time.perf_counter() - t0
+
+
 @functools.lru_cache(maxsize=32)
-def _train(setup: SimSetup, num_slots: int, num_seeds: int) -> tuple[Any, float]:
+def _train(setup: SimSetup, num_slots: int, num_seeds: int, resets: bool = False
+           ) -> tuple[Any, float]:
   """The compiled (vmapped) training scan, and how long compiling took."""
   t0 = time.perf_counter()
   keys, params = _specs(setup, num_seeds)
   plan = {"write": jax.ShapeDtypeStruct((num_seeds, setup.steps), jnp.bool_),
           "write_slot": jax.ShapeDtypeStruct((num_seeds, setup.steps), jnp.int32),
           "read_slot": jax.ShapeDtypeStruct((num_seeds, setup.steps), jnp.int32)}
+  if resets:
+    plan["ref_reset"] = jax.ShapeDtypeStruct((num_seeds, setup.steps), jnp.bool_)
   if setup.pipeline:
     plan["token_read_slot"] = jax.ShapeDtypeStruct((num_seeds, setup.steps, setup.task.length),
                                                    jnp.int32)
@@ -123,15 +136,31 @@ def _train(setup: SimSetup, num_slots: int, num_seeds: int) -> tuple[Any, float]
 
 
 def simulate(setup: SimSetup, schedule: AsyncSchedule, seeds: Sequence[int],
-             num_slots: int | None = None) -> SimResult:
+             num_slots: int | None = None,
+             ref_reset_every: Sequence[int] | None = None) -> SimResult:
   """Runs one setting for every seed (vmapped; one compiled program per (setup, slots, seeds)).
 
   Seed s runs from `jax.random.key(s)` with `schedule` re-seeded by s (its lag draws). A fixed
   `num_slots` >= every schedule's `max_versions` lets settings that differ only in lag or sync
   interval share one compiled program; the results do not depend on it.
+
+  `ref_reset_every` (one int per seed, needs rl.kl_coef > 0): steps between resets of the KL
+  reference to the current params (`scan.reset_plan`; 0 = fixed), a runtime input, so lanes with
+  and without resets share one program (a seed may repeat, one lane per period). None: the
+  reference is fixed and the program is the plain one. With `setup.pass_eval_every`, the metrics
+  add `eval/start/pass_correct` [S, eval_num_prompts] (the start params' `sampled_correct`).
   """
   if not seeds:
     raise ValueError("simulate needs at least one seed.")
+  if setup.pass_eval_every and setup.pass_eval_samples < 1:
+    raise ValueError(f"pass_eval_every={setup.pass_eval_every} needs pass_eval_samples >= 1 "
+                     f"(completions per held-out prompt), got {setup.pass_eval_samples}.")
+  if ref_reset_every is not None:
+    if len(ref_reset_every) != len(seeds):
+      raise ValueError(f"ref_reset_every has {len(ref_reset_every)} periods for {len(seeds)} "
+                       "seeds; give one per seed (0 = a fixed reference).")
+    if not setup.update_cfg.loss.kl_coef > 0:
+      raise ValueError("ref_reset_every resets the KL reference; set rl.kl_coef > 0.")
   if setup.pipeline != isinstance(schedule, PipelineSchedule):
     raise ValueError("a setup built with async_rl.schedule=pipeline runs a PipelineSchedule, and "
                      "only it.")
@@ -145,20 +174,32 @@ def simulate(setup: SimSetup, schedule: AsyncSchedule, seeds: Sequence[int],
     plans = [dataclasses.replace(schedule, seed=int(s)).ring_plan(setup.steps, num_slots)
              for s in seeds]
   plan = {k: jnp.asarray(np.stack([p[k] for p in plans])) for k in keys_of_plan}
+  resets = ref_reset_every is not None
+  if resets:
+    plan["ref_reset"] = jnp.asarray(np.stack([reset_plan(setup.steps, e)
+                                              for e in ref_reset_every]))
   keys = jnp.stack([jax.random.key(int(s)) for s in seeds])
   compile_s = 0.0
   misses = _init_eval.cache_info().misses
   init, ev, seconds = _init_eval(_eval_view(setup), len(seeds))
   compile_s += seconds if _init_eval.cache_info().misses > misses else 0.0
   misses = _train.cache_info().misses
-  train, seconds = _train(setup, num_slots, len(seeds))
+  train, seconds = _train(setup, num_slots, len(seeds), resets)
   compile_s += seconds if _train.cache_info().misses > misses else 0.0
+  if setup.pass_eval_every:
+    misses = _pass_eval.cache_info().misses
+    pe, seconds = _pass_eval(_eval_view(setup), len(seeds))  # reads pass_eval_samples only
+    compile_s += seconds if _pass_eval.cache_info().misses > misses else 0.0
   t0 = time.perf_counter()
   params = init(keys)
   ev_start = ev(params, keys)
+  if setup.pass_eval_every:
+    metrics_start = {"eval/start/pass_correct": pe(params, keys)}
   params, metrics = train(params, keys, plan)
   ev_end = ev(params, keys)
   metrics.update({f"eval/start/{k}": v for k, v in ev_start.items()})
   metrics.update({f"eval/end/{k}": v for k, v in ev_end.items()})
+  if setup.pass_eval_every:
+    metrics.update(metrics_start)
   metrics = {k: np.asarray(v) for k, v in metrics.items()}  # waits for the device
   return SimResult(params, metrics, compile_s, time.perf_counter() - t0)

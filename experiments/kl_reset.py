@@ -1,0 +1,364 @@
+r"""KL reference reset in the simulator: do a fixed reference's collapsed prompts come back when the
+reference is reset to the current policy? (seed 003 item 2; configs/kl_reset.py; docs/kl_reset.md)
+
+  python -m experiments.kl_reset --workdir=/tmp/kl_reset                 # 3 arms x 5 seeds x 300
+  python -m experiments.kl_reset --workdir=/tmp/kl_tiny --config=configs/kl_reset.py:tiny
+
+Three arms (no_kl, fixed, reset; configs/kl_reset.py), every seed in each, each run one jitted scan
+of the simulator (lowrl.asyncrl). Along each run the trainer's policy samples `pass_samples`
+completions per held-out prompt (`scan.sampled_correct`); per seed and eval point the held-out
+p_hat, the fraction of prompts with no correct sample and pass@k (lowrl.analysis.success).
+Claims, paired by seed and Holm-adjusted together (lowrl.analysis.stats):
+  collapse  with a fixed reference more prompts end with no correct sample than with resets;
+  pass@k    resets raise pass@large_k at the end;
+  kl_bites  the fixed reference holds the run back: no_kl ends with a higher p_hat.
+Writes <workdir>/arms.json (the runs' raw numbers; a second run of the same config reuses them),
+<workdir>/results.json (per arm, seed and eval point: the summaries and the raw counts),
+<workdir>/report.md and <workdir>/kl_reset.png. A config error is one line on stderr, exit 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Callable
+
+import ml_collections
+import numpy as np
+from absl import app
+
+from lowrl.analysis import stats, success
+from lowrl.asyncrl import simulator
+from lowrl.training import cli, run_config
+
+Log = Callable[[str], None]
+ARMS = ("no_kl", "fixed", "reset")
+RESULTS, REPORT, FIGURE = "results.json", "report.md", "kl_reset.png"
+ARMS_FILE = "arms.json"  # the runs' raw numbers, written as soon as they finish
+
+
+def check(cfg: ml_collections.ConfigDict) -> None:
+  """The experiment's own knobs (the simulator's are checked by simulator.build); ValueError
+  naming the fix, before anything compiles."""
+  seeds = tuple(cfg.seeds)
+  if len(seeds) < 2 or len(set(seeds)) != len(seeds) or not all(isinstance(s, int) for s in seeds):
+    raise ValueError(f"--config.seeds={cfg.seeds!r}: at least 2 distinct ints (the claims are "
+                     "paired over seeds).")
+  if not cfg.kl_coef > 0:
+    raise ValueError(f"--config.kl_coef={cfg.kl_coef}: the KL arms need a coefficient > 0.")
+  for name in ("ref_reset_every", "pass_eval_every", "pass_samples", "large_k"):
+    v = cfg[name]
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+      raise ValueError(f"--config.{name}={v!r}: use an int >= 1.")
+  if cfg.sim.rl.steps % cfg.pass_eval_every:
+    raise ValueError(f"--config.pass_eval_every={cfg.pass_eval_every} must divide "
+                     f"--config.sim.rl.steps={cfg.sim.rl.steps} (the last eval is the end).")
+  if cfg.large_k > cfg.pass_samples:
+    raise ValueError(f"--config.large_k={cfg.large_k} > --config.pass_samples="
+                     f"{cfg.pass_samples}: pass@k needs k <= samples per prompt.")
+
+
+def _setup(cfg: ml_collections.ConfigDict, kl_coef: float):
+  sim = ml_collections.ConfigDict(cfg.sim.to_dict())
+  sim.rl.kl_coef = kl_coef
+  setup = dataclasses.replace(simulator.build(sim), pass_eval_every=cfg.pass_eval_every,
+                              pass_eval_samples=cfg.pass_samples)
+  return setup, simulator.schedule_of(sim)
+
+
+def _counts(m: dict[str, np.ndarray]) -> np.ndarray:
+  """[lanes, points, P] correct counts at the start and after every eval's update."""
+  curve = m["eval/pass/correct"]  # [lanes, steps, P], -1 off the eval steps
+  at = np.flatnonzero(curve[0, :, 0] >= 0)
+  return np.concatenate([m["eval/start/pass_correct"][:, None], curve[:, at]], axis=1)
+
+
+def run_arms(cfg: ml_collections.ConfigDict, log: Log = print) -> dict[str, Any]:
+  """Runs the three arms; {arm: {"counts": [S, points, P], "kl_ref": [S, steps], "per_seed":
+  scalars [S]}, "seeds", "points": update counts of the eval points, "timing": [{seeds, seconds,
+  load}] (one entry per set of runs pooled)}."""
+  check(cfg)
+  seeds = tuple(int(s) for s in cfg.seeds)
+  setup0, schedule = _setup(cfg, 0.0)
+  setup_kl, _ = _setup(cfg, float(cfg.kl_coef))  # before any compile: both builds checked
+  load0 = os.getloadavg()
+  t0 = time.perf_counter()
+  # fixed and reset: lanes of one program (the reset plan is a runtime input). no_kl runs as
+  # many lanes (each seed twice, the second copy unused) so that its base and evals come from the
+  # same compiled programs: a vmap over another number of lanes may round differently, and every
+  # arm of a seed then starts from one bit-identical base.
+  s = len(seeds)
+  res0 = simulator.simulate(setup0, schedule, seeds + seeds)
+  log(f"[kl_reset] no_kl: compile {res0.compile_s:.0f} s, run {res0.run_s:.0f} s")
+  res1 = simulator.simulate(setup_kl, schedule, seeds + seeds,
+                            ref_reset_every=(0,) * s + (cfg.ref_reset_every,) * s)
+  log(f"[kl_reset] fixed + reset: compile {res1.compile_s:.0f} s, run {res1.run_s:.0f} s")
+  lanes = {"no_kl": (res0.metrics, slice(0, s)), "fixed": (res1.metrics, slice(0, s)),
+           "reset": (res1.metrics, slice(s, 2 * s))}
+  out: dict[str, Any] = {}
+  for arm, (m, sl) in lanes.items():
+    # no_kl keeps no reference (kl_ref is logged only with one): NaN.
+    kl_ref = m.get("kl_ref", np.full(m["reward/mean"].shape, np.nan))
+    out[arm] = {"counts": _counts(m)[sl],
+                "per_seed": {"greedy_start": m["eval/start/reward"][sl],
+                             "greedy_end": m["eval/end/reward"][sl],
+                             "greedy_exact_start": m["eval/start/exact"][sl],
+                             "greedy_exact_end": m["eval/end/exact"][sl],
+                             "kl_ref_mean": kl_ref[sl].mean(1),
+                             "kl_ref_end": kl_ref[sl, -10:].mean(1),
+                             "train_reward_end": m["reward/mean"][sl, -30:].mean(1)},
+                "kl_ref": kl_ref[sl]}  # [S, steps]: KL to the reference during update t
+  every, steps = cfg.pass_eval_every, cfg.sim.rl.steps
+  out["points"] = list(range(0, steps + 1, every))
+  out["seeds"] = list(seeds)
+  out["timing"] = [{"seeds": list(seeds), "wall_s": time.perf_counter() - t0,
+                    "compile_s": res0.compile_s + res1.compile_s,
+                    "run_s": res0.run_s + res1.run_s,
+                    "load_start": load0, "load_end": os.getloadavg()}]
+  return out
+
+
+def summaries(arms: dict[str, Any], n: int) -> dict[str, list[list[dict[str, float]]]]:
+  """{arm: [seed][point] success_summary}."""
+  return {arm: [[success.success_summary(c, n) for c in seed] for seed in arms[arm]["counts"]]
+              for arm in ARMS}
+
+
+def claims(summ: dict[str, Any], arms: dict[str, Any], cfg: ml_collections.ConfigDict
+           ) -> tuple[list[stats.Verdict], list[str]]:
+  """The report's claims (paired by seed, end of the run), judged together; and the notes (sign
+  test, a bootstrap over (seed, prompt) units: the prompt-level spread, not the seed-level one)."""
+  k = cfg.large_k
+  end = lambda arm, key: np.array([s[-1][key] for s in summ[arm]])  # noqa: E731
+  per_prompt_zero = {a: (arms[a]["counts"][:, -1] == 0).astype(float).ravel() for a in ARMS}
+  per_prompt_k = {a: np.concatenate([success.pass_at_k_per_prompt(c, cfg.pass_samples, k)
+                                     for c in arms[a]["counts"][:, -1]]) for a in ARMS}
+  per_prompt_p = {a: (arms[a]["counts"][:, -1] / cfg.pass_samples).ravel() for a in ARMS}
+  design = (f"end of {cfg.sim.rl.steps} updates, {cfg.pass_samples} samples per held-out prompt "
+            f"({cfg.sim.eval_num_prompts} prompts); per-seed mean over prompts; "
+            "{a} - {b}, paired by seed")
+  spec = [
+      ("collapse", "With a fixed reference more held-out prompts end with no correct sample "
+       f"(of {cfg.pass_samples}) than with resets", "zero_frac", "fixed", "reset", per_prompt_zero),
+      ("pass@k", f"Resetting the reference raises held-out pass@{k} at the end", f"pass@{k}",
+       "reset", "fixed", per_prompt_k),
+      ("kl_bites", f"The fixed reference (kl_coef {cfg.kl_coef}) holds the run back: no_kl ends "
+       "with a higher held-out p_hat (pass@1)", "p_hat", "no_kl", "fixed", per_prompt_p),
+  ]
+  out, notes = [], []
+  for name, statement, key, a, b, per_prompt in spec:
+    d = end(a, key) - end(b, key)
+    out.append(stats.Claim(name, statement, f"{key}: " + design.format(a=a, b=b),
+                           stats.paired_t(d), direction=1))
+    boot = stats.bootstrap_mean_ci(per_prompt[a], pairs=per_prompt[b], rng_seed=cfg.bootstrap_seed)
+    notes.append(f"{statement}: sign test p {stats.fmt_p(stats.sign_test(d))} "
+                 f"({int(np.sum(d > 0))} of {d.size} seeds in the stated direction, "
+                 f"{int(np.sum(d == 0))} ties); bootstrap over the {boot.n} (seed, prompt) units "
+                 f"{stats.fmt_num(boot.mean, 4)} [{stats.fmt_num(boot.ci_low, 4)}, "
+                 f"{stats.fmt_num(boot.ci_high, 4)}]")
+  return stats.judge(out), notes
+
+
+def _mean_ci(x: np.ndarray) -> str:
+  x = np.asarray(x, float)
+  if not np.all(np.isfinite(x)):
+    return "–"
+  r = stats.paired_t(x)
+  return f"{r.mean:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}]"
+
+
+def report(cfg: ml_collections.ConfigDict, arms: dict[str, Any], summ: dict[str, Any],
+           verdicts: list[stats.Verdict], notes: list[str]) -> str:
+  """The markdown report (docs/kl_reset.md holds a full run's)."""
+  n, pts = cfg.pass_samples, arms["points"]
+  ks = success.powers_of_two(n)
+  load = lambda la: "/".join(f"{x:.1f}" for x in la)  # noqa: E731
+  lines = [f"{len(arms['seeds'])} seeds x 3 arms x {cfg.sim.rl.steps} updates; seeds "
+           f"{', '.join(map(str, arms['seeds']))}.", ""]
+  for tm in arms["timing"]:
+    lines.append(f"- seeds {', '.join(map(str, tm['seeds']))}: wall {tm['wall_s'] / 60:.1f} min "
+                 f"(compile {tm['compile_s']:.0f} s, run {tm['run_s']:.0f} s); load average "
+                 f"(1/5/15 min) {load(tm['load_start'])} at the start, {load(tm['load_end'])} at "
+                 "the end (2 CPU cores).")
+  lines += [
+      "", "## Claims", "",
+      "Effect = mean over seeds of the paired difference at the end of the run, 95% CI of the "
+      "paired t-test; Holm over the claims below; verdict at 0.05 (**not resolved**: the design "
+      "cannot tell).", "", stats.markdown_table(verdicts, 4), "",
+      "Also (not Holm-adjusted):", ""] + [f"- {x}" for x in notes] + [
+      "", "## Along the run", "",
+      "Mean over seeds [95% t CI] of the per-seed mean over held-out prompts; updates = updates "
+      "done before the eval.", "",
+      "| arm | updates | p_hat (pass@1) | zero fraction | pass@" + str(cfg.large_k) + " | pass@"
+      + str(n) + " |", "|---|---|---|---|---|---|"]
+  for arm in ARMS:
+    for j, t in enumerate(pts):
+      col = lambda key: _mean_ci([s[j][key] for s in summ[arm]])  # noqa: E731
+      lines.append(f"| {arm} | {t} | {col('p_hat')} | {col('zero_frac')} | "
+                   f"{col(f'pass@{cfg.large_k}')} | {col(f'pass@{n}')} |")
+  lines += ["", f"## pass@k at the end ({cfg.sim.rl.steps} updates; start = the shared base)", "",
+            "| arm | " + " | ".join(f"k={k}" for k in ks) + " |",
+            "|---|" + "---|" * len(ks)]
+  rows = [("start", [s[0] for s in summ["fixed"]])] + [(a, [s[-1] for s in summ[a]]) for a in ARMS]
+  for name, per_seed in rows:
+    lines.append(f"| {name} | " + " | ".join(
+        f"{np.mean([s[f'pass@{k}'] for s in per_seed]):.3f}" for k in ks) + " |")
+  lines += ["", "## Other numbers per arm (mean over seeds [95% t CI])", "",
+            "| arm | greedy reward start | greedy reward end | greedy exact end | train reward "
+            "(last 30 updates) | KL to its reference, run mean | KL to its reference, last 10 |",
+            "|---|---|---|---|---|---|---|"]
+  for arm in ARMS:
+    p = arms[arm]["per_seed"]
+    lines.append(f"| {arm} | {_mean_ci(p['greedy_start'])} | {_mean_ci(p['greedy_end'])} | "
+                 f"{_mean_ci(p['greedy_exact_end'])} | {_mean_ci(p['train_reward_end'])} | "
+                 f"{_mean_ci(p['kl_ref_mean'])} | {_mean_ci(p['kl_ref_end'])} |")
+  lines += ["", f"![pass@k and collapsed prompts]({FIGURE})", ""]
+  return "\n".join(lines)
+
+
+def figure(cfg: ml_collections.ConfigDict, arms: dict[str, Any], summ: dict[str, Any],
+           path: str) -> None:
+  """pass@k against k at the end, and the zero fraction along the run, per arm."""
+  import matplotlib  # noqa: PLC0415 (headless backend before pyplot)
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  ks = success.powers_of_two(cfg.pass_samples)
+  fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+  a.plot(ks, [np.mean([s[0][f"pass@{k}"] for s in summ["fixed"]]) for k in ks], "k:",
+         label="start (base)")
+  for arm in ARMS:
+    a.plot(ks, [np.mean([s[-1][f"pass@{k}"] for s in summ[arm]]) for k in ks], "o-", label=arm)
+    z = np.array([[p["zero_frac"] for p in s] for s in summ[arm]])
+    b.errorbar(arms["points"], z.mean(0), yerr=z.std(0), capsize=3, label=arm)
+  a.set(xscale="log", xlabel="k", ylabel="held-out pass@k", title="pass@k at the end")
+  a.set_xticks(ks, [str(k) for k in ks])
+  b.set(xlabel="updates", ylabel="fraction of prompts (mean ± std over seeds)",
+        title=f"prompts with no correct sample of {cfg.pass_samples}")
+  a.legend()
+  b.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def _fingerprint(cfg: ml_collections.ConfigDict, *without: str) -> str:
+  """The config's fingerprint without `pool_workdirs` (which runs join the analysis is not what
+  ran) and the keys `without`."""
+  d = {k: v for k, v in cfg.to_dict().items() if k not in ("pool_workdirs", *without)}
+  return run_config.fingerprint(ml_collections.ConfigDict(d))
+
+
+def _saved_arms(cfg: ml_collections.ConfigDict, workdir: str, *, fingerprint: str | None = None
+                ) -> dict[str, Any] | None:
+  """The arms a previous run of this config left in <workdir>/arms.json (None if none); another
+  config's is an error, not a silent mix."""
+  path = os.path.join(workdir, ARMS_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    saved = json.load(f)
+  if saved["fingerprint"] != (fingerprint or _fingerprint(cfg)):
+    raise ValueError(f"{path} holds another config's runs; use a fresh --workdir or delete it.")
+  arms = saved["arms"]
+  for arm in ARMS:
+    arms[arm] = {"counts": np.array(arms[arm]["counts"]), "kl_ref": np.array(arms[arm]["kl_ref"]),
+                 "per_seed": {k: np.array(v) for k, v in arms[arm]["per_seed"].items()}}
+  return arms
+
+
+def _save_arms(cfg: ml_collections.ConfigDict, workdir: str, arms: dict[str, Any]) -> None:
+  plain = {k: v for k, v in arms.items() if k not in ARMS}
+  plain.update({a: {"counts": arms[a]["counts"].tolist(), "kl_ref": arms[a]["kl_ref"].tolist(),
+                    "per_seed": {k: np.asarray(v).tolist() for k, v in arms[a]["per_seed"].items()}}
+                for a in ARMS})
+  path = os.path.join(workdir, ARMS_FILE)
+  with open(path + ".tmp", "w") as f:
+    json.dump({"fingerprint": _fingerprint(cfg), "config": cfg.to_dict(), "arms": plain}, f,
+              default=str)
+  os.replace(path + ".tmp", path)
+
+
+def _pooled_arms(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """The arms of another workdir of this experiment: the same config but its seeds."""
+  path = os.path.join(workdir, RESULTS)
+  if not os.path.exists(path):
+    raise ValueError(f"--config.pool_workdirs: {path} does not exist; run the experiment there "
+                     "first (same config, other seeds).")
+  with open(path) as f:
+    other = ml_collections.ConfigDict(json.load(f)["config"])
+  if _fingerprint(other, "seeds") != _fingerprint(cfg, "seeds"):
+    raise ValueError(f"--config.pool_workdirs: {workdir} ran another config (not only other "
+                     "seeds); pool only runs of this config.")
+  return _saved_arms(other, workdir)
+
+
+def _pool(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+  """Two sets of runs of one config with disjoint seeds, as one (seed order: a's, then b's)."""
+  if set(a["seeds"]) & set(b["seeds"]):
+    raise ValueError(f"--config.pool_workdirs: seeds {sorted(set(a['seeds']) & set(b['seeds']))} "
+                     "ran twice; pool runs of disjoint seeds.")
+  out = {"seeds": a["seeds"] + b["seeds"], "points": a["points"],
+         "timing": a["timing"] + b["timing"]}
+  for arm in ARMS:
+    out[arm] = {"counts": np.concatenate([a[arm]["counts"], b[arm]["counts"]]),
+                "kl_ref": np.concatenate([a[arm]["kl_ref"], b[arm]["kl_ref"]]),
+                "per_seed": {k: np.concatenate([v, b[arm]["per_seed"][k]])
+                             for k, v in a[arm]["per_seed"].items()}}
+  return out
+
+
+def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[stats.Verdict]:
+  """Runs the experiment (or reuses the runs <workdir>/arms.json holds for this config) and
+  writes results.json, report.md and kl_reset.png under `workdir`."""
+  check(cfg)
+  os.makedirs(workdir, exist_ok=True)
+  arms = _saved_arms(cfg, workdir)
+  if arms is None:
+    arms = run_arms(cfg, log)
+    _save_arms(cfg, workdir, arms)  # before the analysis: a report bug loses no run
+  else:
+    log(f"[kl_reset] reusing the runs in {os.path.join(workdir, ARMS_FILE)}")
+  for other in cfg.pool_workdirs:
+    arms = _pool(arms, _pooled_arms(cfg, other))
+    log(f"[kl_reset] + the runs of {other} (seeds {arms['timing'][-1]['seeds']})")
+  summ = summaries(arms, cfg.pass_samples)
+  verdicts, notes = claims(summ, arms, cfg)
+  with open(os.path.join(workdir, RESULTS), "w") as f:
+    json.dump({"config": cfg.to_dict(), "seeds": arms["seeds"], "points": arms["points"],
+               "timing": arms["timing"],
+               "claims": [v.row() for v in verdicts],
+               "arms": {a: {"summaries": summ[a], "counts": arms[a]["counts"].tolist(),
+                            "kl_ref": arms[a]["kl_ref"].tolist(),
+                            "per_seed": {k: np.asarray(v).tolist()
+                                         for k, v in arms[a]["per_seed"].items()}}
+                        for a in ARMS}}, f, default=str)
+  with open(os.path.join(workdir, REPORT), "w") as f:
+    f.write(report(cfg, arms, summ, verdicts, notes))
+  figure(cfg, arms, summ, os.path.join(workdir, FIGURE))
+  for v in verdicts:
+    r = v.claim.result
+    log(f"[kl_reset] {v.claim.name}: {r.mean:+.4f} [{r.ci_low:+.4f}, {r.ci_high:+.4f}] "
+        f"Holm p {stats.fmt_p(v.p_holm)}: {v.verdict}")
+  log(f"[kl_reset] -> {os.path.join(workdir, REPORT)}")
+  return verdicts
+
+
+_FLAGS = cli.define_run_flags("kl_reset.py", "/tmp/lowrl_kl_reset",
+                               "Output directory (results.json, report.md, kl_reset.png).")
+
+
+def main(argv):
+  cfg = _FLAGS.start(argv)
+  if cfg is None:
+    return
+  try:
+    check(cfg)
+  except ValueError as e:
+    cli.fail(str(e))
+  run(cfg, _FLAGS.workdir.value, log=lambda s: print(s, flush=True))
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=_FLAGS.parser())
