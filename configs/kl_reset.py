@@ -12,7 +12,7 @@ fixed and reset are lanes of one compiled program (the reset plan is a runtime i
 Every `pass_eval_every` updates (and at the start) each run samples `pass_samples` completions per
 held-out prompt at the rollout temperature (lowrl.asyncrl.scan.sampled_correct): per prompt the
 success probability p_hat, the fraction of prompts with no correct sample, pass@k for k = 1, 2,
-4, ..., pass_samples (lowrl.analysis.success).
+4, ..., pass_samples (lowrl.tasks.success).
 
   configs/kl_reset.py           the regime of the simulator sweep (sort 6 of 8, 2-layer d=32
                                 decoder from a 40-step base, 8 x 8 per update), 300 updates,

@@ -7,7 +7,7 @@ reference is reset to the current policy? (seed 003 item 2; configs/kl_reset.py;
 Three arms (no_kl, fixed, reset; configs/kl_reset.py), every seed in each, each run one jitted scan
 of the simulator (lowrl.asyncrl). Along each run the trainer's policy samples `pass_samples`
 completions per held-out prompt (`scan.sampled_correct`); per seed and eval point the held-out
-p_hat, the fraction of prompts with no correct sample and pass@k (lowrl.analysis.success).
+p_hat, the fraction of prompts with no correct sample and pass@k (lowrl.tasks.success).
 Claims, paired by seed and Holm-adjusted together (lowrl.analysis.stats):
   collapse  with a fixed reference more prompts end with no correct sample than with resets;
   pass@k    resets raise pass@large_k at the end;
@@ -28,7 +28,8 @@ import ml_collections
 import numpy as np
 from absl import app
 
-from lowrl.analysis import stats, success
+from lowrl.analysis import stats
+from lowrl.tasks import success
 from lowrl.asyncrl import simulator
 from lowrl.training import cli, run_config
 
@@ -345,10 +346,6 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[
   return verdicts
 
 
-_FLAGS = cli.define_run_flags("kl_reset.py", "/tmp/lowrl_kl_reset",
-                               "Output directory (results.json, report.md, kl_reset.png).")
-
-
 def main(argv):
   cfg = _FLAGS.start(argv)
   if cfg is None:
@@ -361,4 +358,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Flags only when run as the binary: a test importing this module beside another binary's
+  # (both define --workdir) must not collide in absl's global registry.
+  _FLAGS = cli.define_run_flags("kl_reset.py", "/tmp/lowrl_kl_reset",
+                                "Output directory (results.json, report.md, kl_reset.png).")
   app.run(main, flags_parser=_FLAGS.parser())

@@ -165,7 +165,7 @@ def sampled_correct(setup: SimSetup, params, key: jax.Array) -> jax.Array:
   """[eval_num_prompts] int32: of `pass_eval_samples` completions per held-out prompt (the greedy
   eval's prompts for this key), sampled at the rollout temperature from the trainer's policy in
   its precision, how many are the exact answer (reward 1 under either kind). Per-prompt success
-  counts for p_hat, the zero-success fraction and pass@k (`lowrl.analysis.success`)."""
+  counts for p_hat, the zero-success fraction and pass@k (`lowrl.tasks.success`)."""
   n = setup.pass_eval_samples
   prompt_PL = setup.task.prompts(key, setup.eval_num_prompts, "eval")
   prompt_BL = jnp.repeat(prompt_PL, n, axis=0)  # prompt-contiguous: row p * n + j

@@ -1,4 +1,4 @@
-"""lowrl.analysis.success against the definitions: pass@k by enumerating every size-k subset of
+"""lowrl.tasks.success against the definitions: pass@k by enumerating every size-k subset of
 the n samples (small n), by scipy.special.comb (exact integers) for n = 64, and p_hat / the
 zero fraction worked by hand."""
 import itertools
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import scipy.special
 
-from lowrl.analysis import success
+from lowrl.tasks import success
 
 
 def _enumerated(n: int, c: int, k: int) -> float:
