@@ -17,6 +17,11 @@ shared machine hit all of them alike). The table reports medians over --repeats 
 ratio to each BF16 round trip, its spread: the ratio is taken per round (both timed within the same
 round), then the median and the [min, max] over rounds are printed.
 
+--stages also times, for each spec-exact round-to-nearest NVFP4 format, its first stages as
+programs of their own in the same rounds: the block amax alone, and the amax with every per-block
+quantity (outer scale, block scales, code thresholds and, with 4/6, the choice between 6 and 4);
+the rest of fake_quant is the element pass. Where the time goes, as ratios to the same round trip.
+
 --hlo prints the StableHLO line counts of each format's fake_quant program and of the forward+grad
 program of one quantized matmul ([size/8, size] x [size, size/8], lhs per-token, the main job's
 NVFP4 recipe: per-token 4/6 activations, 4/6 weights, dequantized backward, BF16 compute) against
@@ -30,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrl import user_cache
-from lowrl.quant import QDotConfig, QuantConfig, bytes_per_param, fake_quant
+from lowrl.quant import QDotConfig, QuantConfig, bytes_per_param, fake_quant, nvfp4
+from lowrl.quant.layout import abs_max, block_layout, normalize_config
 from lowrl.quant.qdot import quantized_dot_general
 
 try:  # qwix is an optional peer for the comparison only.
@@ -45,6 +51,7 @@ FORMATS = {
     "mxfp8_e5m2": QuantConfig("mxfp8_e5m2"),
     "mxfp4": QuantConfig("mxfp4"),
     "nvfp4": QuantConfig("nvfp4"),
+    "nvfp4_pt": QuantConfig("nvfp4", per_token=True),
     "nvfp4_pt_4o6": QuantConfig("nvfp4", per_token=True, four_over_six=True),
     "nvfp4_te": QuantConfig("nvfp4", scale_convention="te"),
     "nvfp4_sr": QuantConfig("nvfp4", stochastic_rounding=True),
@@ -60,18 +67,6 @@ QWIX_FORMATS = {
 # Targets (issue 29), against the fresh-buffer BF16 round trip.
 TARGETS = {"nvfp4_pt_4o6": 4.0, "nvfp4": 2.0}
 BASELINES = ("bf16_roundtrip", "bf16_donated")
-
-_SIZE = flags.DEFINE_integer("size", 4096, "The tensor is [size, size] BF16.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed rounds (median reported).")
-_FORMATS = flags.DEFINE_list("formats", list(FORMATS), f"Formats to time, from {list(FORMATS)}.")
-_QWIX = flags.DEFINE_bool("qwix", True, "Also time qwix where it supports the format.")
-_COMPILE_CACHE = user_cache.define_compile_cache_flag()
-_SEED = flags.DEFINE_integer("seed", 0, "PRNG seed of the input tensor.")
-_CLOCK = flags.DEFINE_enum("clock", "wall", ["wall", "cpu"],
-                           "wall: time.perf_counter; cpu: time.process_time (CPU seconds of all "
-                           "threads of this process, less sensitive to other processes' load).")
-_HLO = flags.DEFINE_bool("hlo", True, "Print StableHLO line counts (fake_quant, qdot fwd+grad).")
-
 
 def _hlo_lines(fn, *args) -> int:
   return len(jax.jit(fn).lower(*args).as_text(debug_info=False).splitlines())
@@ -111,6 +106,22 @@ def _candidates(formats: list[str], use_qwix: bool) -> dict[str, callable]:
   return fns
 
 
+def _stage_candidates(formats: list[str], shape) -> dict[str, callable]:
+  """'name/amax' and 'name/scales' programs of the spec-exact round-to-nearest NVFP4 formats."""
+  fns = {}
+  for name in formats:
+    cfg = normalize_config(FORMATS[name], len(shape))
+    if cfg.scheme != "nvfp4" or cfg.stochastic_rounding:
+      continue
+    layout = block_layout(shape, cfg)
+    blocked = lambda x, layout=layout: x.reshape(layout.blocked_shape)  # noqa: E731
+    fns[f"{name}/amax"] = jax.jit(lambda x, one, layout=layout, b=blocked: abs_max(
+        b(x), layout.reduce_axes, paired=True))
+    fns[f"{name}/scales"] = jax.jit(lambda x, one, cfg=cfg, layout=layout, b=blocked: nvfp4._scales(
+        b(x), cfg, layout, None)[2:])
+  return fns
+
+
 def _time_interleaved(fns: dict, args: tuple, repeats: int,
                       clock=time.perf_counter) -> dict[str, np.ndarray]:
   """Seconds per call of each function per round, measured round-robin after a warm-up call.
@@ -146,6 +157,8 @@ def main(argv):
   x = (jax.random.normal(jax.random.key(_SEED.value), (n, n), jnp.float32) * 2).astype(jnp.bfloat16)
   args = (x, jnp.float32(1.0))
   fns = _candidates(_FORMATS.value, use_qwix)
+  if _STAGES.value:
+    fns.update(_stage_candidates(_FORMATS.value, x.shape))
   clock = time.process_time if _CLOCK.value == "cpu" else time.perf_counter
   times = _time_interleaved(fns, args, _REPEATS.value, clock)
   med = {name: float(np.median(t)) for name, t in times.items()}
@@ -184,10 +197,29 @@ def main(argv):
     if f"qwix:{name}" in med:
       r = ratios["bf16_roundtrip"][name] / ratios["bf16_roundtrip"][f"qwix:{name}"]
       print(f"vs qwix {name}: {np.median(r):.2f}x [{r.min():.2f}, {r.max():.2f}]")
+  stages = [name for name in fns if "/" in name]
+  if stages:
+    print("\nstages (x fresh round trip, per-round median [min, max]; the rest is the element pass):")
+    for name in stages:
+      r = ratios["bf16_roundtrip"][name]
+      print(f"  {name:<22} {np.median(r):6.2f} [{r.min():.2f}, {r.max():.2f}]")
   if _HLO.value:
     print()
     _print_hlo_sizes(_FORMATS.value, n)
 
 
 if __name__ == "__main__":
+  # Flags only when run as a binary: the tests import several experiments (one absl flag registry).
+  _SIZE = flags.DEFINE_integer("size", 4096, "The tensor is [size, size] BF16.")
+  _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed rounds (median reported).")
+  _FORMATS = flags.DEFINE_list("formats", list(FORMATS), f"Formats to time, from {list(FORMATS)}.")
+  _QWIX = flags.DEFINE_bool("qwix", True, "Also time qwix where it supports the format.")
+  _COMPILE_CACHE = user_cache.define_compile_cache_flag()
+  _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed of the input tensor.")
+  _CLOCK = flags.DEFINE_enum("clock", "wall", ["wall", "cpu"],
+                             "wall: time.perf_counter; cpu: time.process_time (CPU seconds of all "
+                             "threads of this process, less sensitive to other processes' load).")
+  _STAGES = flags.DEFINE_bool("stages", False, "Also time the NVFP4 stages (block amax; all "
+                               "per-block work) as programs of their own.")
+  _HLO = flags.DEFINE_bool("hlo", True, "Print StableHLO line counts (fake_quant, qdot fwd+grad).")
   app.run(main)
