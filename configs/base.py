@@ -128,11 +128,13 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.eval_every = 10  # steps between held-out evaluations; 0 = at the start and the end only
   c.log_every = 1  # steps between TensorBoard / metrics.jsonl points
   c.checkpoint_every = 10  # steps between checkpoints (the newest 2 are kept)
+  c.checkpoint_keep_fractions = ()  # fractions of rl.steps whose checkpoints are kept too
   c.num_text_samples = 4  # sample completions in TensorBoard per logged step
   c.max_skipped_steps = 3  # consecutive skipped (non-finite) updates before the run stops
 
   c.diagnostics = ml_collections.ConfigDict()
   c.diagnostics.every = 0  # steps between gradient-bias / update-erasure probes; 0 = off
+  c.diagnostics.code_churn = False  # log the fraction of quantized weight codes each step changes
 
   c.async_rl = ml_collections.ConfigDict()
   c.async_rl.lag = 0  # sampler version = trainer version - lag; 0 = synchronous

@@ -292,39 +292,108 @@ def _sr_cast_section(results: list[dict[str, Any]]) -> list[str]:
   return md + ["", "steps: rl.steps of the lr's runs ('run' = the grid's run.rl.steps).", ""]
 
 
+def distance_points(line: dict[str, Any]) -> dict[float, dict[str, float | None]]:
+  """{fraction of the run: {"static", "trajectory"}} of a distance line (experiments/paired.py
+  `distance`), each the mean over its prompts (None where not measured). Lines written before
+  the checkpoints were kept (static_start / static_end / trajectory_end) give 0 and 1."""
+  mean = lambda v: None if v is None else float(np.mean(v))  # noqa: E731
+  if "points" in line:
+    return {round(float(q["fraction"]), 6): {"static": mean(q["static"]),
+                                             "trajectory": mean(q["trajectory"])}
+            for q in line["points"]}
+  return {0.0: {"static": mean(line["static_start"]), "trajectory": 0.0},
+          1.0: {"static": mean(line["static_end"]), "trajectory": mean(line["trajectory_end"])}}
+
+
+def _trained(points: dict[float, dict[str, float | None]]) -> dict[float, float]:
+  """The trajectory part at the points after step 0 where it was measured."""
+  return {f: q["trajectory"] for f, q in points.items() if f > 0 and q["trajectory"] is not None}
+
+
+def _label(f: float) -> str:
+  return f"{100 * f:g}%"
+
+
 def distance_claims(lines: list[dict[str, Any]]) -> list[stats.Claim]:
   """Seed-paired claims on the trajectory part of the distance to BF16 (experiments/paired.py
-  `distance`: one line per run, per-prompt values averaged to one number per run)."""
-  rows = [{"setting": r["setting"], "seed": r["seed"],
-           **{k: float(np.mean(r[k])) for k in ("static_start", "static_end", "trajectory_end")}}
-          for r in lines]
-  traj = _get("trajectory_end")
+  `distance`), from its checkpoints: per run, the trajectory part averaged over the checkpoints
+  after step 0 (25%, 50%, 100% of the run in configs/ablate.py; the end alone for a run that kept
+  none), and its growth (least-squares slope through the origin against the fraction of the
+  run, where it is 0 by construction; only with a checkpoint besides the end)."""
+  rows = []
+  for r in lines:
+    t = _trained(distance_points(r))
+    f = np.array(list(t))
+    slope = float(np.dot(f, list(t.values())) / np.dot(f, f)) if len(t) >= 2 else None
+    rows.append({"setting": r["setting"], "seed": r["seed"],
+                 "trajectory_mean": float(np.mean(list(t.values()))) if t else None,
+                 "trajectory_slope": slope, "at": ", ".join(_label(x) for x in t)})
+  at = next((r["at"] for r in rows if r["setting"] == "nvfp4_recipe"), "the end")
+  traj = _get("trajectory_mean")
+  what = (f"exact KL(run's weights ‖ twin's weights at the same step), both in BF16, mean over "
+          f"the checkpoints ({at})")
   c = [_seed_claim(rows, "trajectory_recipe_vs_naive", "The recipe's weights stay closer to its "
                    "BF16 twin's than naive NVFP4's (trajectory part, both in BF16)",
-                   "nvfp4_recipe", "nvfp4_naive", traj, -1,
-                   "exact KL(run's weights ‖ twin's weights), both in BF16, at the end")]
+                   "nvfp4_recipe", "nvfp4_naive", traj, -1, what),
+       _seed_claim(rows, "trajectory_growth_recipe_vs_naive", "The recipe's trajectory part "
+                   "grows more slowly along the run than naive NVFP4's (it tracks BF16 while "
+                   "naive drifts)", "nvfp4_recipe", "nvfp4_naive", _get("trajectory_slope"), -1,
+                   f"slope of the trajectory part against the fraction of the run ({at})")]
   for prev, cur in zip(BUILD_UP, BUILD_UP[1:]):
     c.append(_seed_claim(rows, f"trajectory_{cur}", f"{cur} (after {prev}) also lowers the "
-                         "trajectory part", cur, prev, traj, -1,
-                         "trajectory part at the end"))
+                         "trajectory part", cur, prev, traj, -1, what))
   return [x for x in c if x is not None]
 
 
 def _distance_table(lines: list[dict[str, Any]]) -> list[str]:
+  """Per setting, the two parts at every checkpoint (mean over seeds of the per-prompt means);
+  then per comparison of the claims, the paired difference at every checkpoint."""
   if not lines:
     return []
   by: dict[str, list[dict]] = {}
   for r in lines:
     by.setdefault(r["setting"], []).append(r)
-  md = ["### Distance to BF16 in two parts (exact KL per token on identical held-out tokens)", "",
-        "| setting | seeds | static start | static end | trajectory end |", "|---|---|---|---|---|"]
+  pts = {r["setting"]: distance_points(r) for r in lines}
+  fracs = sorted({f for p in pts.values() for f in p})
+  cols = [("static", f) for f in fracs] + [("trajectory", f) for f in fracs if f > 0]
+  md = ["### Distance to BF16 in two parts at the checkpoints (exact KL per token on identical "
+        "held-out tokens)", "",
+        "| setting | seeds | " + " | ".join(f"{k} {_label(f)}" for k, f in cols) + " |",
+        "|---|---|" + "---|" * len(cols)]
   for name, rs in by.items():
-    cells = [stats.fmt_num(float(np.mean([np.mean(r[k]) for r in rs])), 4)
-             for k in ("static_start", "static_end", "trajectory_end")]
+    cells = []
+    for k, f in cols:
+      v = [distance_points(r).get(f, {}).get(k) for r in rs]
+      v = [x for x in v if x is not None]
+      cells.append(stats.fmt_num(float(np.mean(v)), 4) if v else "–")
     md.append(f"| {name} | {len(rs)} | " + " | ".join(cells) + " |")
-  return md + ["", "Static: the run's weights under its recipe vs the same weights in BF16. "
-               "Trajectory: the run's weights vs its BF16 twin's, both in BF16 (0 at the start). "
-               "Mean over seeds of the per-prompt means.", ""]
+  md += ["", "Static: the run's weights under its recipe vs the same weights in BF16. "
+         "Trajectory: the run's weights vs its BF16 twin's at the same step, both in BF16 (0 at "
+         "step 0 by construction). Columns: the fraction of the run (step / rl.steps). Mean over "
+         "seeds of the per-prompt means.", ""]
+  pairs = [("nvfp4_recipe", "nvfp4_naive"), *[(c, p) for p, c in zip(BUILD_UP, BUILD_UP[1:])]]
+  diff_rows = []
+  for a, b in pairs:
+    cells = []
+    for k, f in cols:
+      value = lambda r, k=k, f=f: distance_points(r).get(f, {}).get(k)  # noqa: E731
+      try:
+        _, d = stats.paired_diffs(stats.by_unit(lines, value).get(a, {}),
+                                  stats.by_unit(lines, value).get(b, {}))
+      except ValueError:
+        cells.append("–")
+        continue
+      r = stats.paired_t(d)
+      cells.append(f"{stats.fmt_num(r.mean, 4)} [{stats.fmt_num(r.ci_low, 4)}, "
+                   f"{stats.fmt_num(r.ci_high, 4)}]" if r.n > 1 else stats.fmt_num(r.mean, 4))
+    if any(x != "–" for x in cells):
+      diff_rows.append(f"| {a} - {b} | " + " | ".join(cells) + " |")
+  if diff_rows:
+    md += ["Paired by seed, per checkpoint (mean difference [95% CI], paired t; descriptive: the "
+           "claims above use the mean over the checkpoints and the slope):", "",
+           "| comparison | " + " | ".join(f"{k} {_label(f)}" for k, f in cols) + " |",
+           "|---|" + "---|" * len(cols), *diff_rows, ""]
+  return md
 
 
 def paired_claims(paired: dict[str, Any]) -> list[stats.Claim]:
