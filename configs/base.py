@@ -74,6 +74,8 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.sft.warmup_steps = 20  # linear warmup steps
   c.sft.base_dir = ""  # store of bases; '' = the shared user cache, 'none' = the workdir
   c.sft.seed = -1  # seed of the base; -1 = the run's seed
+  c.sft.outlier_channels = 0  # outlier channels planted in the loaded base; 0 = none
+  c.sft.outlier_gain = 1.0  # their gain (norm gain x g, reading kernel rows / g)
 
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 40  # RL steps (one sampled batch and its update each)

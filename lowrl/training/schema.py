@@ -237,7 +237,13 @@ _SFT = Section("sft", (
 # The loop's sft section: one base can serve runs of several seeds.
 TRAIN_SFT = _SFT.extended(
     knob("seed", "seed of the base (init and SFT data); -1 = the run's seed (set it to share "
-         "one base between runs of different seeds)", AtLeast(-1)))
+         "one base between runs of different seeds)", AtLeast(-1)),
+    knob("outlier_channels", "outlier channels planted in the base once loaded (the stored "
+         "base is unchanged): n evenly spaced channels whose attn/mlp RMSNorm gains are x "
+         "outlier_gain and whose q/k/v, gate/up kernel rows are / outlier_gain, the same "
+         "function (lowrl/training/outliers.py); 0 = none", NON_NEGATIVE),
+    knob("outlier_gain", "gain of the planted outlier channels (sft.outlier_channels)",
+         AtLeast(1)))
 
 ASYNC_RL = Section("async_rl", (
     knob("lag", "sampler version = trainer version - lag (>= 0; 0 = synchronous)"),

@@ -185,7 +185,8 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
                     base_dir=cfg.sft.base_dir,
                     sft=sft.SFTConfig(steps=cfg.sft.steps, batch_size=cfg.sft.batch_size,
                                       lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps),
-                    seed=seed, fingerprint=sft.fingerprint(cfg.task, model_cfg, cfg.sft, seed))
+                    seed=seed, fingerprint=sft.fingerprint(cfg.task, model_cfg, cfg.sft, seed),
+                    outliers=(int(cfg.sft.outlier_channels), float(cfg.sft.outlier_gain)))
   record = ConfigRecord(run_config.fingerprint(cfg), run_config.describe(cfg),
                         run_config.flatten(cfg))
   updates = rl.steps * rl.mu * rl.num_minibatches
