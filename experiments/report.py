@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from experiments import ablate, paired as paired_exp
+from experiments import ablate, paired as paired_exp, regime
 from lowrl.analysis import stats
 from lowrl.training import run_logs
 
@@ -538,15 +538,88 @@ def _paired_section(paired: dict[str, dict[str, Any]]) -> list[str]:
   return md
 
 
+CHURN = (("codes", "codes"), ("values", "dequantized values"), ("scales", "block scales"))
+
+
+def churn_per_run(workdir: str, run: dict[str, Any]) -> dict[str, float] | None:
+  """The mean over a run's logged steps of its code_churn/* metrics (diagnostics.code_churn:
+  the fraction of the sampler policy's quantized weight codes, values and block scales an update
+  changes); None when the run logged none (a BF16 sampler, or the knob off)."""
+  rows = run_logs.read_metrics(os.path.join(workdir, run["run_dir"]))
+  out = {}
+  for key, _ in CHURN:
+    v = [r[f"code_churn/{key}"] for r in rows if r.get(f"code_churn/{key}") is not None]
+    if v:
+      out[key] = float(np.mean(v))
+  return out or None
+
+
+def _churn_section(workdir: str, agg: dict) -> list[str]:
+  """Per setting: the mean per-update fraction of changed codes / values / scales (mean ± std
+  over seeds of each run's mean over its steps)."""
+  rows = []
+  for name, s in agg.items():
+    per_run = [c for c in (churn_per_run(workdir, r) for r in s["runs"]) if c]
+    if per_run:
+      rows.append(f"| {name} | {len(per_run)} | " + " | ".join(
+          _fmt(_stats([c.get(k) for c in per_run]), 4) for k, _ in CHURN) + " |")
+  if not rows:
+    return []
+  return ["## Code churn: how much of the quantized policy an update changes", "",
+          "Per RL update, the fraction of the sampler's quantized weight elements whose code "
+          "(E2M1 for NVFP4) changes, of those whose dequantized value changes (a changed block "
+          "scale moves its whole block) and of the block scales that change "
+          "(--config.run.diagnostics.code_churn, lowrl/training/code_churn.py); mean over the "
+          "run's steps, then mean ± std over seeds. QuRL's observation (arXiv 2602.13953): "
+          "updates below half a 4-bit step change no code, so the quantized policy does not see "
+          "them.", "",
+          "| setting | runs | " + " | ".join(f"changed {w}" for _, w in CHURN) + " |",
+          "|---|---|" + "---|" * len(CHURN), *rows, ""]
+
+
+def regime_section(probe: dict[str, Any] | None) -> list[str]:
+  """experiments/regime.py's probe (regime.json): the outlier channels it shows, the timed
+  updates and the grid's estimated cost."""
+  if not probe:
+    return []
+  o, e = probe["outliers"], probe["estimate"]
+  md = ["## The regime's outlier channels and cost (experiments/regime.py)", "",
+        f"Planted channels {o['channels']} at gain {o['gain']:g} (sft.outlier_channels / "
+        "outlier_gain); per layer and RMSNorm, on the normed inputs of the matmuls over "
+        f"{o['tokens']} held-out tokens (FP32, unquantized): the largest per-channel max "
+        "|activation| over the median channel's, and the kurtosis (Gaussian: 3).", "",
+        "| norm | max / median, planted | top channel | kurtosis, planted | max / median, "
+        "not planted | kurtosis, not planted |", "|---|---|---|---|---|---|"]
+  for norm, st in o["planted"]["per_norm"].items():
+    un = o["unplanted"]["per_norm"][norm]
+    md.append(f"| {norm} | {st['max_over_median']:.1f} | {st['top']} | {st['kurtosis']:.1f} | "
+              f"{un['max_over_median']:.1f} | {un['kurtosis']:.1f} |")
+  md += ["", "| setting | s per RL update (± std) | timed updates | completion tokens |",
+         "|---|---|---|---|"]
+  for name, t in probe["timing"].items():
+    md.append(f"| {name} | {t['rl_step_s']:.1f} ± {t['rl_step_s_spread']:.1f} | "
+              f"{t['timed_steps']} | {t['response_length']:.0f} |")
+  lad = probe.get("ladder")
+  md += ["", f"Estimated grid ({probe.get('machine', '?')}, load {probe.get('load', 0):.1f}): "
+         f"{len(e['settings'])} settings x {e['seeds']} seeds x {e['rl_steps']} updates = "
+         f"**{e['hours']:.1f} h** ({e['per_run_hours']:.2f} h per quantized run; evaluations, "
+         "the distance and the paired measurements not included)."
+         + (f" Forward-only ladder: {lad['sample_batch_s']:.1f} s to sample a batch of "
+            f"{lad['rows_per_batch']} completions in BF16, {lad['ladder_batch_s']:.1f} s to "
+            "score it by every rung." if lad else ""), ""]
+  return md
+
+
 NOT_YET = ["## What this grid cannot test yet", "",
            "These claims need the regime or arms the grid does not have yet (issue 24); the "
            "table above has no row for them, or only a proxy:", "",
            "- **Dynamic effects** (the recipe tracking BF16 *because of training*, not only at the "
            "start): the toy is 8 layers at d = 64, completions of about 8 tokens, 30 RL steps, no "
-           "outlier channels, so the static forward error dominates every end-of-run number. A "
-           "regime where they can appear needs d >= 256 with outlier activation channels, "
-           "completions of 64 tokens or more, 300 updates or more, and the per-update fraction of "
-           "NVFP4 weight codes that change.",
+           "outlier channels, so the static forward error dominates every end-of-run number. "
+           "configs/ablate_regime.py is a regime where they can appear (d = 256 with planted "
+           "outlier channels, completions of 64 tokens, 300 updates, the code churn logged; "
+           "`python -m experiments.regime` shows the outliers and times it); its grid does not "
+           "fit the CPU budget (docs/results.md, \"A regime where the effects can appear\").",
            "- **Stochastic rounding at long horizons**: the grid's SR arm (section above) runs "
            "30 steps (122 at lr 2e-6) on the d = 64 toy; the seed's low-LR regime (hundreds of "
            "updates, each far below a BF16 ulp, on a wider model) needs the regime of the first bullet. The "
@@ -559,10 +632,6 @@ NOT_YET = ["## What this grid cannot test yet", "",
            "that was just reset is 0 by construction and is not a claim here; `kl_reset_pass_k` "
            "is the grid's proxy (pass@k at k = eval_samples). The seed's claim, tested in the "
            "simulator (300 updates, 10 seeds, fixed vs reset vs no KL): [kl_reset.md](kl_reset.md).",
-           "- **Distance to BF16 in two parts at 25% and 50% of every run**: experiments.paired "
-           "measures the static and trajectory parts at the start and the end (table above); the "
-           "loop keeps only its two newest checkpoints, so the middle points need it to keep "
-           "more.",
            "",
            "Full grid: `python -m experiments.ablate --workdir=W && python -m experiments.paired "
            "--workdir=W && python -m experiments.report --workdir=W` (configs/ablate.py; 5 "
@@ -614,6 +683,8 @@ def write_report(workdir: str, out_md: str) -> str:
     md += ["Also (not Holm-adjusted):", "", *notes, ""]
   md += _sr_cast_section(results)
   md += _paired_section(paired) + _distance_table(paired.get("distance", []))
+  md += _churn_section(workdir, agg)
+  md += regime_section(regime.read_results(workdir))
   with open(os.path.splitext(out_md)[0] + "_claims.json", "w") as f:
     json.dump([v.row() for v in verdicts], f, indent=1)
   md += NOT_YET
