@@ -22,10 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from lowrl import precision
-from lowrl.models import layout
 from lowrl.models.config import ModelConfig
-from lowrl.models.fused_scales import weight_amaxes
 from lowrl.quant import QTensor, dequantize, quantize
+from lowrl.training.diagnostics import quantized_weights
 
 PREFIX = "code_churn"
 
@@ -37,18 +36,12 @@ def weight_qtensors(params: Any, model_cfg: ModelConfig, policy: precision.Preci
   expert by expert, as `fake_quant_experts`). Stochastically rounded weight quantizers are taken
   with round-to-nearest (the deterministic grid the draws scatter around). Traceable."""
   out = {}
-  amaxes = weight_amaxes(params, model_cfg, policy)
-  for m, w in layout.iter_weights(params, model_cfg):
-    q = policy.qdot_config(m.full_path).rhs
-    if q is None:
-      continue
-    q = dataclasses.replace(q, axis=m.contract_axis, stochastic_rounding=False)
-    w32 = w.astype(jnp.float32)
+  for m, w32, q, amax in quantized_weights(params, model_cfg, policy):
     if m.n_experts:
       q = q if q.kind == "tensor" or q.block_2d else dataclasses.replace(q, axis=0)
       out[m.full_path] = jax.vmap(lambda x, q=q: quantize(x, q))(w32)
     else:
-      out[m.full_path] = quantize(w32, q, tensor_amax=amaxes.get(m.full_path))
+      out[m.full_path] = quantize(w32, q, tensor_amax=amax)
   return out
 
 
