@@ -4,8 +4,9 @@ r"""The regime probe: shows a grid config's outlier channels and times a few upd
 
 Writes `<workdir>/regime.json`, which experiments/report.py prints (docs/results.md, "A regime
 where the effects can appear"):
-  outliers  lowrl.training.outliers.channel_stats of the base with the config's planted channels
-            and without them (the same stored base), on the normed inputs of every layer's
+  outliers  lowrl.training.outliers.channel_stats of the timing base (below; the regime's own
+            base with --config.timing.sft_steps=<run.sft.steps>) with the config's planted
+            channels and without them (the same stored base), on the normed inputs of every layer's
             matmuls over `eval_num_prompts` held-out prompts with their answers: the largest
             per-channel max |activation| over the median channel's, kurtosis, the top channel;
   timing    per setting of `timing.settings`: the wall time of RL steps 2..`timing.rl_steps`
@@ -61,7 +62,7 @@ def outlier_probe(cfg: ml_collections.ConfigDict, base_dir: str, work: str, log:
                   ) -> dict[str, Any]:
   """channel_stats of the base with and without the planted channels (module docstring)."""
   c = ml_collections.ConfigDict(cfg.run.to_dict())
-  c.sft.base_dir = base_dir
+  c.sft.update(base_dir=base_dir, steps=int(cfg.timing.sft_steps))
   off = ml_collections.ConfigDict(c.to_dict())
   off.sft.outlier_channels = 0  # the stored base itself (the channels are planted on loading)
   setup = build(c)
