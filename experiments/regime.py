@@ -9,8 +9,8 @@ where the effects can appear"):
             channels and without them (the same stored base), on the normed inputs of every layer's
             matmuls over `eval_num_prompts` held-out prompts with their answers: the largest
             per-channel max |activation| over the median channel's, kurtosis, the top channel;
-  timing    per setting of `timing.settings`: the wall time of RL steps 2..`timing.rl_steps`
-            of the loop (step 1 compiles), from a base of `timing.sft_steps` SFT steps (a few:
+  timing    per setting of `timing.settings`: the wall time of RL steps 3..`timing.rl_steps`
+            of the loop (step 1 compiles; step 2 left out too, in case a program first runs there), from a base of `timing.sft_steps` SFT steps (a few:
             the cost of an update does not depend on how well the base sorts, and an untrained
             base fills the whole completion budget, the dearest case), and the SFT step's;
   estimate  the grid's CPU time from those: one base, then settings x seeds x rl.steps steps.
@@ -85,7 +85,7 @@ def outlier_probe(cfg: ml_collections.ConfigDict, base_dir: str, work: str, log:
 
 
 def time_settings(cfg: ml_collections.ConfigDict, workdir: str, log: Log) -> dict[str, Any]:
-  """Wall seconds per RL step (steps 2.. of `timing.rl_steps`) and per SFT step, per setting."""
+  """Wall seconds per RL step (steps 3.. of `timing.rl_steps`) and per SFT step, per setting."""
   t = cfg.timing
   every = paired.all_settings(cfg)
   out = {}
