@@ -27,7 +27,8 @@ backward        on the first `grad_batches` batches, the RL loss's gradient (low
                  cosine and relative error per batch. Outcome: one optimizer step (the run's
                  AdamW, fresh state) from the base on each mode's gradient of the batch, and the
                  change of the FP32 policy-gradient surrogate -mean(A * log pi) on `heldout`
-                 other batches (pi_old = the base; lower is better): per batch and mode.
+                 other batches (pi_old = the base; lower is better), and the fraction of the
+                 recipe's NVFP4 weight codes that step changes (code_churn): per batch and mode.
 distance        for every finished run of the grid (results.jsonl), its distance to BF16 in two
                  parts, static and trajectory (`distance`), on held-out tokens sampled once from
                  the base in BF16, at step 0, at every checkpoint the run kept
@@ -51,7 +52,7 @@ from lowrl import precision, user_cache
 from lowrl.models import layout, transformer
 from lowrl.rl.kl import exact_kl
 from lowrl.sampling.distributions import sampling_logits
-from lowrl.training import loop, optimizer, probes, run_config
+from lowrl.training import code_churn, loop, optimizer, probes, run_config
 from lowrl.training.setup import Setup, build
 from lowrl.training.checkpointing import Checkpointer
 from lowrl.training.state import CHECKPOINTS, params_at
@@ -184,8 +185,14 @@ def backward(cfg, setups: dict[str, Setup], params, rollouts, heldout, log: Log
   params = optimizer.to_master(params, any_setup.loop.master_dtype)
   ref_params = params if any_setup.loop.keep_reference else None
   base_loss = heldout_loss(params)
+  # The update's code churn (lowrl.training.code_churn): the fraction of the recipe's NVFP4
+  # weight codes one step on each mode's gradient changes, from the base's codes.
+  codes = {m: jax.jit(functools.partial(code_churn.weight_qtensors, model_cfg=model_cfg,
+                                        policy=s.trainer_policy)) for m, s in setups.items()}
+  base_codes = {m: codes[m](params) for m in setups}
+  churn = jax.jit(code_churn.churn)
   rows = {m: {"cos_fp32": [], "rel_err_fp32": [], "cos_exact": [], "rel_err_exact": [],
-              "heldout_delta": []} for m in setups}
+              "heldout_delta": [], "code_churn": []} for m in setups}
   rows["fp32"] = {"heldout_delta": []}
   key = jax.random.key(any_setup.loop.seed)
   for b, r in enumerate(rollouts):
@@ -198,7 +205,10 @@ def backward(cfg, setups: dict[str, Setup], params, rollouts, heldout, log: Log
       rows[m]["rel_err_fp32"].append(float(a32["grad_bias/rel_err/total"]))
       rows[m]["cos_exact"].append(float(aex["grad_bias/cos/total"]))
       rows[m]["rel_err_exact"].append(float(aex["grad_bias/rel_err/total"]))
-      rows[m]["heldout_delta"].append(heldout_loss(step(params, g)) - base_loss)
+      new = step(params, g)
+      rows[m]["heldout_delta"].append(heldout_loss(new) - base_loss)
+      c = churn(base_codes[m], codes[m](new))
+      rows[m]["code_churn"].append(float(c["code_churn/codes"]) if c else 0.0)
     rows["fp32"]["heldout_delta"].append(heldout_loss(step(params, g32)) - base_loss)
     log(f"[paired] backward batch {b + 1}/{len(rollouts)}: cos vs FP32 " + ", ".join(
         f"{m} {rows[m]['cos_fp32'][-1]:.4f}" for m in setups))

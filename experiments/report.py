@@ -524,7 +524,8 @@ def _paired_section(paired: dict[str, dict[str, Any]]) -> list[str]:
   if bwd.get("modes"):
     md += ["### Backward modes on identical batches", "",
            "| backward | batches | cos vs FP32 | rel err vs FP32 | cos vs exact quantized-forward "
-           "gradient | held-out surrogate change after one step |", "|---|---|---|---|---|---|"]
+           "gradient | held-out surrogate change after one step | NVFP4 codes the step changes |",
+           "|---|---|---|---|---|---|---|"]
     for mode, m in bwd["modes"].items():
       def cell(key):
         if key not in m:
@@ -532,7 +533,8 @@ def _paired_section(paired: dict[str, dict[str, Any]]) -> list[str]:
         r = stats.paired_t(m[key])
         return f"{stats.fmt_num(r.mean, 4)} [{stats.fmt_num(r.ci_low, 4)}, {stats.fmt_num(r.ci_high, 4)}]"
       md.append(f"| {mode} | {len(m['heldout_delta'])} | {cell('cos_fp32')} | "
-                f"{cell('rel_err_fp32')} | {cell('cos_exact')} | {cell('heldout_delta')} |")
+                f"{cell('rel_err_fp32')} | {cell('cos_exact')} | {cell('heldout_delta')} | "
+                f"{cell('code_churn')} |")
     md += ["", f"Held-out surrogate at the base: {bwd['heldout_base']:.5f} (lower is better; the "
            "fp32 row is the update on the FP32 gradient of the unquantized model).", ""]
   return md

@@ -50,6 +50,7 @@ def test_backward_modes_against_fp32_and_the_exact_quantized_gradient(measured):
   for m in paired.BACKWARD:
     assert len(modes[m]["cos_fp32"]) == 2 and all(-1 <= c <= 1 + 1e-6 for c in modes[m]["cos_fp32"])
     assert all(np.isfinite(modes[m]["heldout_delta"]))
+    assert len(modes[m]["code_churn"]) == 2 and all(0 <= c <= 1 for c in modes[m]["code_churn"])
   # The dequantized backward is the reference of the "exact" comparison: itself, cosine 1.
   np.testing.assert_allclose(modes["dequantized"]["cos_exact"], 1.0, atol=1e-5)
   np.testing.assert_allclose(modes["dequantized"]["rel_err_exact"], 0.0, atol=1e-6)
