@@ -117,6 +117,12 @@ def get_config() -> ml_collections.ConfigDict:
   run.eval_every = 0  # held-out evaluations at the start and the end only (the report reads those)
   run.diagnostics.every = 5
   run.checkpoint_every = 10
+  # experiments/paired.py's distance to BF16 at 0, 25%, 50% and 100% of every run: the loop keeps
+  # these checkpoints beside its newest two (cosmetic: no run's fingerprint changes).
+  run.checkpoint_keep_fractions = (0.25, 0.5)
+  # The fraction of quantized weight codes / block scales each update changes (code_churn/*; the
+  # report's "Code churn" section). Cosmetic too: the other metrics are unchanged.
+  run.diagnostics.code_churn = True
   run.num_text_samples = 0
   c.run = run
   return c

@@ -74,6 +74,8 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.sft.warmup_steps = 20  # linear warmup steps
   c.sft.base_dir = ""  # store of bases; '' = the shared user cache, 'none' = the workdir
   c.sft.seed = -1  # seed of the base; -1 = the run's seed
+  c.sft.outlier_channels = 0  # outlier channels planted in the loaded base; 0 = none
+  c.sft.outlier_gain = 1.0  # their gain (norm gain x g, reading kernel rows / g)
 
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 40  # RL steps (one sampled batch and its update each)
@@ -128,11 +130,13 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.eval_every = 10  # steps between held-out evaluations; 0 = at the start and the end only
   c.log_every = 1  # steps between TensorBoard / metrics.jsonl points
   c.checkpoint_every = 10  # steps between checkpoints (the newest 2 are kept)
+  c.checkpoint_keep_fractions = ()  # fractions of rl.steps whose checkpoints are kept too
   c.num_text_samples = 4  # sample completions in TensorBoard per logged step
   c.max_skipped_steps = 3  # consecutive skipped (non-finite) updates before the run stops
 
   c.diagnostics = ml_collections.ConfigDict()
   c.diagnostics.every = 0  # steps between gradient-bias / update-erasure probes; 0 = off
+  c.diagnostics.code_churn = False  # log the fraction of quantized weight codes each step changes
 
   c.async_rl = ml_collections.ConfigDict()
   c.async_rl.lag = 0  # sampler version = trainer version - lag; 0 = synchronous

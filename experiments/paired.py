@@ -27,10 +27,13 @@ backward        on the first `grad_batches` batches, the RL loss's gradient (low
                  cosine and relative error per batch. Outcome: one optimizer step (the run's
                  AdamW, fresh state) from the base on each mode's gradient of the batch, and the
                  change of the FP32 policy-gradient surrogate -mean(A * log pi) on `heldout`
-                 other batches (pi_old = the base; lower is better): per batch and mode.
+                 other batches (pi_old = the base; lower is better), and the fraction of the
+                 recipe's NVFP4 weight codes that step changes (code_churn): per batch and mode.
 distance        for every finished run of the grid (results.jsonl), its distance to BF16 in two
                  parts, static and trajectory (`distance`), on held-out tokens sampled once from
-                 the base in BF16; paired by seed in the report.
+                 the base in BF16, at step 0, at every checkpoint the run kept
+                 (run.checkpoint_keep_fractions: configs/ablate.py keeps 25% and 50%) and at the
+                 end; paired by seed in the report.
 """
 from __future__ import annotations
 
@@ -49,9 +52,10 @@ from lowrl import precision, user_cache
 from lowrl.models import layout, transformer
 from lowrl.rl.kl import exact_kl
 from lowrl.sampling.distributions import sampling_logits
-from lowrl.training import loop, optimizer, probes, run_config
+from lowrl.training import code_churn, loop, optimizer, probes, run_config
 from lowrl.training.setup import Setup, build
-from lowrl.training.state import final_params
+from lowrl.training.checkpointing import Checkpointer
+from lowrl.training.state import CHECKPOINTS, params_at
 from lowrl.training.trainer import Trainer
 from lowrl.training.rl_update import make_logprob_fn
 from lowrl.training.step import make_batch
@@ -181,8 +185,14 @@ def backward(cfg, setups: dict[str, Setup], params, rollouts, heldout, log: Log
   params = optimizer.to_master(params, any_setup.loop.master_dtype)
   ref_params = params if any_setup.loop.keep_reference else None
   base_loss = heldout_loss(params)
+  # The update's code churn (lowrl.training.code_churn): the fraction of the recipe's NVFP4
+  # weight codes one step on each mode's gradient changes, from the base's codes.
+  codes = {m: jax.jit(functools.partial(code_churn.weight_qtensors, model_cfg=model_cfg,
+                                        policy=s.trainer_policy)) for m, s in setups.items()}
+  base_codes = {m: codes[m](params) for m in setups}
+  churn = jax.jit(code_churn.churn)
   rows = {m: {"cos_fp32": [], "rel_err_fp32": [], "cos_exact": [], "rel_err_exact": [],
-              "heldout_delta": []} for m in setups}
+              "heldout_delta": [], "code_churn": []} for m in setups}
   rows["fp32"] = {"heldout_delta": []}
   key = jax.random.key(any_setup.loop.seed)
   for b, r in enumerate(rollouts):
@@ -195,7 +205,10 @@ def backward(cfg, setups: dict[str, Setup], params, rollouts, heldout, log: Log
       rows[m]["rel_err_fp32"].append(float(a32["grad_bias/rel_err/total"]))
       rows[m]["cos_exact"].append(float(aex["grad_bias/cos/total"]))
       rows[m]["rel_err_exact"].append(float(aex["grad_bias/rel_err/total"]))
-      rows[m]["heldout_delta"].append(heldout_loss(step(params, g)) - base_loss)
+      new = step(params, g)
+      rows[m]["heldout_delta"].append(heldout_loss(new) - base_loss)
+      c = churn(base_codes[m], codes[m](new))
+      rows[m]["code_churn"].append(float(c["code_churn/codes"]) if c else 0.0)
     rows["fp32"]["heldout_delta"].append(heldout_loss(step(params, g32)) - base_loss)
     log(f"[paired] backward batch {b + 1}/{len(rollouts)}: cos vs FP32 " + ", ".join(
         f"{m} {rows[m]['cos_fp32'][-1]:.4f}" for m in setups))
@@ -211,16 +224,28 @@ def _row_kl(params, ref_params, outs, setup: Setup, policy, ref_policy) -> np.nd
       ref_policy=ref_policy, sampling=setup.sampling)) for i, o in enumerate(outs)])
 
 
+def checkpoint_steps(setup: Setup, run_dir: str) -> list[int]:
+  """The steps at which a finished run's distance is measured: its kept checkpoints
+  (checkpoint_keep_fractions) that are on disk, and its last step."""
+  on_disk = set(Checkpointer(os.path.join(run_dir, CHECKPOINTS),
+                             every=setup.loop.checkpoint_every).all_steps())
+  return sorted({s for s in setup.loop.keep_steps if s in on_disk} | {setup.loop.steps})
+
+
 def distance(cfg, workdir: str, line: dict[str, Any], twin_line: dict[str, Any],
              settings: dict[str, ablate.Setting], base, log: Log) -> dict[str, Any]:
   """The run's distance to BF16 in two parts on identical tokens (the held-out prompts'
   completions sampled once from the base in BF16, `eval_samples` each; the same for every run of
-  the seed), exact full-vocabulary KL per token averaged per prompt:
+  the seed), exact full-vocabulary KL per token averaged per prompt, at every point of the run:
+  step 0 (the base), each checkpoint it kept (run.checkpoint_keep_fractions, e.g. 25% and 50%
+  of rl.steps) and the end:
     static      KL(run's weights under its recipe || the same weights in BF16): the
-                quantization of the forward alone, at the start (the base) and the end;
-    trajectory  KL(run's weights in BF16 || its BF16 twin's weights in BF16): where training
-                took the weights, at the end (0 at the start: both are the base).
-  The loop keeps only its two newest checkpoints, so the points are the start and the end."""
+                quantization of the forward alone;
+    trajectory  KL(run's weights in BF16 || its BF16 twin's weights at the same step, in BF16):
+                where training took the weights (0 at step 0 by construction: both are the
+                base, not measured; None at a step the twin has no checkpoint of).
+  Returns {"setting", "seed", "units", "steps": rl.steps, "points": [{"step", "fraction",
+  "static": [per prompt], "trajectory": [per prompt] | None}, ...]}."""
   base_dir = os.path.join(workdir, "base")
   seed = int(line["seed"])
   c = settings[line["setting"]].config(cfg.run, seed)
@@ -234,18 +259,30 @@ def distance(cfg, workdir: str, line: dict[str, Any], twin_line: dict[str, Any],
   # The same held-out tokens for every run of this seed: sampled from the base in BF16.
   outs = [o for o, _ in twin._eval_samples(base_t, jax.random.fold_in(jax.random.key(seed), 11),  # noqa: SLF001
                                            quant_key=None, act_amax=None)]
-  end = final_params(c, os.path.join(workdir, line["run_dir"]))
-  twin_end = final_params(tc, os.path.join(workdir, twin_line["run_dir"]), twin)
-  start = optimizer.to_master(base, c.optimizer.master_dtype)
+  run_dir = os.path.join(workdir, line["run_dir"])
+  twin_dir = os.path.join(workdir, twin_line["run_dir"])
+  twin_steps = set(checkpoint_steps(twin.setup, twin_dir))
   n = int(c.eval_samples)
   per_prompt = lambda rows: rows.reshape(-1, n).mean(1).tolist()  # noqa: E731
-  out = {"setting": line["setting"], "seed": seed, "units": "held-out prompts",
-         "static_start": per_prompt(_row_kl(start, start, outs, setup, setup.trainer_policy, bf16)),
-         "static_end": per_prompt(_row_kl(end, end, outs, setup, setup.trainer_policy, bf16)),
-         "trajectory_end": per_prompt(_row_kl(end, twin_end, outs, setup, bf16, bf16))}
-  log(f"[paired] distance {line['setting']} seed {seed}: static {np.mean(out['static_start']):.4f}"
-      f" -> {np.mean(out['static_end']):.4f}, trajectory {np.mean(out['trajectory_end']):.4f}")
-  return out
+  start = optimizer.to_master(base, c.optimizer.master_dtype)
+  steps = int(setup.loop.steps)
+  static0 = per_prompt(_row_kl(start, start, outs, setup, setup.trainer_policy, bf16))
+  points = [{"step": 0, "fraction": 0.0, "static": static0, "trajectory": [0.0] * len(static0)}]
+  trainer = None
+  for step in checkpoint_steps(setup, run_dir):
+    trainer = trainer or Trainer(setup, log=lambda _: None)
+    p = params_at(c, run_dir, step, trainer)
+    traj = None
+    if step in twin_steps:
+      traj = per_prompt(_row_kl(p, params_at(tc, twin_dir, step, twin), outs, setup, bf16, bf16))
+    points.append({"step": step, "fraction": step / steps,
+                   "static": per_prompt(_row_kl(p, p, outs, setup, setup.trainer_policy, bf16)),
+                   "trajectory": traj})
+  log(f"[paired] distance {line['setting']} seed {seed}: " + ", ".join(
+      f"step {q['step']} static {np.mean(q['static']):.4f} trajectory "
+      + ("-" if q["trajectory"] is None else f"{np.mean(q['trajectory']):.4f}") for q in points))
+  return {"setting": line["setting"], "seed": seed, "units": "held-out prompts", "steps": steps,
+          "points": points}
 
 
 def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[dict[str, Any]]:
@@ -271,11 +308,14 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[
   # The distance parts of every finished run of the grid (experiments.ablate's results.jsonl).
   grid_lines = ablate.read_results(workdir)
   twins = {r["seed"]: r for r in grid_lines if r["setting"] == cfg.twin}
+  # A cosmetic knob (no run's fingerprint has it): the job's key says which points it measured.
+  keep = ",".join(f"{f:g}" for f in cfg.run.checkpoint_keep_fractions)
   for r in grid_lines:
     if r["setting"] in settings and r["seed"] in twins:
       jobs.append(lowrl_grid.Job.of(
           {"measurement": "distance", "point": f"{r['setting']} seed {r['seed']}"},
-          f"{r['fingerprint']}-{twins[r['seed']]['fingerprint']}", (r, twins[r["seed"]])))
+          f"{r['fingerprint']}-{twins[r['seed']]['fingerprint']}-keep{keep}",
+          (r, twins[r["seed"]])))
   state: dict[str, Any] = {}
 
   def base():

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from experiments import ablate, paired as paired_exp
+from experiments import ablate, paired as paired_exp, regime
 from lowrl.analysis import stats
 from lowrl.training import run_logs
 
@@ -292,39 +292,108 @@ def _sr_cast_section(results: list[dict[str, Any]]) -> list[str]:
   return md + ["", "steps: rl.steps of the lr's runs ('run' = the grid's run.rl.steps).", ""]
 
 
+def distance_points(line: dict[str, Any]) -> dict[float, dict[str, float | None]]:
+  """{fraction of the run: {"static", "trajectory"}} of a distance line (experiments/paired.py
+  `distance`), each the mean over its prompts (None where not measured). Lines written before
+  the checkpoints were kept (static_start / static_end / trajectory_end) give 0 and 1."""
+  mean = lambda v: None if v is None else float(np.mean(v))  # noqa: E731
+  if "points" in line:
+    return {round(float(q["fraction"]), 6): {"static": mean(q["static"]),
+                                             "trajectory": mean(q["trajectory"])}
+            for q in line["points"]}
+  return {0.0: {"static": mean(line["static_start"]), "trajectory": 0.0},
+          1.0: {"static": mean(line["static_end"]), "trajectory": mean(line["trajectory_end"])}}
+
+
+def _trained(points: dict[float, dict[str, float | None]]) -> dict[float, float]:
+  """The trajectory part at the points after step 0 where it was measured."""
+  return {f: q["trajectory"] for f, q in points.items() if f > 0 and q["trajectory"] is not None}
+
+
+def _label(f: float) -> str:
+  return f"{100 * f:g}%"
+
+
 def distance_claims(lines: list[dict[str, Any]]) -> list[stats.Claim]:
   """Seed-paired claims on the trajectory part of the distance to BF16 (experiments/paired.py
-  `distance`: one line per run, per-prompt values averaged to one number per run)."""
-  rows = [{"setting": r["setting"], "seed": r["seed"],
-           **{k: float(np.mean(r[k])) for k in ("static_start", "static_end", "trajectory_end")}}
-          for r in lines]
-  traj = _get("trajectory_end")
+  `distance`), from its checkpoints: per run, the trajectory part averaged over the checkpoints
+  after step 0 (25%, 50%, 100% of the run in configs/ablate.py; the end alone for a run that kept
+  none), and its growth (least-squares slope through the origin against the fraction of the
+  run, where it is 0 by construction; only with a checkpoint besides the end)."""
+  rows = []
+  for r in lines:
+    t = _trained(distance_points(r))
+    f = np.array(list(t))
+    slope = float(np.dot(f, list(t.values())) / np.dot(f, f)) if len(t) >= 2 else None
+    rows.append({"setting": r["setting"], "seed": r["seed"],
+                 "trajectory_mean": float(np.mean(list(t.values()))) if t else None,
+                 "trajectory_slope": slope, "at": ", ".join(_label(x) for x in t)})
+  at = next((r["at"] for r in rows if r["setting"] == "nvfp4_recipe"), "the end")
+  traj = _get("trajectory_mean")
+  what = (f"exact KL(run's weights ‖ twin's weights at the same step), both in BF16, mean over "
+          f"the checkpoints ({at})")
   c = [_seed_claim(rows, "trajectory_recipe_vs_naive", "The recipe's weights stay closer to its "
                    "BF16 twin's than naive NVFP4's (trajectory part, both in BF16)",
-                   "nvfp4_recipe", "nvfp4_naive", traj, -1,
-                   "exact KL(run's weights ‖ twin's weights), both in BF16, at the end")]
+                   "nvfp4_recipe", "nvfp4_naive", traj, -1, what),
+       _seed_claim(rows, "trajectory_growth_recipe_vs_naive", "The recipe's trajectory part "
+                   "grows more slowly along the run than naive NVFP4's (it tracks BF16 while "
+                   "naive drifts)", "nvfp4_recipe", "nvfp4_naive", _get("trajectory_slope"), -1,
+                   f"slope of the trajectory part against the fraction of the run ({at})")]
   for prev, cur in zip(BUILD_UP, BUILD_UP[1:]):
     c.append(_seed_claim(rows, f"trajectory_{cur}", f"{cur} (after {prev}) also lowers the "
-                         "trajectory part", cur, prev, traj, -1,
-                         "trajectory part at the end"))
+                         "trajectory part", cur, prev, traj, -1, what))
   return [x for x in c if x is not None]
 
 
 def _distance_table(lines: list[dict[str, Any]]) -> list[str]:
+  """Per setting, the two parts at every checkpoint (mean over seeds of the per-prompt means);
+  then per comparison of the claims, the paired difference at every checkpoint."""
   if not lines:
     return []
   by: dict[str, list[dict]] = {}
   for r in lines:
     by.setdefault(r["setting"], []).append(r)
-  md = ["### Distance to BF16 in two parts (exact KL per token on identical held-out tokens)", "",
-        "| setting | seeds | static start | static end | trajectory end |", "|---|---|---|---|---|"]
+  pts = {r["setting"]: distance_points(r) for r in lines}
+  fracs = sorted({f for p in pts.values() for f in p})
+  cols = [("static", f) for f in fracs] + [("trajectory", f) for f in fracs if f > 0]
+  md = ["### Distance to BF16 in two parts at the checkpoints (exact KL per token on identical "
+        "held-out tokens)", "",
+        "| setting | seeds | " + " | ".join(f"{k} {_label(f)}" for k, f in cols) + " |",
+        "|---|---|" + "---|" * len(cols)]
   for name, rs in by.items():
-    cells = [stats.fmt_num(float(np.mean([np.mean(r[k]) for r in rs])), 4)
-             for k in ("static_start", "static_end", "trajectory_end")]
+    cells = []
+    for k, f in cols:
+      v = [distance_points(r).get(f, {}).get(k) for r in rs]
+      v = [x for x in v if x is not None]
+      cells.append(stats.fmt_num(float(np.mean(v)), 4) if v else "–")
     md.append(f"| {name} | {len(rs)} | " + " | ".join(cells) + " |")
-  return md + ["", "Static: the run's weights under its recipe vs the same weights in BF16. "
-               "Trajectory: the run's weights vs its BF16 twin's, both in BF16 (0 at the start). "
-               "Mean over seeds of the per-prompt means.", ""]
+  md += ["", "Static: the run's weights under its recipe vs the same weights in BF16. "
+         "Trajectory: the run's weights vs its BF16 twin's at the same step, both in BF16 (0 at "
+         "step 0 by construction). Columns: the fraction of the run (step / rl.steps). Mean over "
+         "seeds of the per-prompt means.", ""]
+  pairs = [("nvfp4_recipe", "nvfp4_naive"), *[(c, p) for p, c in zip(BUILD_UP, BUILD_UP[1:])]]
+  diff_rows = []
+  for a, b in pairs:
+    cells = []
+    for k, f in cols:
+      value = lambda r, k=k, f=f: distance_points(r).get(f, {}).get(k)  # noqa: E731
+      try:
+        _, d = stats.paired_diffs(stats.by_unit(lines, value).get(a, {}),
+                                  stats.by_unit(lines, value).get(b, {}))
+      except ValueError:
+        cells.append("–")
+        continue
+      r = stats.paired_t(d)
+      cells.append(f"{stats.fmt_num(r.mean, 4)} [{stats.fmt_num(r.ci_low, 4)}, "
+                   f"{stats.fmt_num(r.ci_high, 4)}]" if r.n > 1 else stats.fmt_num(r.mean, 4))
+    if any(x != "–" for x in cells):
+      diff_rows.append(f"| {a} - {b} | " + " | ".join(cells) + " |")
+  if diff_rows:
+    md += ["Paired by seed, per checkpoint (mean difference [95% CI], paired t; descriptive: the "
+           "claims above use the mean over the checkpoints and the slope):", "",
+           "| comparison | " + " | ".join(f"{k} {_label(f)}" for k, f in cols) + " |",
+           "|---|" + "---|" * len(cols), *diff_rows, ""]
+  return md
 
 
 def paired_claims(paired: dict[str, Any]) -> list[stats.Claim]:
@@ -455,7 +524,8 @@ def _paired_section(paired: dict[str, dict[str, Any]]) -> list[str]:
   if bwd.get("modes"):
     md += ["### Backward modes on identical batches", "",
            "| backward | batches | cos vs FP32 | rel err vs FP32 | cos vs exact quantized-forward "
-           "gradient | held-out surrogate change after one step |", "|---|---|---|---|---|---|"]
+           "gradient | held-out surrogate change after one step | NVFP4 codes the step changes |",
+           "|---|---|---|---|---|---|---|"]
     for mode, m in bwd["modes"].items():
       def cell(key):
         if key not in m:
@@ -463,9 +533,82 @@ def _paired_section(paired: dict[str, dict[str, Any]]) -> list[str]:
         r = stats.paired_t(m[key])
         return f"{stats.fmt_num(r.mean, 4)} [{stats.fmt_num(r.ci_low, 4)}, {stats.fmt_num(r.ci_high, 4)}]"
       md.append(f"| {mode} | {len(m['heldout_delta'])} | {cell('cos_fp32')} | "
-                f"{cell('rel_err_fp32')} | {cell('cos_exact')} | {cell('heldout_delta')} |")
+                f"{cell('rel_err_fp32')} | {cell('cos_exact')} | {cell('heldout_delta')} | "
+                f"{cell('code_churn')} |")
     md += ["", f"Held-out surrogate at the base: {bwd['heldout_base']:.5f} (lower is better; the "
            "fp32 row is the update on the FP32 gradient of the unquantized model).", ""]
+  return md
+
+
+CHURN = (("codes", "codes"), ("values", "dequantized values"), ("scales", "block scales"))
+
+
+def churn_per_run(workdir: str, run: dict[str, Any]) -> dict[str, float] | None:
+  """The mean over a run's logged steps of its code_churn/* metrics (diagnostics.code_churn:
+  the fraction of the sampler policy's quantized weight codes, values and block scales an update
+  changes); None when the run logged none (a BF16 sampler, or the knob off)."""
+  rows = run_logs.read_metrics(os.path.join(workdir, run["run_dir"]))
+  out = {}
+  for key, _ in CHURN:
+    v = [r[f"code_churn/{key}"] for r in rows if r.get(f"code_churn/{key}") is not None]
+    if v:
+      out[key] = float(np.mean(v))
+  return out or None
+
+
+def _churn_section(workdir: str, agg: dict) -> list[str]:
+  """Per setting: the mean per-update fraction of changed codes / values / scales (mean ± std
+  over seeds of each run's mean over its steps)."""
+  rows = []
+  for name, s in agg.items():
+    per_run = [c for c in (churn_per_run(workdir, r) for r in s["runs"]) if c]
+    if per_run:
+      rows.append(f"| {name} | {len(per_run)} | " + " | ".join(
+          _fmt(_stats([c.get(k) for c in per_run]), 4) for k, _ in CHURN) + " |")
+  if not rows:
+    return []
+  return ["## Code churn: how much of the quantized policy an update changes", "",
+          "Per RL update, the fraction of the sampler's quantized weight elements whose code "
+          "(E2M1 for NVFP4) changes, of those whose dequantized value changes (a changed block "
+          "scale moves its whole block) and of the block scales that change "
+          "(--config.run.diagnostics.code_churn, lowrl/training/code_churn.py); mean over the "
+          "run's steps, then mean ± std over seeds. QuRL's observation (arXiv 2602.13953): "
+          "updates below half a 4-bit step change no code, so the quantized policy does not see "
+          "them.", "",
+          "| setting | runs | " + " | ".join(f"changed {w}" for _, w in CHURN) + " |",
+          "|---|---|" + "---|" * len(CHURN), *rows, ""]
+
+
+def regime_section(probe: dict[str, Any] | None) -> list[str]:
+  """experiments/regime.py's probe (regime.json): the outlier channels it shows, the timed
+  updates and the grid's estimated cost."""
+  if not probe:
+    return []
+  o, e = probe["outliers"], probe["estimate"]
+  md = ["## The regime's outlier channels and cost (experiments/regime.py)", "",
+        f"Planted channels {o['channels']} at gain {o['gain']:g} (sft.outlier_channels / "
+        "outlier_gain); per layer and RMSNorm, on the normed inputs of the matmuls over "
+        f"{o['tokens']} held-out tokens (FP32, unquantized): the largest per-channel max "
+        "|activation| over the median channel's, and the kurtosis (Gaussian: 3).", "",
+        "| norm | max / median, planted | top channel | kurtosis, planted | max / median, "
+        "not planted | kurtosis, not planted |", "|---|---|---|---|---|---|"]
+  for norm, st in o["planted"]["per_norm"].items():
+    un = o["unplanted"]["per_norm"][norm]
+    md.append(f"| {norm} | {st['max_over_median']:.1f} | {st['top']} | {st['kurtosis']:.1f} | "
+              f"{un['max_over_median']:.1f} | {un['kurtosis']:.1f} |")
+  md += ["", "| setting | s per RL update (± std) | timed updates | completion tokens |",
+         "|---|---|---|---|"]
+  for name, t in probe["timing"].items():
+    md.append(f"| {name} | {t['rl_step_s']:.1f} ± {t['rl_step_s_spread']:.1f} | "
+              f"{t['timed_steps']} | {t['response_length']:.0f} |")
+  lad = probe.get("ladder")
+  md += ["", f"Estimated grid ({probe.get('machine', '?')}, load {probe.get('load', 0):.1f}): "
+         f"{len(e['settings'])} settings x {e['seeds']} seeds x {e['rl_steps']} updates = "
+         f"**{e['hours']:.1f} h** ({e['per_run_hours']:.2f} h per quantized run; evaluations, "
+         "the distance and the paired measurements not included)."
+         + (f" Forward-only ladder: {lad['sample_batch_s']:.1f} s to sample a batch of "
+            f"{lad['rows_per_batch']} completions in BF16, {lad['ladder_batch_s']:.1f} s to "
+            "score it by every rung." if lad else ""), ""]
   return md
 
 
@@ -474,10 +617,11 @@ NOT_YET = ["## What this grid cannot test yet", "",
            "table above has no row for them, or only a proxy:", "",
            "- **Dynamic effects** (the recipe tracking BF16 *because of training*, not only at the "
            "start): the toy is 8 layers at d = 64, completions of about 8 tokens, 30 RL steps, no "
-           "outlier channels, so the static forward error dominates every end-of-run number. A "
-           "regime where they can appear needs d >= 256 with outlier activation channels, "
-           "completions of 64 tokens or more, 300 updates or more, and the per-update fraction of "
-           "NVFP4 weight codes that change.",
+           "outlier channels, so the static forward error dominates every end-of-run number. "
+           "configs/ablate_regime.py is a regime where they can appear (d = 256 with planted "
+           "outlier channels, completions of 64 tokens, 300 updates, the code churn logged; "
+           "`python -m experiments.regime` shows the outliers and times it); its grid does not "
+           "fit the CPU budget (docs/results.md, \"A regime where the effects can appear\").",
            "- **Stochastic rounding at long horizons**: the grid's SR arm (section above) runs "
            "30 steps (122 at lr 2e-6) on the d = 64 toy; the seed's low-LR regime (hundreds of "
            "updates, each far below a BF16 ulp, on a wider model) needs the regime of the first bullet. The "
@@ -490,10 +634,6 @@ NOT_YET = ["## What this grid cannot test yet", "",
            "that was just reset is 0 by construction and is not a claim here; `kl_reset_pass_k` "
            "is the grid's proxy (pass@k at k = eval_samples). The seed's claim, tested in the "
            "simulator (300 updates, 10 seeds, fixed vs reset vs no KL): [kl_reset.md](kl_reset.md).",
-           "- **Distance to BF16 in two parts at 25% and 50% of every run**: experiments.paired "
-           "measures the static and trajectory parts at the start and the end (table above); the "
-           "loop keeps only its two newest checkpoints, so the middle points need it to keep "
-           "more.",
            "",
            "Full grid: `python -m experiments.ablate --workdir=W && python -m experiments.paired "
            "--workdir=W && python -m experiments.report --workdir=W` (configs/ablate.py; 5 "
@@ -545,6 +685,8 @@ def write_report(workdir: str, out_md: str) -> str:
     md += ["Also (not Holm-adjusted):", "", *notes, ""]
   md += _sr_cast_section(results)
   md += _paired_section(paired) + _distance_table(paired.get("distance", []))
+  md += _churn_section(workdir, agg)
+  md += regime_section(regime.read_results(workdir))
   with open(os.path.splitext(out_md)[0] + "_claims.json", "w") as f:
     json.dump([v.row() for v in verdicts], f, indent=1)
   md += NOT_YET

@@ -40,7 +40,7 @@ from lowrl.checkpoints import hf
 from lowrl.models import init
 from lowrl.models.config import ModelConfig
 from lowrl.tasks.base import Task
-from lowrl.training import sft
+from lowrl.training import outliers, sft
 from lowrl.training.checkpointing import (Checkpointer, CheckpointError, _barrier, all_finite,
                                           verify_manifest)
 
@@ -164,6 +164,7 @@ class BaseConfig:
   sft: sft.SFTConfig
   seed: int  # sft.seed, or the run's seed when it is -1
   fingerprint: str  # sft.fingerprint of the run's task, model, sft section and `seed`
+  outliers: tuple[int, float] = (0, 1.0)  # sft.outlier_channels, sft.outlier_gain (`outliers`)
 
 
 def load_base(base: BaseConfig, task: Task, model_cfg: ModelConfig, plan: sharding.ShardingPlan,
@@ -175,10 +176,15 @@ def load_base(base: BaseConfig, task: Task, model_cfg: ModelConfig, plan: shardi
   shapes = init.param_shapes(model_cfg)
   if base.hf_checkpoint:
     log(f"[base] loading {base.hf_checkpoint} ({base.param_dtype}, sharded)")
-    return hf.load_hf_params(base.hf_checkpoint, model_cfg, dtype=jnp.dtype(base.param_dtype),
-                             shardings=plan.param_shardings(shapes))
-  return load_mid_trained(store_dir(base.base_dir, workdir), task, base, model_cfg, plan, log,
-                          on_sft_loss)
+    params = hf.load_hf_params(base.hf_checkpoint, model_cfg, dtype=jnp.dtype(base.param_dtype),
+                               shardings=plan.param_shardings(shapes))
+  else:
+    params = load_mid_trained(store_dir(base.base_dir, workdir), task, base, model_cfg, plan,
+                              log, on_sft_loss)
+  if base.outliers[0]:
+    log(f"[base] {base.outliers[0]} outlier channels planted, gain {base.outliers[1]:g}")
+    params = outliers.plant(params, model_cfg, *base.outliers)
+  return params
 
 
 def load_mid_trained(store: str, task: Task, base: BaseConfig, model_cfg: ModelConfig,

@@ -146,9 +146,11 @@ def read_meta(step_dir: str) -> dict[str, Any] | None:
 
 
 class Checkpointer:
-  """Saves every `every` steps into `directory`, keeps the newest `max_to_keep` intact ones."""
+  """Saves every `every` steps into `directory`, keeps the newest `max_to_keep` intact ones
+  (and the steps of `keep`, which `rotate` never deletes and which do not count among them)."""
 
-  def __init__(self, directory: str, every: int, max_to_keep: int = 2, async_save: bool = False):
+  def __init__(self, directory: str, every: int, max_to_keep: int = 2, async_save: bool = False,
+               keep: tuple[int, ...] = ()):
     if every <= 0:
       raise ValueError(f"checkpoint interval must be > 0 steps, got {every}.")
     if max_to_keep < 1:
@@ -156,6 +158,7 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     self.every = every
     self.max_to_keep = max_to_keep
+    self.keep = frozenset(keep)
     # Unfinished saves (orbax tmp dirs) found at start; orbax deletes them (they are never
     # restorable), the caller may report them.
     self.unfinished = (sorted(d for d in os.listdir(self.directory) if _TMP_MARK in d)
@@ -239,6 +242,8 @@ class Checkpointer:
     that is among them, whatever state newer damaged ones are in)."""
     intact = 0
     for step in reversed(self.all_steps()):
+      if step in self.keep:
+        continue
       if intact >= self.max_to_keep:
         self._manager.delete(step)
       elif verify_manifest(self.step_dir(step)) is None:

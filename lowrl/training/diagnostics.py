@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +11,23 @@ from lowrl import precision
 from lowrl.models import layout
 from lowrl.models.fused_scales import weight_amaxes
 from lowrl.models.config import ModelConfig
-from lowrl.quant import fake_quant
+from lowrl.quant import QuantConfig, fake_quant
 from lowrl.quant.grouped_qdot import fake_quant_experts
+
+
+def quantized_weights(params, model_cfg: ModelConfig, policy: precision.PrecisionPolicy
+                      ) -> Iterator[tuple[layout.Matmul, jax.Array, QuantConfig, jax.Array | None]]:
+  """(matmul, its FP32 weight, the weight's quantizer, its static per-tensor amax or None) of
+  every weight the policy quantizes: along the contracting axis, as the forward does, with round
+  to nearest for stochastically rounded quantizers (the deterministic grid), the amax its fused
+  group shares (`weight_amaxes`). Traceable."""
+  amaxes = weight_amaxes(params, model_cfg, policy)
+  for m, w in layout.iter_weights(params, model_cfg):
+    q = policy.qdot_config(m.full_path).rhs
+    if q is None:
+      continue
+    q = dataclasses.replace(q, axis=m.contract_axis, stochastic_rounding=False)
+    yield m, w.astype(jnp.float32), q, amaxes.get(m.full_path)
 
 
 def weight_quant_errors(params, model_cfg: ModelConfig,
@@ -23,15 +39,9 @@ def weight_quant_errors(params, model_cfg: ModelConfig,
   deterministic grid; SR adds zero-mean noise on top).
   """
   out = {}
-  amaxes = weight_amaxes(params, model_cfg, policy)
-  for m, w in layout.iter_weights(params, model_cfg):
-    q = policy.qdot_config(m.full_path).rhs
-    if q is None:
-      continue
-    q = dataclasses.replace(q, axis=m.contract_axis, stochastic_rounding=False)
-    w32 = w.astype(jnp.float32)
+  for m, w32, q, amax in quantized_weights(params, model_cfg, policy):
     err = (fake_quant_experts(w32, q) if m.n_experts else
-           fake_quant(w32, q, tensor_amax=amaxes.get(m.full_path))) - w32
+           fake_quant(w32, q, tensor_amax=amax)) - w32
     out[m.full_path] = jnp.sqrt(jnp.sum(err**2) / jnp.maximum(
         jnp.sum(w32**2), 1e-30))
   return out

@@ -36,7 +36,8 @@ import ml_collections
 from lowrl import distributed
 from lowrl.metrics import layout as tb_layout
 from lowrl.metrics.writer import create_writer
-from lowrl.training import base_store, disk, pace, preemption, run_config, run_logs, storage
+from lowrl.training import (base_store, code_churn, disk, pace, preemption, run_config, run_logs,
+                            storage)
 from lowrl.training.checkpointing import Checkpointer, read_meta
 from lowrl.training.reporting import log_order, log_setup, log_step
 from lowrl.training.schedule import VersionBuffer
@@ -114,7 +115,7 @@ def _open_workdir(cfg: ml_collections.ConfigDict, setup: Setup, workdir: str, lo
   os.makedirs(workdir, exist_ok=True)
   # Asynchronous: a save's files are written while the next steps train.
   ckpt = Checkpointer(os.path.join(workdir, CHECKPOINTS), every=setup.loop.checkpoint_every,
-                      async_save=True)
+                      async_save=True, keep=setup.loop.keep_steps)
   steps = ckpt.all_steps()
   resuming = bool(steps)
   if resuming and primary:  # damaged bookkeeping: one line, before anything is compiled
@@ -219,6 +220,9 @@ def _train(trainer: Trainer, ckpt: Checkpointer, writer, workdir: str, start: in
   copy = ((lambda t: storage.keep(t, knobs.version_storage)) if schedule.stale
           else (lambda t: t))
   versions.put(start, copy(params))
+  churn = code_churn.CodeChurn(setup.model_cfg, setup.sampler_policy) if knobs.code_churn else None
+  if churn is not None:
+    churn.start(params)  # before the step donates them
   eta = run_logs.Eta(knobs.steps)
   skipped_in_a_row = 0
   if preemption.agreed(stop):  # signalled while the base trained or the programs compiled
@@ -244,6 +248,8 @@ def _train(trainer: Trainer, ckpt: Checkpointer, writer, workdir: str, start: in
     # -- its metrics, evaluation and logging -------------------------------------------------
     m = {k: float(v) for k, v in log_order(m).items()}
     m.update({"sampler_version_lag": float(step - sv), "versions_held": float(len(versions))})
+    if churn is not None:
+      m.update(churn.after_step(params))
     tb_only = step_pace.scalars(step, m["response_length"])  # wall times: not in metrics.jsonl
     skipped_in_a_row = skipped_in_a_row + 1 if m["skipped_updates"] > 0 else 0
     if skipped_in_a_row:
@@ -270,7 +276,7 @@ def _train(trainer: Trainer, ckpt: Checkpointer, writer, workdir: str, start: in
                        {str(v): versions.get(v) for v in versions.versions() if v != done})
     stopping = preemption.agreed(stop)
     ckpt.save(done, state, {"data_position": done, "step": done, "config_fingerprint": fp},
-              force=done == knobs.steps or stopping)
+              force=done == knobs.steps or stopping or done in knobs.keep_steps)
     if stopping:
       ckpt.wait()
       writer.flush()

@@ -25,7 +25,7 @@ CONFIG_FILE = "config.json"
 # Knobs that change what is logged, not what is trained: a resume may change them freely.
 # Keys that change no result (`hardware` only selects the memory budget build() checks against).
 COSMETIC_KEYS = ("log_every", "num_text_samples", "checkpoint_every", "eval_every", "hardware",
-                 "refit_check_every")
+                 "refit_check_every", "checkpoint_keep_fractions", "diagnostics.code_churn")
 
 
 class ConfigError(ValueError):
@@ -82,9 +82,16 @@ def to_json(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
   return json.loads(cfg.to_json_best_effort(sort_keys=True))
 
 
+# Knobs added after runs existed, fingerprinted only when set (their value here = off), so that
+# every run of a config without them keeps its fingerprint (and its grid lines and workdirs).
+OFF_UNLESS_SET = {"sft.outlier_channels": 0, "sft.outlier_gain": 1.0}
+
+
 def fingerprint(cfg: ml_collections.ConfigDict) -> str:
-  """SHA-256 (16 hex digits) of the config minus the cosmetic keys."""
-  return digest({k: v for k, v in flatten(to_json(cfg)).items() if k not in COSMETIC_KEYS})
+  """SHA-256 (16 hex digits) of the config minus the cosmetic keys (and the OFF_UNLESS_SET keys
+  at their off value)."""
+  return digest({k: v for k, v in flatten(to_json(cfg)).items()
+                 if k not in COSMETIC_KEYS and OFF_UNLESS_SET.get(k, object()) != v})
 
 
 def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

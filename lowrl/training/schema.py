@@ -219,6 +219,9 @@ DIAGNOSTICS = Section("diagnostics", (
     knob("every", "steps between the gradient-bias (recipe vs FP32 gradient: grad_bias/*) and "
          "update-erasure (update_erasure) probes; 0 = off; a probe step that is not a logged "
          "step (log_every) is not logged", NON_NEGATIVE),
+    knob("code_churn", "log per RL step the fraction of the sampler policy's quantized weight "
+         "codes, dequantized values and block scales the step's update changes "
+         "(code_churn/*: lowrl/training/code_churn.py); other metrics unchanged"),
 ))
 
 _SFT = Section("sft", (
@@ -234,7 +237,13 @@ _SFT = Section("sft", (
 # The loop's sft section: one base can serve runs of several seeds.
 TRAIN_SFT = _SFT.extended(
     knob("seed", "seed of the base (init and SFT data); -1 = the run's seed (set it to share "
-         "one base between runs of different seeds)", AtLeast(-1)))
+         "one base between runs of different seeds)", AtLeast(-1)),
+    knob("outlier_channels", "outlier channels planted in the base once loaded (the stored "
+         "base is unchanged): n evenly spaced channels whose attn/mlp RMSNorm gains are x "
+         "outlier_gain and whose q/k/v, gate/up kernel rows are / outlier_gain, the same "
+         "function (lowrl/training/outliers.py); 0 = none", NON_NEGATIVE),
+    knob("outlier_gain", "gain of the planted outlier channels (sft.outlier_channels)",
+         AtLeast(1)))
 
 ASYNC_RL = Section("async_rl", (
     knob("lag", "sampler version = trainer version - lag (>= 0; 0 = synchronous)"),
@@ -326,6 +335,14 @@ HARDWARE = knob("hardware", "device memory the per-device estimate must fit in: 
                 "auto (the backend's memory_stats; no limit on CPU), none (no check) or a "
                 "lowrl.hardware preset", OneOf(memory.HARDWARE_CHOICES))
 
+def _fractions(flag: str, value) -> None:
+  """A tuple of fractions in (0, 1]."""
+  if not isinstance(value, (tuple, list)) or not all(
+      isinstance(f, (int, float)) and 0 < f <= 1 for f in value):
+    raise ValueError(f"--config.{flag}={value!r}: a tuple of fractions in (0, 1], e.g. "
+                     "'(0.25,0.5)'; () = none.")
+
+
 _EVAL_NUM_PROMPTS = knob("eval_num_prompts", "held-out eval-split prompts", POSITIVE)
 
 # The training loop (configs/base.py). Sections in the order --print_config lists them.
@@ -368,6 +385,10 @@ TRAIN = Schema((
         knob("log_every", "steps between TensorBoard / metrics.jsonl points", POSITIVE),
         knob("checkpoint_every", "steps between checkpoints (the newest 2 intact ones are "
              "kept)", POSITIVE),
+        knob("checkpoint_keep_fractions", "fractions f in (0, 1] of rl.steps whose checkpoints "
+             "(step round(f x rl.steps), half up) are saved too and never rotated away, beside "
+             "the newest 2 (experiments/paired.py's distance at several points of a run); () "
+             "= none", _fractions),
         knob("num_text_samples", "sample completions shown in TensorBoard per logged step",
              NON_NEGATIVE),
         knob("max_skipped_steps", "stop (naming the last good checkpoint) after this many "

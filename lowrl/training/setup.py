@@ -9,6 +9,7 @@ is raised here as a one-line ValueError naming the flag and the fix.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import ml_collections
@@ -29,6 +30,12 @@ from lowrl.training.schedule import AsyncSchedule
 from lowrl.training.step import BatchConfig
 
 
+def keep_steps(fractions, steps: int) -> tuple[int, ...]:
+  """The steps of `checkpoint_keep_fractions` in a run of `steps`: round(f x steps) half up, at
+  least 1, sorted, distinct."""
+  return tuple(sorted({max(1, math.floor(f * steps + 0.5)) for f in fractions}))
+
+
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:
   """The host loop's own knobs (lowrl.training.schema.TRAIN has their meanings)."""
@@ -42,9 +49,11 @@ class LoopConfig:
   eval_every: int
   log_every: int
   checkpoint_every: int
+  keep_steps: tuple[int, ...]  # checkpoint_keep_fractions as steps (`keep_steps`): never rotated
   num_text_samples: int
   max_skipped_steps: int
   diagnostics_every: int  # diagnostics.every
+  code_churn: bool  # diagnostics.code_churn
   refit_check_every: int
   sampler_exact: bool
   routing_replay: bool  # rl.routing_replay (MoE)
@@ -70,8 +79,10 @@ class LoopConfig:
                group_size=rl.group_size, eval_num_prompts=cfg.eval_num_prompts,
                eval_samples=cfg.eval_samples, eval_every=cfg.eval_every,
                log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every,
+               keep_steps=keep_steps(cfg.checkpoint_keep_fractions, rl.steps),
                num_text_samples=cfg.num_text_samples, max_skipped_steps=cfg.max_skipped_steps,
                diagnostics_every=cfg.diagnostics.every,
+               code_churn=bool(cfg.diagnostics.code_churn),
                refit_check_every=cfg.refit_check_every, sampler_exact=bool(cfg.sampler_exact),
                routing_replay=bool(rl.routing_replay),
                keep_reference=bool(rl.kl_coef > 0 or rl.log_kl_ref),
@@ -174,7 +185,8 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
                     base_dir=cfg.sft.base_dir,
                     sft=sft.SFTConfig(steps=cfg.sft.steps, batch_size=cfg.sft.batch_size,
                                       lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps),
-                    seed=seed, fingerprint=sft.fingerprint(cfg.task, model_cfg, cfg.sft, seed))
+                    seed=seed, fingerprint=sft.fingerprint(cfg.task, model_cfg, cfg.sft, seed),
+                    outliers=(int(cfg.sft.outlier_channels), float(cfg.sft.outlier_gain)))
   record = ConfigRecord(run_config.fingerprint(cfg), run_config.describe(cfg),
                         run_config.flatten(cfg))
   updates = rl.steps * rl.mu * rl.num_minibatches

@@ -74,6 +74,8 @@ def fingerprint(task_cfg, model_cfg: ModelConfig, sft_cfg, seed: int) -> str:
   sft = dict(sft_cfg.to_dict() if hasattr(sft_cfg, "to_dict") else sft_cfg)
   sft.pop("base_dir", None)  # where the base is stored does not change it
   sft.pop("seed", None)  # the loop's sft.seed: resolved into `seed`
+  sft.pop("outlier_channels", None)  # planted on loading: the stored base has none
+  sft.pop("outlier_gain", None)
   return run_config.digest({"task": task_cfg.to_dict() if hasattr(task_cfg, "to_dict") else task_cfg,
                             "model": repr(model_cfg), "sft": sft, "seed": seed}, 12)
 

@@ -81,15 +81,24 @@ def final_params(cfg: ml_collections.ConfigDict, workdir: str, trainer: Trainer 
                  ) -> Any:
   """The policy params of the finished run of `cfg` in `workdir` (its step-`rl.steps`
   checkpoint, checksums verified), on `trainer`'s mesh (a Trainer of `cfg` built if None)."""
+  return params_at(cfg, workdir, None, trainer)
+
+
+def params_at(cfg: ml_collections.ConfigDict, workdir: str, step: int | None,
+              trainer: Trainer | None = None) -> Any:
+  """The policy params of the step-`step` checkpoint (None = rl.steps) of the run of `cfg` in
+  `workdir` (checksums verified; a step the run kept: checkpoint_keep_fractions), on
+  `trainer`'s mesh (a Trainer of `cfg` built if None)."""
   trainer = trainer or Trainer(build(cfg), log=lambda _: None)
   knobs = trainer.setup.loop
+  step = knobs.steps if step is None else step
   params = jax.eval_shape(lambda p: optimizer.to_master(p, knobs.master_dtype),
                           trainer.param_shapes)
   state = jax.eval_shape(lambda p: state_tree(
       p, optimizer.init_opt_state(trainer.tx, p), jax.random.key_data(jax.random.key(0)),
       p if knobs.keep_reference else None, {}), params)
-  state = state_at(state, trainer.setup.schedule, knobs.steps)
+  state = state_at(state, trainer.setup.schedule, step)
   ckpt = Checkpointer(os.path.join(workdir, CHECKPOINTS), every=knobs.checkpoint_every)
   restored, _, _ = ckpt.restore(sharding.abstract(state, trainer.state_shardings(state)),
-                                step=knobs.steps)
+                                step=step)
   return restored["params"]

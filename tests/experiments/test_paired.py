@@ -8,7 +8,8 @@ import pytest
 import tiny
 
 from configs import ablate as ablate_config
-from experiments import paired, report
+from experiments import ablate, paired, report
+from lowrl.training import run_logs
 from lowrl.analysis import stats
 
 
@@ -49,6 +50,7 @@ def test_backward_modes_against_fp32_and_the_exact_quantized_gradient(measured):
   for m in paired.BACKWARD:
     assert len(modes[m]["cos_fp32"]) == 2 and all(-1 <= c <= 1 + 1e-6 for c in modes[m]["cos_fp32"])
     assert all(np.isfinite(modes[m]["heldout_delta"]))
+    assert len(modes[m]["code_churn"]) == 2 and all(0 <= c <= 1 for c in modes[m]["code_churn"])
   # The dequantized backward is the reference of the "exact" comparison: itself, cosine 1.
   np.testing.assert_allclose(modes["dequantized"]["cos_exact"], 1.0, atol=1e-5)
   np.testing.assert_allclose(modes["dequantized"]["rel_err_exact"], 0.0, atol=1e-6)
@@ -67,7 +69,7 @@ def test_rerun_resumes_without_measuring_again(measured):
   cfg, work, lines, _ = measured
   logs = []
   assert paired.run(cfg, work, log=logs.append) == lines
-  assert any("2 jobs, 2 already done, 0 to run" in x for x in logs)
+  assert any("already done, 0 to run" in x for x in logs)
   assert not any("[paired] ladder" in x for x in logs)
 
 
@@ -76,3 +78,53 @@ def test_bad_sizes_are_rejected_before_any_work(tmp_path):
   cfg.paired.grad_batches = cfg.paired.batches + 1
   with pytest.raises(ValueError, match="grad_batches <= batches"):
     paired.run(cfg, str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def distanced(measured):
+  """A 2-setting grid (the BF16 twin and naive NVFP4, 1 seed, the fixture's 2 steps, the
+  checkpoint at 50% kept, code churn logged: cosmetic knobs, so the twin's fingerprint and the
+  paired lines stay) on the measured base, then experiments.paired's distance lines."""
+  cfg, work, _, _ = measured
+  cfg.groups, cfg.only = ("recipe",), ("nvfp4_naive",)
+  cfg.run.checkpoint_every = 2
+  cfg.run.checkpoint_keep_fractions = (0.5,)
+  cfg.run.diagnostics.code_churn = True
+  results = ablate.run_grid(cfg, work, log=lambda _: None)
+  lines = paired.run(cfg, work, log=lambda _: None)
+  return cfg, work, results, [r for r in lines if r["measurement"] == "distance"]
+
+
+def test_distance_at_every_kept_checkpoint_paired_with_the_twin_at_the_same_step(distanced):
+  _, work, results, lines = distanced
+  assert sorted((r["setting"], r["seed"]) for r in lines) == [("bf16", 0), ("nvfp4_naive", 0)]
+  # The loop kept step 1 (50% of 2) beside the end.
+  for r in results:
+    kept = os.listdir(os.path.join(work, r["run_dir"], "checkpoints"))
+    assert {1, 2} <= {int(d) for d in kept if d.isdigit()}
+  by = {r["setting"]: r for r in lines}
+  for r in lines:
+    assert [(q["step"], q["fraction"]) for q in r["points"]] == [(0, 0.0), (1, 0.5), (2, 1.0)]
+  # The twin against itself: trajectory 0 at every step; static 0 (BF16 vs BF16).
+  for q in by["bf16"]["points"]:
+    assert max(q["trajectory"]) == 0.0 and max(q["static"]) == 0.0
+  naive = by["nvfp4_naive"]["points"]
+  assert min(np.mean(q["static"]) for q in naive) > 0  # NVFP4's forward differs from BF16's
+  assert np.mean(naive[2]["trajectory"]) > 0  # training took the weights apart
+  pts = report.distance_points(by["nvfp4_naive"])
+  assert list(pts) == [0.0, 0.5, 1.0] and pts[0.0]["trajectory"] == 0.0
+  md = "\n".join(report._distance_table(lines))  # noqa: SLF001
+  assert "| setting | seeds | static 0% | static 50% | static 100% | trajectory 50% | " \
+         "trajectory 100% |" in md
+
+
+def test_code_churn_is_logged_by_the_quantized_run_only(distanced):
+  _, work, results, _ = distanced
+  for r in results:
+    rows = run_logs.read_metrics(os.path.join(work, r["run_dir"]))
+    churn = [x.get("code_churn/codes") for x in rows]
+    if r["setting"] == "bf16":  # no weight quantized: nothing logged
+      assert churn == [None] * 2
+    else:
+      assert all(0 <= c <= 1 for c in churn) and all(0 <= x["code_churn/scales"] <= 1
+                                                     for x in rows)

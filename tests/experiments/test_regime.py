@@ -1,0 +1,32 @@
+"""configs/ablate_regime.py builds for every setting and is the regime issue 24 asks for
+(completions of >= 64 tokens, d >= 256 with outlier channels each in an NVFP4 block of its own,
+>= 300 updates); experiments.regime's cost estimate from timed updates. No JAX programs."""
+import pytest
+
+from configs import ablate_regime
+from experiments import ablate, regime
+from lowrl.training import outliers
+from lowrl.training.setup import build
+
+
+def test_regime_builds_and_meets_the_issue():
+  cfg = ablate_regime.get_config()
+  pairs = ablate.validate(cfg)  # every setting's loop config builds (one-line errors otherwise)
+  setup = build(pairs[0][1])
+  task = setup.task
+  assert task.min_len + 1 >= 64 and setup.sampling.max_new_tokens >= task.max_answer_len
+  assert setup.model_cfg.d_model >= 256 and setup.loop.steps * setup.loop.updates_per_step >= 300
+  ch = outliers.channels(setup.model_cfg.d_model, setup.base.outliers[0])
+  assert len(ch) >= 2 and len({c // 16 for c in ch}) == len(ch)
+  assert setup.loop.keep_steps == (75, 150) and setup.loop.code_churn
+
+
+def test_estimate_counts_settings_seeds_and_updates():
+  cfg = ablate_regime.get_config()
+  timing = {"bf16": {"rl_step_s": 10.0, "sft_step_s": 2.0},
+            "nvfp4_naive": {"rl_step_s": 30.0, "sft_step_s": None},
+            "nvfp4_recipe": {"rl_step_s": 20.0, "sft_step_s": None}}
+  e = regime.estimate(cfg, timing)
+  n = len(ablate.settings(cfg))
+  assert e["rl_hours"] == pytest.approx(5 * 300 * (10.0 + (n - 1) * 25.0) / 3600)
+  assert e["sft_hours"] == pytest.approx(300 * 2.0 / 3600)
