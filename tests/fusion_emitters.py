@@ -12,7 +12,8 @@ key's options build).
 
 Set per program rather than in XLA_FLAGS (where it would apply to every program, those with
 4-bit types too): `install()` in each test worker (conftest.py) and, through `child_env()`, in the
-processes the tests launch.
+processes the tests launch. LOWRL_TEST_FUSION_EMITTERS=1 turns it off (every program with the
+fusion emitters, as in production).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def install() -> None:
   """Compiles every CPU program without a sub-byte type with the elemental emitter (idempotent)."""
   from jax._src import compiler  # noqa: PLC0415 - after conftest set XLA_FLAGS
 
-  if getattr(compiler.compile_or_get_cached, "_elemental_emitter", False):
+  if os.environ.get("LOWRL_TEST_FUSION_EMITTERS") == "1" or getattr(compiler.compile_or_get_cached, "_elemental_emitter", False):
     return
   original = compiler.compile_or_get_cached
 
