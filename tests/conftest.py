@@ -57,6 +57,10 @@ if _cache_dir:
 
 import jax  # noqa: E402
 
+import fusion_emitters  # noqa: E402
+
+fusion_emitters.install()
+
 if _cache_dir:  # the workers' own cache (the variables above are what launched processes read)
   jax.config.update("jax_compilation_cache_dir", os.path.join(_cache_dir, "workers"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)

@@ -65,8 +65,8 @@ def _worker(shape: tuple[int, int], contiguous: bool) -> None:
     batch_ops = re.findall(rf"= \w+\[{BATCH},[^\n]* (?:{ops})\(", decode.as_text())
     mark(f"batch collectives {len(batch_ops)}")
     mark("rescore")
-    out, _ = _decode_program(model, policy, config, plan)(
-        params, prompts, pmask, jax.random.key(2), cache, None, None)
+    # The decode executable compiled above (calling the jitted program would compile it again).
+    out, _ = decode(params, prompts, pmask, jax.random.key(2), cache, None, None)
     jax.block_until_ready(rescore(out, params, model_cfg=model, policy=policy, config=config,
                                   plan=plan).logprobs)
   mark("update")
@@ -88,9 +88,8 @@ def _worker(shape: tuple[int, int], contiguous: bool) -> None:
 
 
 def _run(shape: tuple[int, int], contiguous: bool = False) -> str:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="0",
-             XLA_FLAGS=multiprocess.xla_flags(8),
-             LOWRL_TEST_JAX_CACHE="")  # no persistent cache: every program is partitioned here
+  # No persistent cache: every program is partitioned here.
+  env = multiprocess.child_env(8, TF_CPP_MIN_LOG_LEVEL="0", LOWRL_TEST_JAX_CACHE="")
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
   cmd = [sys.executable, os.path.abspath(__file__), f"{shape[0]},{shape[1]}",
          "contiguous" if contiguous else "strided"]

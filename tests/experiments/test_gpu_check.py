@@ -8,11 +8,11 @@ import pytest
 
 from experiments import gpu_check
 from experiments.gpu_check_parts import SHAPES
-from multiprocess import xla_flags
+from multiprocess import child_env
 
 # The parts' processes: one CPU device, the tests' compile flags (and their compilation cache,
 # through the inherited JAX_* variables).
-ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1))
+ENV = child_env(1)
 
 
 def _finite_positive(x):

@@ -20,9 +20,8 @@ FLAGS = [
 
 def _train(workdir, *flags) -> str:
   """The binary's stdout and stderr (JAX logs each compile and persistent-cache hit)."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-             XLA_FLAGS=multiprocess.xla_flags(1), JAX_LOG_COMPILES="1",
-             JAX_EXPLAIN_CACHE_MISSES="1")
+  env = multiprocess.child_env(1, PYTHONUNBUFFERED="1", JAX_LOG_COMPILES="1",
+                              JAX_EXPLAIN_CACHE_MISSES="1")
   proc = subprocess.run([sys.executable, "-m", "experiments.train", f"--workdir={workdir}",
                          *FLAGS, *flags], cwd=str(tiny.REPO), env=env, capture_output=True,
                         text=True, timeout=600)

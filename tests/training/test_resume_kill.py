@@ -32,8 +32,7 @@ FLAGS = [
 
 
 def _train(workdir: str, *extra: str) -> subprocess.Popen:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-             XLA_FLAGS=multiprocess.xla_flags(1))
+  env = multiprocess.child_env(1, PYTHONUNBUFFERED="1")
   return subprocess.Popen([sys.executable, "-m", "experiments.train", f"--workdir={workdir}",
                            *FLAGS, *extra], cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)

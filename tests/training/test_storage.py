@@ -42,6 +42,7 @@ def test_host_offloaded_reference_and_versions_give_the_same_run(tmp_path):
   runs = {}
   for where in ("param", "host", "bfloat16"):
     c = tiny.loop_config("fp32", base_dir, steps=3, num_prompts=2)
+    c.model.n_layers = 1  # where the copies live does not depend on the depth: smaller programs
     c.rl.kl_coef, c.async_rl.lag = 0.1, 1  # a penalised reference and one stale version
     # Decay moves the weights every step, whatever the sampled rewards (a tiny base can score all
     # of a batch's groups alike, and then no gradient moves them): the reference and the stale
