@@ -12,6 +12,7 @@ the base's start + TARGET_FRACTIONS of its RL gain. Mean over the seeds that rea
 """
 from __future__ import annotations
 
+import collections
 import math
 import os
 from typing import Sequence
@@ -22,6 +23,8 @@ import numpy as np
 from lowrl.analysis import stats
 from lowrl.asyncrl import capacity as cap
 from lowrl.asyncrl import timing
+from lowrl.asyncrl.knobs import GRID_KNOBS, SHORT
+from lowrl.training import run_config
 
 HARDWARES = ("h100_sxm", "h200", "b200")
 TARGET_FRACTIONS = (0.25, 0.5, 0.75)
@@ -35,6 +38,26 @@ def precision_label(r: dict) -> str:
   """'<sampler>' (trainer BF16) or '<sampler>=trainer'."""
   s, t = r.get("sampler_recipe", "bf16"), r.get("trainer_recipe", "bf16")
   return s if t == "bf16" or s == t == "bf16" else (f"{s}=trainer" if s == t else f"{s}/{t}")
+
+
+# The knobs that set a setting's context (its own columns hold precision, correction and lag).
+_CONTEXT_KNOBS = ("num_prompts", "group_size", "horizon", "sync_every", "lr", "schedule")
+
+
+def context_labels(names: Sequence[str], cfgs: dict[str, ml_collections.ConfigDict]
+                   ) -> dict[str, str]:
+  """Per setting name, the knobs where its config leaves the most common value over `names`
+  (e.g. 'np=4 g=16', 'sync=2', 'lr=0.003'); 'main' when none: the tables' rows are otherwise
+  ambiguous."""
+  values = {n: {k: run_config.get_path(cfgs[n], GRID_KNOBS[k]) for k in _CONTEXT_KNOBS}
+            for n in names if n in cfgs}
+  usual = {k: collections.Counter(v[k] for v in values.values()).most_common(1)[0][0]
+           for k in _CONTEXT_KNOBS} if values else {}
+
+  def label(v: dict) -> str:
+    return " ".join(f"{SHORT[k]}={v[k]:g}" if isinstance(v[k], float) else f"{SHORT[k]}={v[k]}"
+                    for k in _CONTEXT_KNOBS if v[k] != usual[k]) or "main"
+  return {n: label(values[n]) if n in values else "–" for n in names}
 
 
 def clocks(cfg: ml_collections.ConfigDict, lag: int) -> dict[str, tuple[float, float]]:
@@ -96,14 +119,16 @@ def capacity_sections(rows: list[dict], cfgs: dict[str, ml_collections.ConfigDic
           "" if g_base > 0 else "**The base run did not improve (RL gain <= 0): no retained "
           "fraction, no capacity.**\n",
           f"Quality = held-out greedy reward of the trained policy in the trainer's precision; "
-          f"gain = its difference to the BF16 lag-0 uncorrected run of the same seed (paired); "
-          f"retained = 1 + gain / {g_base:.3f} (BF16's own RL gain, start -> end). Drift = the "
-          "run's mean k1 of the total and of its parts (lowrl.rl.drift). Verdicts: paired t over "
-          "seeds of the gain, Holm-adjusted over every claim of this report "
+          f"gain = its difference to the BF16 lag-0 uncorrected run of the same seed and context "
+          f"(lr, batch, horizon; paired); retained = 1 + gain / G, G = that BF16 run's own RL "
+          f"gain, start -> end ({g_base:.3f} in the main context; '–' where G's 95% CI reaches "
+          "0). Drift = the run's mean k1 of the total and of its parts (lowrl.rl.drift). "
+          "Verdicts: paired t over seeds of the gain, Holm-adjusted over the settings "
           "(lowrl.analysis.stats); "
           "✗ = significantly below BF16 lag 0. BF16 kept = the fraction of the simulated model's "
           "decoder layers a recipe leaves in BF16.\n"]
   lines = []
+  context = context_labels([p.row["name"] for p in paired], cfgs)
   for p in paired:
     r = p.row
     recipe = timing.recipe_config(r.get("sampler_recipe", "bf16"), cfgs[r["name"]].recipe) \
@@ -113,15 +138,19 @@ def capacity_sections(rows: list[dict], cfgs: dict[str, ml_collections.ConfigDic
     v = verdicts.get(r["name"])
     mark = " ✗" if v is not None and v.verdict == "held" else ""
     lines.append([precision_label(r), r.get("correction", "none"), r["lag_used"],
-                  f"{kept:.2f}", f"{np.mean(p.drift['quantization_k1']):.2e}",
+                  context[r["name"]], f"{kept:.2f}", f"{np.mean(p.drift['quantization_k1']):.2e}",
                   f"{np.mean(p.drift['staleness_k1']):.2e}", f"{np.mean(p.drift['total_k1']):.2e}",
                   f"{np.mean(p.drift['total_k3']):.2e}",
                   f"{p.test.mean:+.3f} [{p.test.ci_low:+.3f}, {p.test.ci_high:+.3f}]"
                   if p.test.n > 1 else f"{p.test.mean:+.3f}",
-                  f"{np.mean(p.retained):.2f}",
+                  f"{np.mean(p.retained):.2f}" if np.all(np.isfinite(p.retained)) else "–",
                   "–" if v is None else f"{stats.fmt_p(v.p_holm)}{mark}"])
-  text.append(_table(["precision", "correction", "lag", "BF16 kept", "quant k1", "stale k1",
+  text.append(_table(["precision", "correction", "lag", "context", "BF16 kept", "quant k1",
+                      "stale k1",
                       "total k1", "total k3", "gain [95% CI]", "retained", "Holm p"], lines))
+  text.append("context: the knobs where a setting leaves the main grid's (np = prompts, g = "
+              "group size, h = horizon, sync = weight-sync interval, lr); each context has its own "
+              "BF16 lag-0 base.\n")
   text.append(f"\n### Correction capacity: total k1 where retained falls to "
               f"{cap.RETAINED_AT_CAPACITY}\n\nSegmented fit (flat, then linear in log10 k1) "
               "pooled over seeds; 95% percentile bootstrap over seeds (whole seeds resampled).\n")
@@ -144,10 +173,13 @@ def capacity_sections(rows: list[dict], cfgs: dict[str, ml_collections.ConfigDic
     text.append(f"Uncorrected settings, per seed retained = segmented fit in log10(total k1) + "
                 f"gamma x quant share: "
                 f"gamma (the share's coefficient) = {gamma.mean:+.3f} [{gamma.ci_low:+.3f}, "
-                f"{gamma.ci_high:+.3f}] over {gamma.n} seeds, p {stats.fmt_p(gamma.p)}, Holm p "
-                f"{stats.fmt_p(v.p_holm)}: **{v.verdict}** for the claim that quantization drift "
-                "costs more (gamma < 0; gamma > 0: staleness drift costs more at the same total "
-                "k1; 'not resolved' = no difference detectable at this many seeds after Holm).\n")
+                f"{gamma.ci_high:+.3f}] over {gamma.n} seeds, p {stats.fmt_p(gamma.p)} (the "
+                "report's primary hypothesis, a family of its own: lowrl.asyncrl.capacity "
+                f"`claims`): **{v.verdict}** for the claim that quantization drift costs more "
+                "(gamma < 0; gamma > 0: staleness drift costs more at the same total k1, "
+                "'contradicted'; 'not resolved' = no difference detectable at this many "
+                "seeds). Only settings whose context's BF16 run resolvably learns enter the fit "
+                "(retained is a ratio to that gain).\n")
   text.append(_time_sections(rows, cfgs, base, g_base))
   _drift_figure(paired, caps, os.path.join(workdir, "reward_vs_drift.png"))
   _pareto_figure(rows, cfgs, os.path.join(workdir, "pareto.png"))
@@ -168,17 +200,19 @@ def _time_sections(rows, cfgs, base, g_base) -> str:
           "system (lowrl.asyncrl.timing at the lag the setting ran; measured Hopper matmul "
           "rates, B200 datasheet) until the eval curve first reaches the target: mean over the "
           "seeds that reach it [bootstrap 95%] (seeds reaching). GPU-h: the whole run.\n"]
+  context = context_labels([r["name"] for r in timed], cfgs)
   for hw in HARDWARES:
     lines = []
     for i, r in enumerate(timed):
       step_s, gpu_h = clocks(cfgs[r["name"]], r["lag_used"])[hw]
-      cells = [precision_label(r), r.get("correction", "none"), r["lag_used"], f"{step_s:.2f}"]
+      cells = [precision_label(r), r.get("correction", "none"), r["lag_used"], context[r["name"]],
+               f"{step_s:.2f}"]
       cells += [_ci_text(time_to_target(r, [start[s] + f * g_base for s in r["seeds"]],
                                         step_s), rng_seed=i) for f in TARGET_FRACTIONS]
       cells.append(f"{gpu_h * r['steps']:.1f}")
       lines.append(cells)
     text.append(f"\n**{hw}**\n")
-    text.append(_table(["precision", "correction", "lag", "step s"]
+    text.append(_table(["precision", "correction", "lag", "context", "step s"]
                        + [f"h to +{f:.0%}" for f in TARGET_FRACTIONS] + ["GPU-h"], lines))
   return "\n".join(text)
 

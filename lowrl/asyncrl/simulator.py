@@ -67,6 +67,8 @@ from lowrl.rl.losses import LossConfig
 from lowrl.training.rl_update import UpdateConfig
 from lowrl.training.schedule import AsyncSchedule, PipelineSchedule
 
+_LIVE_PROGRAMS = 4  # compiled programs of each kind kept alive (see _init_eval)
+
 
 @dataclasses.dataclass(frozen=True)
 class SimResult:
@@ -98,7 +100,12 @@ def _eval_view(setup: SimSetup) -> SimSetup:
                              std_ddof=0, batch_cfg=None, eval_every=0, pass_eval_every=0)
 
 
-@functools.lru_cache(maxsize=32)
+# Few live programs: each compiled whole-run program holds thousands of LLVM JIT memory mappings,
+# and a sweep holding ~26 of them aborted twice at Linux's vm.max_map_count (65,530) with
+# "LLVM ERROR: Unable to allocate section memory" (docs/integrity.md). Settings that share a
+# program run consecutively, and a program evicted and needed again loads from the persistent
+# compilation cache.
+@functools.lru_cache(maxsize=_LIVE_PROGRAMS)
 def _init_eval(setup: SimSetup, num_seeds: int) -> tuple[Any, Any, float]:
   """Compiled (vmapped) initial_params and evaluate, and how long compiling took."""
   t0 = time.perf_counter()
@@ -108,7 +115,7 @@ def _init_eval(setup: SimSetup, num_seeds: int) -> tuple[Any, Any, float]:
   return init, ev.compile(), time.perf_counter() - t0
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=_LIVE_PROGRAMS)
 def _pass_eval(setup: SimSetup, num_seeds: int) -> tuple[Any, float]:
   """Compiled (vmapped) sampled_correct on the eval key, and how long compiling took."""
   t0 = time.perf_counter()
@@ -117,7 +124,7 @@ def _pass_eval(setup: SimSetup, num_seeds: int) -> tuple[Any, float]:
   return pe.lower(params, keys).compile(), time.perf_counter() - t0
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=_LIVE_PROGRAMS)
 def _train(setup: SimSetup, num_slots: int, num_seeds: int, resets: bool = False
            ) -> tuple[Any, float]:
   """The compiled (vmapped) training scan, and how long compiling took."""

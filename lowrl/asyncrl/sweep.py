@@ -30,6 +30,7 @@ import numpy as np
 
 from lowrl import grid as lowrl_grid
 from lowrl.asyncrl import simulator, timing
+from lowrl.asyncrl.knobs import GRID_KNOBS, SHORT as _SHORT
 from lowrl.asyncrl.summary import phase_table, summary_table, write_summary  # noqa: F401
 from lowrl.rl.drift import DRIFT_PARTS
 from lowrl.metrics.writer import MetricWriter
@@ -37,33 +38,6 @@ from lowrl.training import run_config
 
 Log = Callable[[str], None]
 
-# Grid knob -> the simulator config field it sets. Settings iterate with the first knobs
-# outermost: lag and sync interval last, since they only change the (runtime) ring plan and so
-# share one compiled program.
-GRID_KNOBS = {
-    "sampler_recipe": "sampler_recipe",
-    "trainer_recipe": "trainer_recipe",  # "same" = the sampler's recipe
-    "act_per_token": "recipe.act_per_token",
-    "four_over_six": "recipe.four_over_six",
-    "bf16_last_fraction": "recipe.bf16_last_fraction",
-    "backward": "recipe.backward",
-    "lr": "optimizer.lr",
-    "old_logp_source": "rl.old_logp_source",
-    "correction": "rl.correction",
-    "num_prompts": "rl.num_prompts",
-    "group_size": "rl.group_size",
-    "horizon": "task.length",
-    "sampler_devices": "cost.sampler_devices",
-    "schedule": "async_rl.schedule",
-    "lag_distribution": "async_rl.lag_distribution",
-    "sync_every": "async_rl.sync_every",
-    "lag": "async_rl.lag",  # an int or "auto" (the cost model's)
-}
-_SHORT = {"sampler_recipe": "s", "trainer_recipe": "t", "act_per_token": "ptok",
-          "four_over_six": "46", "bf16_last_fraction": "tail", "backward": "bwd", "lr": "lr",
-          "old_logp_source": "old", "correction": "corr", "num_prompts": "np",
-          "group_size": "g", "horizon": "h", "sampler_devices": "sdev", "schedule": "sched",
-          "lag_distribution": "dist", "sync_every": "sync", "lag": "lag"}
 # The config's grids: `grid` (the main table), any `<name>_grid` (more knob sweeps, e.g.
 # sync_grid: the weight-sync interval), `phase_grid` (the LR x lag diagram).
 

@@ -2,12 +2,14 @@
 the paired gain, the segmented fit and its crossing, the interchangeability coefficient, the
 phase table's paired-test marks, and the report end to end (no simulation: rows are written by
 hand, the clocks come from the cost model)."""
+import dataclasses
 import math
 import os
 
 import numpy as np
 import pytest
 
+from lowrl.analysis import stats
 from lowrl.asyncrl import capacity as cap
 from lowrl.asyncrl import report, simulator, summary
 
@@ -37,6 +39,17 @@ def test_gain_and_retained_are_paired_by_seed():
   g = (0.2 + 0.3 + 0.2) / 3
   np.testing.assert_allclose(paired["x"].retained, 1 + paired["x"].gain / g)
   np.testing.assert_allclose(paired["base"].gain, 0.0)
+
+
+def test_a_context_where_bf16_does_not_resolvably_learn_has_no_retained():
+  # BF16's own gains 0.1, -0.05, 0.0: mean 0.017, its 95% CI reaches 0, so retained (a ratio
+  # to that gain) is undefined there and stays out of the fits; the gain is still paired.
+  base = _row("base", end=(0.7, 0.55, 0.6), start=(0.6, 0.6, 0.6))
+  other = _row("x", sampler="nvfp4_naive", end=(0.6, 0.5, 0.6), quant=0.1)
+  paired = {p.row["name"]: p for p in cap.pair_with_base([base, other])}
+  np.testing.assert_allclose(paired["x"].gain, [-0.1, -0.05, 0.0])
+  assert np.all(np.isnan(paired["x"].retained)) and np.all(np.isnan(paired["base"].retained))
+  assert cap.capacity(list(paired.values()), "none") is None
 
 
 def test_segmented_fit_recovers_a_hinge_and_its_crossing():
@@ -106,7 +119,7 @@ def test_report_writes_its_sections_and_figures(tmp_path):
   for png in ("reward_vs_drift.png", "pareto.png"):
     assert os.path.getsize(tmp_path / png) > 10_000
   # The recipe column: the simulated model's layers a recipe keeps in BF16 (2 layers here).
-  assert "| nvfp4_naive | none | 1 | 0.00 |" in text
+  assert "| nvfp4_naive | none | 1 | main | 0.00 |" in text
   hours = report.time_to_target(rows[0], [0.7, 0.6, 0.95], step_s=3600.0)  # 1 h per step
   # Seed 0: the mid-run eval (0.7) is the first at or above 0.7; seed 1: the start; seed 2: never.
   assert hours == [50.0, 0.0, math.inf]
@@ -119,3 +132,28 @@ def test_capacity_below_the_smallest_drift_is_censored():
           _row("b", lag=6, end=(0.35,) * 3, stale=0.3)]
   k = cap.capacity(cap.pair_with_base(rows), "none")
   assert k.log_d < -1 and k.text().startswith("< 0.1")
+
+
+def test_interchangeability_is_judged_in_a_family_of_its_own():
+  # Ten per-setting claims at p 0.01 are Holm-adjusted together (0.1); the primary hypothesis
+  # keeps its own p (0.01) and, with gamma > 0, is contradicted (staleness costs more).
+  paired = cap.pair_with_base(_capacity_rows())
+  some = [p for p in paired if not cap._is_base(p.row)][:1] * 10
+  at = stats.PairedResult(n=3, mean=-0.1, ci_low=-0.15, ci_high=-0.05, p=0.01)
+  some = [dataclasses.replace(p, test=at) for p in some]
+  gamma = stats.PairedResult(n=3, mean=0.4, ci_low=0.3, ci_high=0.5, p=0.01)
+  verdicts = cap.claims(some, gamma)
+  assert [v.p_holm for v in verdicts[:-1]] == pytest.approx([0.1] * 10)
+  assert verdicts[-1].claim.name == "interchangeable"
+  assert verdicts[-1].p_holm == pytest.approx(0.01)
+  assert verdicts[-1].verdict == "contradicted"
+
+
+def test_context_labels_name_the_knobs_where_a_setting_leaves_the_usual_context():
+  cfgs = {name: simulator.default_config() for name in ("a", "b", "c", "d")}
+  cfgs["c"].async_rl.sync_every = 4
+  cfgs["d"].optimizer.lr = 3e-4
+  cfgs["d"].rl.num_prompts = 16
+  labels = report.context_labels(["a", "b", "c", "d", "not_run"], cfgs)
+  assert labels == {"a": "main", "b": "main", "c": "sync=4", "d": "np=16 lr=0.0003",
+                    "not_run": "–"}
