@@ -237,7 +237,7 @@ def _drift_figure(paired, caps, path: str) -> None:
                            sharey=True, squeeze=False)
   for ax, c in zip(axes[0], corrections):
     ps = [p for p in paired if (p.row.get("correction", "none") == c or cap._is_base(p.row))
-          and np.all(np.isfinite(p.retained))]  # NaN: the base gained nothing to retain
+          and np.all(np.isfinite(p.retained))]  # NaN: the base has no resolved gain to retain
     for p in ps:
       x = max(float(np.mean(p.drift["total_k1"])), cap.DRIFT_FLOOR)
       y, e = float(np.mean(p.retained)), float(np.std(p.retained))

@@ -50,13 +50,19 @@ def _fold(key, data):
   return None if key is None else jax.random.fold_in(key, data)
 
 
+def expert_weight_config(cfg: QuantConfig) -> QuantConfig:
+  """`cfg` as applied to one expert's [K, N] weight: 1-D blocks along K (axis 0)."""
+  if cfg.kind != "tensor" and not cfg.block_2d:
+    return dataclasses.replace(cfg, axis=0)
+  return cfg
+
+
 def fake_quant_experts(w_EKN: jax.Array, cfg: QuantConfig | None,
                        key: jax.Array | None = None) -> jax.Array:
   """Each expert's weight [K, N] fake-quantized alone (blocks along K; key folded with e)."""
   if cfg is None:
     return w_EKN
-  if cfg.kind != "tensor" and not cfg.block_2d:
-    cfg = dataclasses.replace(cfg, axis=0)
+  cfg = expert_weight_config(cfg)
   n = w_EKN.shape[0]
   if key is None:
     return jax.vmap(lambda w: fake_quant(w, cfg))(w_EKN)

@@ -14,7 +14,6 @@ observation is about; the trainer's when the two recipes are the same).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 from lowrl import precision
 from lowrl.models.config import ModelConfig
 from lowrl.quant import QTensor, dequantize, quantize
+from lowrl.quant.grouped_qdot import expert_weight_config
 from lowrl.training.diagnostics import quantized_weights
 
 PREFIX = "code_churn"
@@ -38,7 +38,7 @@ def weight_qtensors(params: Any, model_cfg: ModelConfig, policy: precision.Preci
   out = {}
   for m, w32, q, amax in quantized_weights(params, model_cfg, policy):
     if m.n_experts:
-      q = q if q.kind == "tensor" or q.block_2d else dataclasses.replace(q, axis=0)
+      q = expert_weight_config(q)
       out[m.full_path] = jax.vmap(lambda x, q=q: quantize(x, q))(w32)
     else:
       out[m.full_path] = quantize(w32, q, tensor_amax=amax)
