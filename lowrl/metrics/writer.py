@@ -1,12 +1,13 @@
-"""TensorBoard event writer on tensorboardX (no TensorFlow import; see docs/reference.md §7).
+"""TensorBoard event writer on tensorboardX's event format (no TensorFlow import; see
+docs/reference.md §7).
 
 Values may be Python, NumPy or JAX scalars/arrays; they are pulled to host here. `NullWriter` has the
 same interface and does nothing: use it in tests and on non-zero processes (`create_writer`).
 """
 from __future__ import annotations
 
-import errno
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -42,50 +43,75 @@ def _check_image(name: str, image_HWC: Any) -> np.ndarray:
 
 
 class MetricWriter:
-  """Writes scalars, histograms, texts and images to TensorBoard event files under `logdir`."""
+  """Writes scalars, histograms, texts and images to a TensorBoard event file under `logdir`.
+
+  Synchronous: each event is appended in the caller's thread, so a write that fails (a full disk)
+  raises its OSError there. tensorboardX's SummaryWriter hands events to a thread through a
+  bounded queue; when that thread dies of a failed write, the next `put` on the full queue blocks
+  forever (and checking the thread before each put cannot close the race). Events are built with
+  tensorboardX's summary functions and framed by its EventsWriter (TFRecord with CRCs).
+  """
 
   def __init__(self, logdir: str, flush_secs: int = 30, purge_step: int | None = None,
                tags: Callable[[str], str] | None = None):
-    """`purge_step`: a resumed run's first new step; TensorBoard then drops the points at
-    steps >= purge_step that earlier event files hold (logged before an interruption).
-    `tags`: maps each scalar/histogram name (and hparams metric tag) to its TensorBoard tag
-    (e.g. lowrl.metrics.layout.tag); None = the names as given."""
+    """`flush_secs`: the file is flushed (and fsynced) at the first write this long after the
+    last flush (and by `flush()`/`close()`). `purge_step`: a resumed run's first new step;
+    TensorBoard then drops the points at steps >= purge_step that earlier event files hold
+    (logged before an interruption). `tags`: maps each scalar/histogram name (and hparams metric
+    tag) to its TensorBoard tag (e.g. lowrl.metrics.layout.tag); None = the names as given."""
+    # Imported here so NullWriter users never pay for (or need) tensorboardX.
+    from tensorboardX.event_file_writer import EventsWriter
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
     self._logdir, self._flush_secs = str(logdir), flush_secs
     self._tag = tags or (lambda name: name)
-    self._writer = self._open(purge_step)
-
-  def _open(self, purge_step: int | None):
-    # Imported here so NullWriter users never pay for (or need) tensorboardX.
-    from tensorboardX import SummaryWriter
+    self._event = Event
+    os.makedirs(self._logdir, exist_ok=True)
     # Event files are named by the second they were opened in: a count suffix keeps a writer
     # opened in the same second as an earlier one (a quick resume) from truncating its file.
-    existing = len(os.listdir(self._logdir)) if os.path.isdir(self._logdir) else 0
-    return SummaryWriter(logdir=self._logdir, flush_secs=self._flush_secs, purge_step=purge_step,
-                         filename_suffix=f".{existing}")
+    existing = len(os.listdir(self._logdir))
+    self._file = EventsWriter(os.path.join(self._logdir, "events"), f".{existing}")
+    self._failed: OSError | None = None
+    self._closed = False
+    self._last_flush = time.monotonic()
+    if purge_step is not None:  # what SummaryWriter(purge_step=...) writes first
+      self._append(Event(step=purge_step, file_version="brain.Event:2"))
+      self._append(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
 
   @property
   def logdir(self) -> str:
     """Directory the event files go to."""
-    return self._writer.logdir
+    return self._logdir
 
-  def _writing(self) -> bool:
-    """Whether tensorboardX's writer thread still runs. It ends on a failed write (e.g. a full
-    disk), and its bounded queue then blocks the next event (or the close) forever."""
-    event_writer = getattr(self._writer.file_writer, "event_writer", None)
-    worker = getattr(event_writer, "_worker", None)
-    return worker is None or worker.is_alive()
+  def _raise_if_failed(self) -> None:
+    if self._failed is not None:  # the file's tail is unknown after a failed write
+      raise OSError(self._failed.errno, f"TensorBoard's event file in {self._logdir} had a "
+                                        f"failed write earlier ({self._failed.strerror})")
 
-  def _check_writing(self) -> None:
-    if not self._writing():
-      raise OSError(errno.EIO, f"TensorBoard's event writer for {self._logdir} stopped after a "
-                               "failed write (e.g. a full disk)")
+  def _append(self, event) -> None:
+    self._raise_if_failed()
+    if self._closed:
+      raise ValueError(f"the TensorBoard writer for {self._logdir} is closed")
+    event.wall_time = time.time()
+    try:
+      self._file.write_event(event)
+      if time.monotonic() - self._last_flush >= self._flush_secs:
+        self._flush_file()
+    except OSError as e:
+      self._failed = e
+      raise
+
+  def _flush_file(self) -> None:
+    self._file.flush()  # file flush + fsync
+    self._last_flush = time.monotonic()
+
+  def _summary(self, step: int, summary) -> None:
+    self._append(self._event(step=int(step), summary=summary))
 
   def scalars(self, step: int, values: Mapping[str, Any]) -> None:
     """One scalar per tag; each value must hold exactly one number."""
-    step = int(step)
+    from tensorboardX.summary import scalar
     for name, value in values.items():
-      self._check_writing()
-      self._writer.add_scalar(self._tag(name), _to_float(name, value), global_step=step)
+      self._summary(step, scalar(self._tag(name), _to_float(name, value)))
 
   def histograms(self, step: int, arrays: Mapping[str, Any]) -> None:
     """One histogram per tag over all elements of the array.
@@ -95,22 +121,20 @@ class MetricWriter:
     range (TensorFlow's default buckets are 10% of the value wide: values within a few percent of
     each other, like the weight quantization errors, fall into one bucket and show as a block).
     """
-    self._check_writing()
-    step = int(step)
+    from tensorboardX.summary import histogram
     for name, arr in arrays.items():
       values = np.asarray(arr, dtype=np.float64).reshape(-1)
       values = values[np.isfinite(values)]
       if values.size:
-        self._writer.add_histogram(self._tag(name), values, global_step=step, bins="auto")
+        self._summary(step, histogram(self._tag(name), values, bins="auto"))
 
   def texts(self, step: int, texts: Mapping[str, str]) -> None:
     """One (markdown) text per tag."""
-    self._check_writing()
-    step = int(step)
-    for name, text in texts.items():
-      if not isinstance(text, str):
-        raise ValueError(f"Text {name!r} must be a str, got {type(text).__name__}.")
-      self._writer.add_text(name, text, global_step=step)
+    from tensorboardX.summary import text
+    for name, value in texts.items():
+      if not isinstance(value, str):
+        raise ValueError(f"Text {name!r} must be a str, got {type(value).__name__}.")
+      self._summary(step, text(name, value))
 
   def hparams(self, values: Mapping[str, Any], metric_tags: Sequence[str]) -> None:
     """The run's hyperparameters (TensorBoard's HPARAMS tab) in this run's own event file.
@@ -121,38 +145,43 @@ class MetricWriter:
     from tensorboardX.summary import hparams
     plain = {k: v if isinstance(v, (bool, int, float, str)) else repr(v)
              for k, v in values.items()}
-    file_writer = self._writer._get_file_writer()  # pylint: disable=protected-access
     for summary in hparams(plain, {self._tag(tag): 0.0 for tag in metric_tags}):
-      file_writer.add_summary(summary)
+      self._append(self._event(summary=summary))
 
   def custom_scalars(self, layout: Mapping[str, Mapping[str, Sequence[Any]]]) -> None:
     """The CUSTOM SCALARS dashboard's layout: {category: {chart: ["Multiline", [tag regexes]]
     or ["Margin", [value, lower, upper tags]]}} (tensorboardX's add_custom_scalars format)."""
     from tensorboardX.summary import custom_scalars
-    self._check_writing()
-    self._writer._get_file_writer().add_summary(  # pylint: disable=protected-access
-        custom_scalars({c: dict(charts) for c, charts in layout.items()}))
+    self._append(self._event(
+        summary=custom_scalars({c: dict(charts) for c, charts in layout.items()})))
 
   def image(self, step: int, name: str, image_HWC: Any) -> None:
     """A uint8 [H, W, C] image (C = 1, 3 or 4)."""
-    self._writer.add_image(name, _check_image(name, image_HWC), global_step=int(step),
-                           dataformats="HWC")
+    from tensorboardX.summary import image
+    self._summary(step, image(name, _check_image(name, image_HWC), dataformats="HWC"))
 
   def flush(self) -> None:
-    """Write everything logged so far to disk before returning (then continue in a new file).
-
-    tensorboardX's own flush() only flushes the file: events still queued for its writer thread
-    are not yet in it, so a kill right after a checkpoint could lose them. Closing joins the
-    thread after it has written every queued event.
-    """
-    self._check_writing()
-    self._writer.close()
-    self._writer = self._open(purge_step=None)
+    """Write everything logged so far to disk (flush and fsync) before returning."""
+    self._raise_if_failed()
+    try:
+      self._flush_file()
+    except OSError as e:
+      self._failed = e
+      raise
 
   def close(self) -> None:
-    """Flush and close the event file (after a failed write there is nothing left to flush)."""
-    if self._writing():
-      self._writer.close()
+    """Flush and close the event file. After a failed write nothing is flushed and nothing is
+    raised (the failure was raised where it happened); closing twice is a no-op."""
+    if self._closed:
+      return
+    self._closed = True
+    if self._failed is None:
+      self._file.close()  # flush, fsync, close
+      return
+    try:
+      self._file.close()
+    except OSError:
+      pass
 
   def __enter__(self) -> MetricWriter:
     return self

@@ -90,8 +90,8 @@ def full_message(workdir: str, ckpt_dir: str) -> str:
 def is_disk_full(exc: BaseException, workdir: str | None = None) -> bool:
   """Whether `exc` (or an exception it was raised from) is a write that found no space: an
   OSError ENOSPC/EDQUOT, or a library's error whose text says so (orbax wraps tensorstore's);
-  or, with `workdir`, an OSError while its disk has less than NEARLY_FULL free (a writer thread
-  that died of it reports only that it stopped: lowrl.metrics.writer)."""
+  or, with `workdir`, an OSError while its disk has less than NEARLY_FULL free (a library whose
+  error names only the failed write, not its cause)."""
   if (workdir is not None and isinstance(exc, OSError) and os.path.isdir(workdir)
       and shutil.disk_usage(workdir).free < NEARLY_FULL):
     return True

@@ -113,3 +113,34 @@ def test_flush_puts_every_logged_point_on_disk(tmp_path):
   w.scalars(501, {"a": 501})  # the writer keeps working after a flush
   w.close()
   assert [e.step for e in _read(tmp_path).Scalars("a")][-1] == 501
+
+
+def test_a_full_disk_raises_in_the_caller_and_never_blocks(tmp_path):
+  """A write that finds no space raises OSError(ENOSPC) from the logging call itself; every later
+  call raises at once (no queue to a dead thread to block on: the CI hang of stop 34), and
+  close() after it returns without raising. Points flushed before the failure stay readable."""
+  import errno
+
+  import small_fs
+  with small_fs.tmpfs(str(tmp_path / "disk"), "256k") as disk:
+    logdir = os.path.join(disk, "tb")
+    w = MetricWriter(logdir, flush_secs=0)  # every write reaches the disk
+    w.scalars(1, {"a": 1.0})
+    w.flush()
+    with open(os.path.join(disk, "filler"), "wb", buffering=0) as f:  # another process fills it
+      try:
+        while True:
+          f.write(b"\0" * 4096)
+      except OSError:
+        pass
+    with pytest.raises(OSError) as failed:
+      for step in range(2, 100_000):
+        w.texts(step, {"t": "x" * 4096})
+    assert failed.value.errno == errno.ENOSPC
+    for call in (lambda: w.scalars(9, {"a": 9.0}), w.flush):
+      with pytest.raises(OSError, match="failed write earlier"):
+        call()
+    w.close()
+    w.close()
+    os.remove(os.path.join(disk, "filler"))
+    assert [e.step for e in _read(logdir).Scalars("a")] == [1]
