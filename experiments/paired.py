@@ -17,7 +17,9 @@ forward ladder  every rung's forward (nvfp4_naive -> +per_token -> +4/6 -> +bf16
                  the whole vocabulary, KL(rung || BF16) (lowrl.rl.kl.exact_kl, the sampled
                  distribution q of rl.temperature / top-k / top-p), averaged over each
                  completion's positions, then over each prompt's completions: one number per
-                 prompt and rung. A claim: a rung lowers it, paired over prompts.
+                 prompt and rung. A claim: a rung lowers it, paired over prompts. When the grid
+                 plants outlier channels (run.sft.outlier_channels), the ladder runs again on the
+                 stored base without them (same tokens): outliers as a paired factor.
 backward        on the first `grad_batches` batches, the RL loss's gradient (lowrl.training.probes
                  make_grad_fn: one pass, pi_old in the gradient's own precision) of the 4-bitter
                  recipe's forward with each backward mode (high_precision, dequantized = the
@@ -28,7 +30,9 @@ backward        on the first `grad_batches` batches, the RL loss's gradient (low
                  AdamW, fresh state) from the base on each mode's gradient of the batch, and the
                  change of the FP32 policy-gradient surrogate -mean(A * log pi) on `heldout`
                  other batches (pi_old = the base; lower is better), and the fraction of the
-                 recipe's NVFP4 weight codes that step changes (code_churn): per batch and mode.
+                 recipe's NVFP4 weight codes that step changes (code_churn): per batch and mode;
+                 and the fraction of every quantized forward's weight codes and block scales
+                 (the ladder's rungs and the recipe) the dequantized step changes.
 distance        for every finished run of the grid (results.jsonl), its distance to BF16 in two
                  parts, static and trajectory (`distance`), on held-out tokens sampled once from
                  the base in BF16, at step 0, at every checkpoint the run kept
@@ -118,23 +122,33 @@ def sample_batches(trainer: Trainer, params, n: int, first_step: int = 0) -> lis
 
 
 def forward_ladder(cfg, setups: dict[str, Setup], twin: Setup, params, rollouts,
-                   log: Log) -> dict[str, Any]:
-  """{"units": "prompts", "kl": {rung: [per-prompt KL(rung || twin)]}} (module docstring)."""
-  out = {}
+                   log: Log, unplanted=None) -> dict[str, Any]:
+  """{"units": "prompts", "kl": {rung: [per-prompt KL(rung || twin)]}} (module docstring);
+  with `unplanted` (the base without the grid's planted outlier channels, run.sft.outlier_channels:
+  the same function in exact arithmetic) also "kl_unplanted", the same rungs on those weights
+  and the same tokens: outliers as a factor paired by prompt."""
   group = cfg.run.rl.group_size
-  for name in LADDER:
-    s = setups[name]
-    p = optimizer.to_master(params, s.loop.master_dtype)
-    ref = optimizer.to_master(params, twin.loop.master_dtype)
-    rows = [np.asarray(_kl_per_row(
-        p, ref, r.out.tokens, r.out.attention_mask, r.out.completion_mask,
-        jax.random.fold_in(jax.random.key(s.loop.seed), i), model_cfg=s.model_cfg,
-        policy=s.trainer_policy, ref_policy=twin.trainer_policy, sampling=s.sampling))
-        for i, r in enumerate(rollouts)]
-    out[name] = _per_prompt(np.concatenate(rows), group).tolist()
-    log(f"[paired] ladder {name}: KL to BF16 {np.mean(out[name]):.4f} over {len(out[name])} "
-        "prompts")
-  return {"units": "prompts", "kl": out}
+
+  def ladder(weights, label: str) -> dict[str, list[float]]:
+    out = {}
+    for name in LADDER:
+      s = setups[name]
+      p = optimizer.to_master(weights, s.loop.master_dtype)
+      ref = optimizer.to_master(weights, twin.loop.master_dtype)
+      rows = [np.asarray(_kl_per_row(
+          p, ref, r.out.tokens, r.out.attention_mask, r.out.completion_mask,
+          jax.random.fold_in(jax.random.key(s.loop.seed), i), model_cfg=s.model_cfg,
+          policy=s.trainer_policy, ref_policy=twin.trainer_policy, sampling=s.sampling))
+          for i, r in enumerate(rollouts)]
+      out[name] = _per_prompt(np.concatenate(rows), group).tolist()
+      log(f"[paired] ladder{label} {name}: KL to BF16 {np.mean(out[name]):.4f} over "
+          f"{len(out[name])} prompts")
+    return out
+
+  result = {"units": "prompts", "kl": ladder(params, "")}
+  if unplanted is not None:
+    result["kl_unplanted"] = ladder(unplanted, " (outliers not planted)")
+  return result
 
 
 def _backward_setups(cfg, settings: dict[str, ablate.Setting], base_dir: str
@@ -150,10 +164,13 @@ def _backward_setups(cfg, settings: dict[str, ablate.Setting], base_dir: str
   return out
 
 
-def backward(cfg, setups: dict[str, Setup], params, rollouts, heldout, log: Log
-             ) -> dict[str, Any]:
+def backward(cfg, setups: dict[str, Setup], params, rollouts, heldout, log: Log,
+             forwards: dict[str, Setup] | None = None) -> dict[str, Any]:
   """Per batch and backward mode: cos / rel_err vs FP32 and vs the dequantized (exact
-  quantized-forward) gradient, and the held-out surrogate's change after one step."""
+  quantized-forward) gradient, and the held-out surrogate's change after one step. With
+  `forwards` ({setting: Setup}), "churn_by_forward": per setting, the fraction of its trainer
+  forward's weight codes (and block scales) the dequantized step changes, per batch: how much of
+  one update each quantized forward "sees"."""
   any_setup = next(iter(setups.values()))
   model_cfg, sampling = any_setup.model_cfg, any_setup.sampling
   update_cfg, batch_cfg = any_setup.update_cfg, any_setup.batch_cfg
@@ -190,7 +207,13 @@ def backward(cfg, setups: dict[str, Setup], params, rollouts, heldout, log: Log
   codes = {m: jax.jit(functools.partial(code_churn.weight_qtensors, model_cfg=model_cfg,
                                         policy=s.trainer_policy)) for m, s in setups.items()}
   base_codes = {m: codes[m](params) for m in setups}
+  forwards = forwards or {}
+  codes.update({f: jax.jit(functools.partial(code_churn.weight_qtensors, model_cfg=model_cfg,
+                                             policy=s.trainer_policy))
+                for f, s in forwards.items()})
+  base_codes.update({f: codes[f](params) for f in forwards})
   churn = jax.jit(code_churn.churn)
+  by_forward = {f: {"codes": [], "scales": []} for f in forwards}
   rows = {m: {"cos_fp32": [], "rel_err_fp32": [], "cos_exact": [], "rel_err_exact": [],
               "heldout_delta": [], "code_churn": []} for m in setups}
   rows["fp32"] = {"heldout_delta": []}
@@ -209,10 +232,18 @@ def backward(cfg, setups: dict[str, Setup], params, rollouts, heldout, log: Log
       rows[m]["heldout_delta"].append(heldout_loss(new) - base_loss)
       c = churn(base_codes[m], codes[m](new))
       rows[m]["code_churn"].append(float(c["code_churn/codes"]) if c else 0.0)
+      if m == "dequantized":
+        for f in forwards:
+          c = churn(base_codes[f], codes[f](new))
+          by_forward[f]["codes"].append(float(c["code_churn/codes"]) if c else 0.0)
+          by_forward[f]["scales"].append(float(c["code_churn/scales"]) if c else 0.0)
     rows["fp32"]["heldout_delta"].append(heldout_loss(step(params, g32)) - base_loss)
     log(f"[paired] backward batch {b + 1}/{len(rollouts)}: cos vs FP32 " + ", ".join(
         f"{m} {rows[m]['cos_fp32'][-1]:.4f}" for m in setups))
-  return {"units": "batches", "heldout_base": base_loss, "modes": rows}
+  out = {"units": "batches", "heldout_base": base_loss, "modes": rows}
+  if forwards:
+    out["churn_by_forward"] = by_forward
+  return out
 
 
 def _row_kl(params, ref_params, outs, setup: Setup, policy, ref_policy) -> np.ndarray:
@@ -302,8 +333,13 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[
   os.makedirs(workdir, exist_ok=True)
   user_cache.enable_compile_cache()
   fp = run_config.fingerprint(twin_cfg)
+  planted = int(cfg.run.sft.outlier_channels) > 0
+  # What each line holds beyond the first version's: the ladder without the planted outliers,
+  # the code churn under every quantized forward.
+  extra = {"forward_ladder": "-unplanted" if planted else "", "backward": "-churn_fwd"}
   jobs = [lowrl_grid.Job.of({"measurement": m, "point": "base"},
-                            f"{fp}-{m}-{n['batches']}-{n['grad_batches']}-{n['heldout']}")
+                            f"{fp}-{m}-{n['batches']}-{n['grad_batches']}-{n['heldout']}"
+                            + extra[m])
           for m in ("forward_ladder", "backward")]
   # The distance parts of every finished run of the grid (experiments.ablate's results.jsonl).
   grid_lines = ablate.read_results(workdir)
@@ -330,6 +366,12 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[
       state.update(twin=twin, params=params,
                    rollouts=sample_batches(twin, params, n["batches"]),
                    heldout=sample_batches(twin, params, n["heldout"], first_step=10_000))
+      if planted:  # the stored base itself: the channels are planted when it is loaded
+        off = ml_collections.ConfigDict(twin_cfg.to_dict())
+        off.sft.outlier_channels = 0
+        state["unplanted"] = twin.place(optimizer.to_master(
+            loop.load_base(off, os.path.join(workdir, "runs", "paired"), log=log),
+            twin_cfg.optimizer.master_dtype))
     return state
 
   def work(job: lowrl_grid.Job) -> dict[str, Any]:
@@ -337,8 +379,10 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[
       return distance(cfg, workdir, *job.payload, settings, base(), log)
     s = inputs()
     if dict(job.key)["measurement"] == "forward_ladder":
-      return forward_ladder(cfg, setups, s["twin"].setup, s["params"], s["rollouts"], log)
-    return backward(cfg, bwd, s["params"], s["rollouts"][:n["grad_batches"]], s["heldout"], log)
+      return forward_ladder(cfg, setups, s["twin"].setup, s["params"], s["rollouts"], log,
+                            unplanted=s.get("unplanted"))
+    return backward(cfg, bwd, s["params"], s["rollouts"][:n["grad_batches"]], s["heldout"], log,
+                    forwards={**setups, "nvfp4_recipe": bwd["dequantized"]})
 
   return lowrl_grid.run(jobs, os.path.join(workdir, RESULTS), work, log=log, tag="paired")
 

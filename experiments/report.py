@@ -410,6 +410,7 @@ def paired_claims(paired: dict[str, Any]) -> list[stats.Claim]:
           f"BF16) per prompt; {cur} - {prev}, paired by prompt", stats.paired_t(d), -1,
           note=f"bootstrap 95% CI [{stats.fmt_num(boot.ci_low, 4)}, "
                f"{stats.fmt_num(boot.ci_high, 4)}]"))
+  out += outlier_claims(paired.get("forward_ladder", {}))
   modes = paired.get("backward", {}).get("modes", {})
   design = ("identical batches and weights (the base), gradient of the recipe's forward with each "
             "backward; {what}; {a} - {b}, paired by batch")
@@ -434,6 +435,32 @@ def paired_claims(paired: dict[str, Any]) -> list[stats.Claim]:
                              design.format(what=what, a=a, b=b), stats.paired_t(d), direction,
                              note=f"sign test p {stats.fmt_p(stats.sign_test(d))}"))
   return out
+
+def outlier_claims(ladder: dict[str, Any]) -> list[stats.Claim]:
+  """The planted outlier channels as a factor of the forward ladder (experiments/paired.py: the
+  same tokens scored on the base with and without them), paired by prompt: they raise naive
+  NVFP4's KL to BF16, and per-token scales + 4/6 remove more of it with them than without."""
+  on, off = ladder.get("kl", {}), ladder.get("kl_unplanted", {})
+  first, last = LADDER[0], "+4/6"
+  if not (first in on and first in off and last in on and last in off):
+    return []
+  design = ("forward-only: same BF16-sampled tokens, the base with its planted outlier channels "
+            "and without them (the same function in exact arithmetic), exact full-vocabulary "
+            "KL(rung ‖ BF16) per prompt; {what}, paired by prompt")
+  raise_d = np.asarray(on[first]) - np.asarray(off[first])
+  removed_on = np.asarray(on[first]) - np.asarray(on[last])
+  removed_off = np.asarray(off[first]) - np.asarray(off[last])
+  return [
+      stats.Claim("outliers_raise_naive_kl", "Outlier channels raise naive NVFP4's KL to BF16",
+                  design.format(what=f"{first}: planted - not planted"), stats.paired_t(raise_d),
+                  +1, note=f"sign test p {stats.fmt_p(stats.sign_test(raise_d))}"),
+      stats.Claim("outliers_per_token_46_remove_more",
+                  "Per-token scales and 4/6 remove more of the KL to BF16 with outlier channels "
+                  "than without",
+                  design.format(what=f"({first} - {last}) planted - ({first} - {last}) not "
+                                     "planted"), stats.paired_t(removed_on - removed_off), +1,
+                  note=f"sign test p {stats.fmt_p(stats.sign_test(removed_on - removed_off))}")]
+
 
 def _plots(workdir: str, agg: dict, out_md: str) -> list[str]:
   """The PNGs next to `out_md`; returns their file names."""
@@ -512,13 +539,33 @@ def _paired_section(paired: dict[str, dict[str, Any]]) -> list[str]:
   """The per-arm numbers of experiments/paired.py (mean [95% CI] over its units)."""
   md = []
   lad = paired.get("forward_ladder", {}).get("kl", {})
+  off = paired.get("forward_ladder", {}).get("kl_unplanted", {})
+
+  def ci(v) -> str:
+    r = stats.paired_t(v)
+    return (f"{stats.fmt_num(r.mean, 4)} [{stats.fmt_num(r.ci_low, 4)}, "
+            f"{stats.fmt_num(r.ci_high, 4)}]")
   if lad:
     md += ["### Forward ladder (KL to BF16 on identical tokens and weights)", "",
-           "| rung | prompts | KL(rung ‖ BF16) per token, mean [95% CI] |", "|---|---|---|"]
+           "| rung | prompts | KL(rung ‖ BF16) per token, mean [95% CI] |"
+           + (" outliers not planted | planted - not planted |" if off else ""),
+           "|---|---|---|" + ("---|---|" if off else "")]
     for name, v in lad.items():
-      r = stats.paired_t(v)
-      md.append(f"| {name} | {r.n} | {stats.fmt_num(r.mean, 4)} [{stats.fmt_num(r.ci_low, 4)}, "
-                f"{stats.fmt_num(r.ci_high, 4)}] |")
+      row = f"| {name} | {len(v)} | {ci(v)} |"
+      if name in off:
+        row += f" {ci(off[name])} | {ci(np.asarray(v) - np.asarray(off[name]))} |"
+      md.append(row)
+    md.append("")
+  by_fwd = paired.get("backward", {}).get("churn_by_forward", {})
+  if by_fwd:
+    md += ["### What one update changes in each quantized forward", "",
+           "The dequantized backward's one AdamW step from the base on each batch (the backward "
+           "design below), seen through each setting's trainer forward: the fraction of its "
+           "quantized weights' codes and block scales the step changes (mean [95% CI] over "
+           "batches).", "",
+           "| forward | batches | codes changed | block scales changed |", "|---|---|---|---|"]
+    for name, c in by_fwd.items():
+      md.append(f"| {name} | {len(c['codes'])} | {ci(c['codes'])} | {ci(c['scales'])} |")
     md.append("")
   bwd = paired.get("backward", {})
   if bwd.get("modes"):

@@ -25,6 +25,8 @@ def measured(tmp_path_factory):
   # The quantized backward's NVFP4 blocks of 16 run along batch x time, split over the 8 test
   # devices: 16 rows of 5 + 3 tokens give 2 x 8 per shard.
   cfg.run.rl.update(num_prompts=4, max_new_tokens=3)
+  # Two planted outlier channels (8 and 24: one per block of 16): the ladder runs with and without.
+  cfg.run.sft.update(outlier_channels=2, outlier_gain=16.0)
   cfg.paired.update(batches=3, grad_batches=2, heldout=1)
   logs = []
   lines = paired.run(cfg, work, log=logs.append)
@@ -40,6 +42,11 @@ def test_ladder_scores_every_rung_on_the_same_prompts(measured):
     v = np.asarray(v)
     assert v.shape == (n_prompts,) and np.all(np.isfinite(v)) and np.all(v >= -1e-6), name
   assert np.mean(lad["nvfp4_naive"]) > 0  # NVFP4 moves the distribution off BF16's
+  # The same rungs on the base without its planted channels, the same prompts.
+  off = {r["measurement"]: r for r in lines}["forward_ladder"]["kl_unplanted"]
+  assert list(off) == list(paired.LADDER)
+  assert all(np.asarray(v).shape == (n_prompts,) and np.all(np.isfinite(v)) for v in off.values())
+  assert off != lad  # the quantized forwards see the outliers
 
 
 def test_backward_modes_against_fp32_and_the_exact_quantized_gradient(measured):
@@ -51,6 +58,14 @@ def test_backward_modes_against_fp32_and_the_exact_quantized_gradient(measured):
     assert len(modes[m]["cos_fp32"]) == 2 and all(-1 <= c <= 1 + 1e-6 for c in modes[m]["cos_fp32"])
     assert all(np.isfinite(modes[m]["heldout_delta"]))
     assert len(modes[m]["code_churn"]) == 2 and all(0 <= c <= 1 for c in modes[m]["code_churn"])
+  # The dequantized step's code churn under every quantized forward of the grid.
+  by_fwd = bwd["churn_by_forward"]
+  assert set(by_fwd) == {*paired.LADDER, "nvfp4_recipe"}
+  for f, c in by_fwd.items():
+    assert len(c["codes"]) == 2 and all(0 <= x <= 1 for x in c["codes"] + c["scales"]), f
+  # Per-token scales are the activations' alone: the weights' codes are naive NVFP4's, bit for bit.
+  assert by_fwd["+per_token"] == by_fwd["nvfp4_naive"]
+  assert max(by_fwd["nvfp4_naive"]["codes"]) > 0  # one step moves some codes
   # The dequantized backward is the reference of the "exact" comparison: itself, cosine 1.
   np.testing.assert_allclose(modes["dequantized"]["cos_exact"], 1.0, atol=1e-5)
   np.testing.assert_allclose(modes["dequantized"]["rel_err_exact"], 0.0, atol=1e-6)
@@ -61,7 +76,11 @@ def test_backward_modes_against_fp32_and_the_exact_quantized_gradient(measured):
   assert max(modes["quantized"]["rel_err_exact"]) > 0
   claims = report.paired_claims({r["measurement"]: r for r in lines})
   assert {c.name for c in claims} >= {"ladder_+per_token",
-                                      "backward_cos_fp32_dequantized_vs_quantized"}
+                                      "backward_cos_fp32_dequantized_vs_quantized",
+                                      "outliers_raise_naive_kl",
+                                      "outliers_per_token_46_remove_more"}
+  md = "\n".join(report._paired_section({r["measurement"]: r for r in lines}))  # noqa: SLF001
+  assert "outliers not planted" in md and "### What one update changes" in md
   assert all(v.verdict in ("held", "contradicted", "not resolved") for v in stats.judge(claims))
 
 

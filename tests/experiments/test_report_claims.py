@@ -98,6 +98,34 @@ def test_paired_measurement_claims():
   assert "| dequantized | 20 |" in md and "| +bf16_tail | 200 |" in md
 
 
+def test_outlier_claims_pair_the_planted_factor_by_prompt():
+  """Hand-computed: per prompt, planted naive KL = unplanted + 0.1 (raise 0.1 exactly); per-token
+  + 4/6 remove 0.08 more with the outliers than without on every prompt but for noise."""
+  rng = np.random.default_rng(2)
+  off_naive = rng.exponential(0.2, size=50)
+  off_46 = off_naive * 0.95
+  on_naive = off_naive + 0.1
+  on_46 = off_46 + 0.1 - 0.08 + rng.normal(0, 1e-3, 50)
+  ladder = {"kl": {"nvfp4_naive": list(on_naive), "+4/6": list(on_46)},
+            "kl_unplanted": {"nvfp4_naive": list(off_naive), "+4/6": list(off_46)}}
+  claims = {c.name: c for c in report.outlier_claims(ladder)}
+  raised = claims["outliers_raise_naive_kl"].result
+  assert raised.n == 50 and raised.mean == pytest.approx(0.1, abs=1e-12)
+  removed = claims["outliers_per_token_46_remove_more"].result
+  expected = (on_naive - on_46) - (off_naive - off_46)
+  assert removed.mean == pytest.approx(float(np.mean(expected)), rel=1e-12)
+  assert removed.mean == pytest.approx(0.08, abs=1e-3)
+  v = _by_name(stats.judge(list(claims.values())))
+  assert v["outliers_raise_naive_kl"].verdict == "held"
+  assert v["outliers_per_token_46_remove_more"].verdict == "held"
+  # The other way round (outliers that lower the KL) is contradicted, not "held".
+  flipped = {"kl": ladder["kl_unplanted"], "kl_unplanted": ladder["kl"]}
+  v = _by_name(stats.judge(report.outlier_claims(flipped)))
+  assert v["outliers_raise_naive_kl"].verdict == "contradicted"
+  # A ladder without the unplanted arm has no outlier claim.
+  assert report.outlier_claims({"kl": ladder["kl"]}) == []
+
+
 def test_distance_claims_pair_the_trajectory_part_by_seed():
   rng = np.random.default_rng(2)
   lines = []
