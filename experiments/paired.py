@@ -204,14 +204,12 @@ def backward(cfg, setups: dict[str, Setup], params, rollouts, heldout, log: Log,
   base_loss = heldout_loss(params)
   # The update's code churn (lowrl.training.code_churn): the fraction of the recipe's NVFP4
   # weight codes one step on each mode's gradient changes, from the base's codes.
-  codes = {m: jax.jit(functools.partial(code_churn.weight_qtensors, model_cfg=model_cfg,
-                                        policy=s.trainer_policy)) for m, s in setups.items()}
-  base_codes = {m: codes[m](params) for m in setups}
+  # Keys: the backward modes, then the `forwards`' setting names (disjoint).
   forwards = forwards or {}
-  codes.update({f: jax.jit(functools.partial(code_churn.weight_qtensors, model_cfg=model_cfg,
-                                             policy=s.trainer_policy))
-                for f, s in forwards.items()})
-  base_codes.update({f: codes[f](params) for f in forwards})
+  codes = {k: jax.jit(functools.partial(code_churn.weight_qtensors, model_cfg=model_cfg,
+                                        policy=s.trainer_policy))
+           for k, s in {**setups, **forwards}.items()}
+  base_codes = {k: f(params) for k, f in codes.items()}
   churn = jax.jit(code_churn.churn)
   by_forward = {f: {"codes": [], "scales": []} for f in forwards}
   rows = {m: {"cos_fp32": [], "rel_err_fp32": [], "cos_exact": [], "rel_err_exact": [],

@@ -384,8 +384,7 @@ def _distance_table(lines: list[dict[str, Any]]) -> list[str]:
         cells.append("–")
         continue
       r = stats.paired_t(d)
-      cells.append(f"{stats.fmt_num(r.mean, 4)} [{stats.fmt_num(r.ci_low, 4)}, "
-                   f"{stats.fmt_num(r.ci_high, 4)}]" if r.n > 1 else stats.fmt_num(r.mean, 4))
+      cells.append(_mean_ci(r) if r.n > 1 else stats.fmt_num(r.mean, 4))
     if any(x != "–" for x in cells):
       diff_rows.append(f"| {a} - {b} | " + " | ".join(cells) + " |")
   if diff_rows:
@@ -394,6 +393,11 @@ def _distance_table(lines: list[dict[str, Any]]) -> list[str]:
            "| comparison | " + " | ".join(f"{k} {_label(f)}" for k, f in cols) + " |",
            "|---|" + "---|" * len(cols), *diff_rows, ""]
   return md
+
+
+def _mean_ci(r: stats.PairedResult) -> str:
+  """"mean [95% CI]" of a paired t result, 4 digits."""
+  return f"{stats.fmt_num(r.mean, 4)} [{stats.fmt_num(r.ci_low, 4)}, {stats.fmt_num(r.ci_high, 4)}]"
 
 
 def paired_claims(paired: dict[str, Any]) -> list[stats.Claim]:
@@ -540,11 +544,7 @@ def _paired_section(paired: dict[str, dict[str, Any]]) -> list[str]:
   md = []
   lad = paired.get("forward_ladder", {}).get("kl", {})
   off = paired.get("forward_ladder", {}).get("kl_unplanted", {})
-
-  def ci(v) -> str:
-    r = stats.paired_t(v)
-    return (f"{stats.fmt_num(r.mean, 4)} [{stats.fmt_num(r.ci_low, 4)}, "
-            f"{stats.fmt_num(r.ci_high, 4)}]")
+  ci = lambda v: _mean_ci(stats.paired_t(v))  # noqa: E731
   if lad:
     md += ["### Forward ladder (KL to BF16 on identical tokens and weights)", "",
            "| rung | prompts | KL(rung ‖ BF16) per token, mean [95% CI] |"
@@ -575,10 +575,7 @@ def _paired_section(paired: dict[str, dict[str, Any]]) -> list[str]:
            "|---|---|---|---|---|---|---|"]
     for mode, m in bwd["modes"].items():
       def cell(key):
-        if key not in m:
-          return "–"
-        r = stats.paired_t(m[key])
-        return f"{stats.fmt_num(r.mean, 4)} [{stats.fmt_num(r.ci_low, 4)}, {stats.fmt_num(r.ci_high, 4)}]"
+        return ci(m[key]) if key in m else "–"
       md.append(f"| {mode} | {len(m['heldout_delta'])} | {cell('cos_fp32')} | "
                 f"{cell('rel_err_fp32')} | {cell('cos_exact')} | {cell('heldout_delta')} | "
                 f"{cell('code_churn')} |")

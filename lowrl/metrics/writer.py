@@ -88,21 +88,21 @@ class MetricWriter:
                                         f"failed write earlier ({self._failed.strerror})")
 
   def _append(self, event) -> None:
-    self._raise_if_failed()
     if self._closed:
       raise ValueError(f"the TensorBoard writer for {self._logdir} is closed")
     event.wall_time = time.time()
+    self._io(lambda: self._file.write_event(event))
+    if time.monotonic() - self._last_flush >= self._flush_secs:
+      self.flush()
+
+  def _io(self, write: Callable[[], Any]) -> None:
+    """Runs `write` on the event file; a failure is kept, so every later write raises too."""
+    self._raise_if_failed()
     try:
-      self._file.write_event(event)
-      if time.monotonic() - self._last_flush >= self._flush_secs:
-        self._flush_file()
+      write()
     except OSError as e:
       self._failed = e
       raise
-
-  def _flush_file(self) -> None:
-    self._file.flush()  # file flush + fsync
-    self._last_flush = time.monotonic()
 
   def _summary(self, step: int, summary) -> None:
     self._append(self._event(step=int(step), summary=summary))
@@ -162,12 +162,8 @@ class MetricWriter:
 
   def flush(self) -> None:
     """Write everything logged so far to disk (flush and fsync) before returning."""
-    self._raise_if_failed()
-    try:
-      self._flush_file()
-    except OSError as e:
-      self._failed = e
-      raise
+    self._io(self._file.flush)  # file flush + fsync
+    self._last_flush = time.monotonic()
 
   def close(self) -> None:
     """Flush and close the event file. After a failed write nothing is flushed and nothing is
@@ -175,13 +171,11 @@ class MetricWriter:
     if self._closed:
       return
     self._closed = True
-    if self._failed is None:
-      self._file.close()  # flush, fsync, close
-      return
     try:
-      self._file.close()
+      self._file.close()  # flush, fsync, close
     except OSError:
-      pass
+      if self._failed is None:
+        raise
 
   def __enter__(self) -> MetricWriter:
     return self
