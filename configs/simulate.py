@@ -5,7 +5,7 @@ LR x lag phase diagram (lowrl/asyncrl/sweep.py; the report: lowrl/asyncrl/capaci
                                 NVFP4 (trainer BF16) x none / TIS x 3 lags, MXFP8 uncorrected,
                                 IcePop / VCPO on NVFP4: 7 compiled programs, 21 settings x 3
                                 seeds x 150 updates, ~15 min on 2 idle CPU cores
-  configs/simulate.py:full      the full grid (2 h 2 min on 2 idle cores, measured below)
+  configs/simulate.py:full      the full grid (1 h 57 min on 2 idle cores, measured below)
 
 `sim` is one simulator setting (lowrl.asyncrl.simulator.default_config); each `*grid` lists the
 values of each knob (lowrl.asyncrl.sweep.GRID_KNOBS) and the sweep runs each grid's product, every
@@ -61,8 +61,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     return c
 
   # The full grid: 52 compiled programs, 148 settings. Measured in one process on 2 idle cores
-  # (docs/async_sweep.md): 2 h 2 min = compiles 42 min + runs 53 min + evaluation and bookkeeping
-  # 27 min.
+  # (docs/async_sweep.md): 1 h 57 min = compiles 46 min + runs 58 min + evaluation and bookkeeping
+  # 13 min.
   # Every precision sampler-only (trainer BF16) and sampler = trainer ('same'; bf16/bf16 runs
   # once), every correction, lags.
   c.grid = _grid(**base, sampler_recipe=("bf16", "mxfp8", "nvfp4_naive", "nvfp4_recipe"),
