@@ -14,9 +14,9 @@ dominates every end-of-run number. This config changes the run, nothing else of 
     matmuls' inputs get a few channels ~16x the others, as trained LLMs' massive activations do).
     `python -m experiments.regime --workdir=W --config=configs/ablate_regime.py` shows them
     (per-channel max |activation| over the median channel's, kurtosis, planted vs not) and
-    times a few updates of each setting to size the grid (docs/results.md, "A regime where the
+    times a few updates of each setting to size the grid (docs/ablation.md, "A regime where the
     effects can appear").
-The whole grid at 5 seeds does not fit 2.5 hours on 2 CPU cores (docs/results.md has the
+The whole grid at 5 seeds does not fit 2.5 hours on 2 CPU cores (docs/ablation.md has the
 measured cost); `groups` keeps the recipe group, `only` its build-up, the subset the claims of
 the trajectory part need.
 """

@@ -76,6 +76,11 @@ class Setting:
   precision: tuple[tuple[str, Any], ...]
   sampler: str = ""
   overrides: tuple[tuple[str, Any], ...] = ()
+  first_seeds: int = 0  # > 0: the setting runs only the first this many of the grid's seeds
+
+  def seeds(self, grid_seeds: tuple[int, ...]) -> tuple[int, ...]:
+    """The seeds this setting runs, of the grid's `grid_seeds`."""
+    return tuple(grid_seeds[:self.first_seeds] if self.first_seeds else grid_seeds)
 
   def config(self, run: ml_collections.ConfigDict, seed: int) -> ml_collections.ConfigDict:
     """The loop config of this setting and `seed` (`run` is left unchanged)."""
@@ -117,7 +122,7 @@ def _value(cfg: ml_collections.ConfigDict, v: Any, row: str) -> Any:
 
 def _settings_of_row(cfg: ml_collections.ConfigDict, row: dict[str, Any]) -> list[Setting]:
   """The Setting(s) of one row of `cfg.grid` (configs/ablate.py GRID says how a row applies)."""
-  known = {"name", "group", "overrides", "each", "min_travel"}
+  known = {"name", "group", "overrides", "each", "min_travel", "first_seeds"}
   ov = dict(row.get("overrides", {}))
   if set(row) - known or not {"name", "group"} <= set(row) or "precision" not in ov:
     raise run_config.ConfigError(f"--config.grid: row {row!r} needs name, group and overrides "
@@ -134,8 +139,12 @@ def _settings_of_row(cfg: ml_collections.ConfigDict, row: dict[str, Any]) -> lis
   except (ValueError, KeyError) as e:
     raise run_config.ConfigError(f"--config.grid: row {name}: {e}") from e
   overrides = tuple((k, _value(cfg, v, name)) for k, v in ov.items())
+  first = _value(cfg, row.get("first_seeds", 0), name)
+  if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+    raise run_config.ConfigError(f"--config.grid: row {name}: first_seeds={first!r}; use an int "
+                                 ">= 1 (the first that many of --config.seeds), or 0 for all.")
   if not row.get("each"):
-    return [Setting(name, row["group"], prec, sampler, overrides)]
+    return [Setting(name, row["group"], prec, sampler, overrides, first)]
   if row["each"] != "lrs":
     raise run_config.ConfigError(f"--config.grid: row {name}: each={row['each']!r}; only "
                                  "'lrs' is known.")
@@ -145,7 +154,7 @@ def _settings_of_row(cfg: ml_collections.ConfigDict, row: dict[str, Any]) -> lis
     steps = max(int(cfg.run.rl.steps), math.ceil(travel / float(lr) - 1e-9))
     more = (("rl.steps", steps),) if steps > cfg.run.rl.steps else ()
     out.append(Setting(f"{name}@{_lr_tag(lr)}", row["group"], prec, sampler,
-                       (("optimizer.lr", float(lr)),) + more + overrides))
+                       (("optimizer.lr", float(lr)),) + more + overrides, first))
   return out
 
 
@@ -174,6 +183,11 @@ def settings(cfg: ml_collections.ConfigDict) -> list[Setting]:
   chosen = [every[cfg.twin]] + [s for s in chosen if s.name != cfg.twin]
   if not chosen:
     raise run_config.ConfigError("the grid is empty: check --config.groups / --config.only.")
+  if chosen[0].first_seeds:
+    # Every run is compared with the twin of its own seed, so the twin runs every seed.
+    raise run_config.ConfigError(f"--config.twin={cfg.twin!r} has first_seeds="
+                                 f"{chosen[0].first_seeds}: the twin must run every seed; drop "
+                                 "first_seeds from its row or choose another twin.")
   return chosen
 
 
@@ -282,19 +296,22 @@ def run_grid(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print,
   if cfg.quick:
     cfg = quick(cfg)
   grid = validate(cfg)
+  seeds = tuple(int(s) for s in cfg.seeds)
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, GRID), "w") as f:
     json.dump({"command": command or f"python -m experiments.ablate --workdir={workdir}",
                "quick": bool(cfg.quick),
                "seeds": [int(s) for s in cfg.seeds], "settings": [s.name for s, _ in grid],
+               "setting_seeds": {s.name: list(s.seeds(seeds)) for s, _ in grid},
                "machine": f"{os.cpu_count()} CPU cores, {jax.default_backend()}"}, f)
   # The binaries' compilation cache (--compile_cache; a cache the caller set up is kept): seeds,
   # settings sharing programs and later grids reuse compiles.
   user_cache.enable_compile_cache()
   twin_setting = grid[0][0]
   base_dir = os.path.join(workdir, "base")
-  log(f"[ablate] {len(grid)} settings x {len(cfg.seeds)} seeds = {len(grid) * len(cfg.seeds)} "
-      f"runs in {workdir}; twin {twin_setting.name}")
+  jobs_of = [(s, seed) for s, _ in grid for seed in s.seeds(seeds)]
+  log(f"[ablate] {len(grid)} settings, {len(jobs_of)} runs (seeds {list(seeds)}) in {workdir}; "
+      f"twin {twin_setting.name}")
 
   def seed_config(setting: Setting, seed: int) -> ml_collections.ConfigDict:
     c = setting.config(cfg.run, int(seed))
@@ -303,7 +320,7 @@ def run_grid(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print,
 
   jobs = [lowrl_grid.Job.of({"setting": s.name, "seed": int(seed)},
                             run_config.fingerprint(seed_config(s, seed)), s)
-          for s, _ in grid for seed in cfg.seeds]
+          for s, seed in jobs_of]
   base = []  # the shared base, loaded once (the first run trains it)
 
   def work(job: lowrl_grid.Job) -> dict[str, Any]:

@@ -665,7 +665,7 @@ NOT_YET = ["## What this grid cannot test yet", "",
            "configs/ablate_regime.py is a regime where they can appear (d = 256 with planted "
            "outlier channels, completions of 64 tokens, 300 updates, the code churn logged; "
            "`python -m experiments.regime` shows the outliers and times it); its grid does not "
-           "fit the CPU budget (docs/results.md, \"A regime where the effects can appear\").",
+           "fit the CPU budget (docs/ablation.md, \"A regime where the effects can appear\").",
            "- **Stochastic rounding at long horizons**: the grid's SR arm (section above) runs "
            "30 steps (122 at lr 2e-6) on the d = 64 toy; the seed's low-LR regime (hundreds of "
            "updates, each far below a BF16 ulp, on a wider model) needs the regime of the first bullet. The "
@@ -680,8 +680,18 @@ NOT_YET = ["## What this grid cannot test yet", "",
            "simulator (300 updates, 10 seeds, fixed vs reset vs no KL): [kl_reset.md](kl_reset.md).",
            "",
            "Full grid: `python -m experiments.ablate --workdir=W && python -m experiments.paired "
-           "--workdir=W && python -m experiments.report --workdir=W` (configs/ablate.py; 5 "
-           "seeds: `--config.seeds='(0,1,2,3,4)'`).", ""]
+           "--workdir=W && python -m experiments.report --workdir=W` (configs/ablate.py: 5 "
+           "seeds, 3 for the rows no claim reads).", ""]
+
+
+def _fewer_seeds(meta: dict[str, Any]) -> str:
+  """', but <settings> on seeds [..]' for the grid's settings that run fewer seeds (a row's
+  first_seeds: description no claim reads), grouped by their seeds."""
+  by: dict[tuple[int, ...], list[str]] = {}
+  for name, seeds in meta.get("setting_seeds", {}).items():
+    if list(seeds) != list(meta.get("seeds", [])):
+      by.setdefault(tuple(seeds), []).append(name)
+  return "".join(f"; {', '.join(names)} on seeds {list(seeds)}" for seeds, names in by.items())
 
 
 def write_report(workdir: str, out_md: str) -> str:
@@ -701,7 +711,8 @@ def write_report(workdir: str, out_md: str) -> str:
         f"{' --config.quick=True' if meta.get('quick') else ''}` (paired measurements: "
         f"{'present' if os.path.exists(os.path.join(workdir, paired_exp.RESULTS)) else 'not run'}"
         f"), then `python -m experiments.report --workdir={workdir}`.", "",
-        f"{len(results)} runs ({len(agg)} settings x seeds {meta.get('seeds', '?')}); wall time "
+        f"{len(results)} runs ({len(agg)} settings x seeds {meta.get('seeds', '?')}"
+        f"{_fewer_seeds(meta)}); wall time "
         f"of the runs {wall / 60:.1f} min in all ({meta.get('machine', 'this machine')}). Numbers "
         "in the settings table are mean ± population std over seeds (description; the claims "
         "are tested paired, below). Twin KL: KL(run || BF16 twin of the same seed) "

@@ -18,6 +18,8 @@ def _grid_cfg(base_dir: str) -> ml_collections.ConfigDict:
   c.groups = ("sr",)
   c.lrs = (1e-3,)
   c.only = ("bf16_rtn@1e-3",)  # + the twin, bf16: 2 settings
+  # bf16_rtn runs the first seed only (a row's first_seeds): 3 runs, and the report says so.
+  c.grid = tuple({**r, "first_seeds": 1} if r["name"] == "bf16_rtn" else r for r in c.grid)
   run = tiny.loop_config("bf16", base_dir, steps=2)
   run.model.n_layers = 1  # nothing here depends on the depth: the smaller programs
   run.sft.seed = 0
@@ -39,7 +41,7 @@ def grid(tmp_path_factory):
 def test_grid_runs_every_setting_and_seed(grid):
   _, work, results, _ = grid
   assert [(r["setting"], r["seed"]) for r in results] == [
-      ("bf16", 0), ("bf16", 1), ("bf16_rtn@1e-3", 0), ("bf16_rtn@1e-3", 1)]
+      ("bf16", 0), ("bf16", 1), ("bf16_rtn@1e-3", 0)]
   # One base for every run and seed (run.sft.seed), in <workdir>/base.
   assert len(os.listdir(os.path.join(work, "base"))) == 1
   for r in results:
@@ -65,7 +67,7 @@ def test_grid_resumes_skipping_finished_runs(grid):
   again = ablate.run_grid(cfg, work, log=logs.append)
   assert again == results
   assert not [x for x in logs if " -> " in x and "runs" in x]
-  assert any("4 jobs, 4 already done, 0 to run" in x for x in logs)
+  assert any("3 jobs, 3 already done, 0 to run" in x for x in logs)
   # A finished line whose config changed since is an error, not a silent mix.
   changed = ml_collections.ConfigDict(cfg.to_dict())
   changed.run.optimizer.lr = 1e-4
@@ -78,6 +80,7 @@ def test_report_writes_markdown_and_pngs(grid, tmp_path):
   out = str(tmp_path / "results.md")
   text = report.write_report(work, out)
   assert "bf16_rtn@1e-3" in text and "RL at BF16 raises held-out pass@1" in text
+  assert "3 runs (2 settings x seeds [0, 1]; bf16_rtn@1e-3 on seeds [0])" in text
   assert "| claim | design | n | effect [95% CI] | p | Holm p | verdict |" in text
   pngs = sorted(p for p in os.listdir(tmp_path) if p.endswith(".png"))
   assert pngs == ["results_curves.png", "results_settings.png"]
@@ -110,6 +113,31 @@ def test_quick_grid_runs_every_group_and_evaluates_in_rollout_sized_rows():
   assert set(quick.only) <= {s.name for s in chosen}
   r = quick.run
   assert r.eval_num_prompts * r.eval_samples == r.rl.num_prompts * r.rl.group_size
+
+
+def test_descriptive_rows_run_the_first_seeds_only():
+  """configs/ablate.py: the rows no claim reads run the first `descriptive_seeds` of `seeds`,
+  the others (the twin always) every seed; a bad first_seeds is a one-line error."""
+  cfg = ablate_config.get_config()
+  by = {s.name: s.seeds(tuple(cfg.seeds)) for s in ablate.settings(cfg)}
+  assert len(cfg.seeds) >= 5 and by[cfg.twin] == tuple(cfg.seeds)
+  few = {n for n, s in by.items() if s != tuple(cfg.seeds)}
+  assert few == {"fp32", "mxfp8", "s=mxfp8/t=bf16", "s=nvfp4_naive/t=bf16",
+                 "s=nvfp4_recipe/t=bf16"}
+  assert all(by[n] == tuple(cfg.seeds)[:cfg.descriptive_seeds] for n in few)
+  # The quick grid's 2 seeds: first_seeds 3 keeps both.
+  q = ablate.quick(cfg)
+  assert all(s.seeds(tuple(q.seeds)) == tuple(q.seeds) for s in ablate.settings(q))
+  for bad, match in (("$nope", r"\$nope names no knob"), (-1, "first_seeds=-1"),
+                     (1.5, "first_seeds=1.5")):
+    c = ablate_config.get_config()
+    c.grid = tuple({**r, "first_seeds": bad} if r["name"] == "mxfp8" else r for r in c.grid)
+    with pytest.raises(run_config.ConfigError, match=match):
+      ablate.settings(c)
+  c = ablate_config.get_config()
+  c.grid = tuple({**r, "first_seeds": 2} if r["name"] == c.twin else r for r in c.grid)
+  with pytest.raises(run_config.ConfigError, match="the twin must run every seed"):
+    ablate.settings(c)
 
 
 def test_rows_are_data_knobs_and_lrs_expand():
