@@ -7,7 +7,7 @@ parts of the grid run (experiments/ablate.py `settings` lists them); `seeds` run
 setting; `twin` is the setting every run's policy is compared with (KL to the BF16 twin); `lrs`
 the learning rates of the stochastic-rounding group. `grid` is the grid itself, as data (GRID:
 one row per setting, read by experiments/ablate.py `settings`). `quick=True` is a small grid at small sizes
-(9 minutes on 2 idle CPU cores, measured) that exercises every part; the other
+(14 minutes end to end with experiments.paired, on 2 idle CPU cores, measured) that exercises every part; the other
 values are then ignored.
 """
 from __future__ import annotations
