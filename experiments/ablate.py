@@ -301,7 +301,7 @@ def run_grid(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print,
   with open(os.path.join(workdir, GRID), "w") as f:
     json.dump({"command": command or f"python -m experiments.ablate --workdir={workdir}",
                "quick": bool(cfg.quick),
-               "seeds": [int(s) for s in cfg.seeds], "settings": [s.name for s, _ in grid],
+               "seeds": list(seeds), "settings": [s.name for s, _ in grid],
                "setting_seeds": {s.name: list(s.seeds(seeds)) for s, _ in grid},
                "machine": f"{os.cpu_count()} CPU cores, {jax.default_backend()}"}, f)
   # The binaries' compilation cache (--compile_cache; a cache the caller set up is kept): seeds,
