@@ -33,7 +33,8 @@ backward        on the first `grad_batches` batches, the RL loss's gradient (low
                  recipe's NVFP4 weight codes that step changes (code_churn): per batch and mode;
                  and the fraction of every quantized forward's weight codes and block scales
                  (the ladder's rungs and the recipe) the dequantized step changes.
-distance        for every finished run of the grid (results.jsonl), its distance to BF16 in two
+distance        for every finished run of the grid (results.jsonl) in `paired.distance_groups`
+                 (all groups when empty), its distance to BF16 in two
                  parts, static and trajectory (`distance`), on held-out tokens sampled once from
                  the base in BF16, at step 0, at every checkpoint the run kept
                  (run.checkpoint_keep_fractions: configs/ablate.py keeps 25% and 50%) and at the
@@ -344,8 +345,10 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[
   twins = {r["seed"]: r for r in grid_lines if r["setting"] == cfg.twin}
   # A cosmetic knob (no run's fingerprint has it): the job's key says which points it measured.
   keep = ",".join(f"{f:g}" for f in cfg.run.checkpoint_keep_fractions)
+  measured = set(cfg.paired.get("distance_groups", ())) or {s.group for s in settings.values()}
   for r in grid_lines:
-    if r["setting"] in settings and r["seed"] in twins:
+    if (r["setting"] in settings and r["seed"] in twins
+        and settings[r["setting"]].group in measured):
       jobs.append(lowrl_grid.Job.of(
           {"measurement": "distance", "point": f"{r['setting']} seed {r['seed']}"},
           f"{r['fingerprint']}-{twins[r['seed']]['fingerprint']}-keep{keep}",

@@ -160,10 +160,6 @@ def grid_claims(results: list[dict[str, Any]]) -> list[stats.Claim]:
                        "to FP32 than the quantized one's (training probes)", "nvfp4_recipe",
                        "nvfp4_recipe_qbwd", _get("grad_cos"), +1,
                        "mean gradient cosine vs FP32 over the probe steps"))
-  for lr in _lrs(results, "bf16_sr"):
-    c.append(_seed_claim(results, f"sr_gain@{lr}", f"BF16 master weights with stochastic "
-                         f"rounding gain more pass@1 than with round-to-nearest (lr {lr})",
-                         f"bf16_sr@{lr}", f"bf16_rtn@{lr}", _gain, +1, "pass@1 gain"))
   c += sr_cast_claims(results)
   c.append(_seed_claim(results, "kl_reset_pass_k", "Resetting the KL reference keeps more prompts "
                        "solvable (pass@k at the end, largest k measured)", "kl+reset", "kl",

@@ -123,7 +123,9 @@ def test_descriptive_rows_run_the_first_seeds_only():
   assert len(cfg.seeds) >= 5 and by[cfg.twin] == tuple(cfg.seeds)
   few = {n for n, s in by.items() if s != tuple(cfg.seeds)}
   assert few == {"fp32", "mxfp8", "s=mxfp8/t=bf16", "s=nvfp4_naive/t=bf16",
-                 "s=nvfp4_recipe/t=bf16"}
+                 "s=nvfp4_recipe/t=bf16",
+                 *(f"{arm}@{ablate._lr_tag(lr)}" for arm in ("bf16_rtn", "bf16_sr")  # noqa: SLF001
+                   for lr in cfg.lrs)}
   assert all(by[n] == tuple(cfg.seeds)[:cfg.descriptive_seeds] for n in few)
   # The quick grid's 2 seeds: first_seeds 3 keeps both.
   q = ablate.quick(cfg)
@@ -146,6 +148,7 @@ def test_rows_are_data_knobs_and_lrs_expand():
   cfg = ablate_config.get_config()
   cfg.kl_coef = 0.125
   cfg.lrs = (1e-3, 1e-5)
+  cfg.groups = (*cfg.groups, "kl_reset")  # not run by default (configs/ablate.py says why)
   by_name = {s.name: s for s in ablate.settings(cfg)}
   assert dict(by_name["kl"].overrides) == {"rl.kl_coef": 0.125}
   sr = [s.name for s in ablate.settings(cfg) if s.group == "sr"]

@@ -3,6 +3,7 @@ identical BF16-sampled batches, written to paired.jsonl, resumed without rework,
 report's claims."""
 import os
 
+import ml_collections
 import numpy as np
 import pytest
 import tiny
@@ -135,6 +136,22 @@ def test_distance_at_every_kept_checkpoint_paired_with_the_twin_at_the_same_step
   md = "\n".join(report._distance_table(lines))  # noqa: SLF001
   assert "| setting | seeds | static 0% | static 50% | static 100% | trajectory 50% | " \
          "trajectory 100% |" in md
+
+
+def test_distance_only_for_the_runs_of_distance_groups(distanced):
+  """paired.distance_groups chooses whose runs get distance lines: a group that ran nothing adds
+  no job, and the groups that ran keep theirs (already done)."""
+  cfg, work, _, lines = distanced
+  c = ml_collections.ConfigDict(cfg.to_dict())
+  c.paired.distance_groups = ("sr",)
+  logs = []
+  paired.run(c, work, log=logs.append)
+  assert any("2 jobs, 2 already done, 0 to run" in x for x in logs), logs
+  c.paired.distance_groups = ("recipe",)
+  logs = []
+  paired.run(c, work, log=logs.append)
+  n = 2 + len(lines)
+  assert any(f"{n} jobs, {n} already done, 0 to run" in x for x in logs), logs
 
 
 def test_code_churn_is_logged_by_the_quantized_run_only(distanced):

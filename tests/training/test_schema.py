@@ -15,7 +15,8 @@ from lowrl.training.setup import build
 # The resolved configs (first generated on main before configs became data, to show the move
 # changed none; regenerated since for deliberate changes: sft.steps 150 -> 50, eval_every 0 -> 10,
 # rl.routing_replay, the simulator's reduced grid, optimizer.compute_cast_rounding, the
-# ablation's sr_travel and its 5 seeds / descriptive_seeds), generated with run_config.to_json(configs.<name>.get_config()) (and precision.recipe(name).to_dict(),
+# ablation's sr_travel, its 5 seeds / descriptive_seeds, its default groups and
+# paired.distance_groups), generated with run_config.to_json(configs.<name>.get_config()) (and precision.recipe(name).to_dict(),
 # simulator.default_config()). A deliberate change of a value regenerates it the same way.
 ON_MAIN = json.loads((tiny.REPO / "tests" / "data" / "configs_on_main.json").read_text())
 _set = run_config.set_path
