@@ -2,23 +2,29 @@
 
 configs/ablate.py's toy is 8 layers at d = 64 (a 16-element NVFP4 block is a quarter of a row),
 completions of about 8 tokens, 30 RL steps and no outlier channels, so the static forward error
-dominates every end-of-run number. This config changes the run, nothing else of the grid:
+dominates every end-of-run number. This config changes the run and the settings, nothing else of
+the grid:
   - width: d = 256 (16 NVFP4 blocks per row), 4 layers (the BF16 tail = the last one);
-  - completions of 64-65 tokens: sorting 63-64 symbols of "abcd" (the answer is 4 runs of
-    letters whose lengths the model must count; the budget of 72 leaves room to overrun);
-  - 300 RL updates (rl.mu = 1, one minibatch: one update per step), with the checkpoints at 25%
-    and 50% kept for experiments/paired.py's distance and the code churn logged every step;
+  - completions of 65 tokens: run-length decoding of 64 symbols (lowrl/tasks/runlength.py:
+    "rld:a12b9c14...=" -> "aaaaaaaaaaaabbbbbbbbbcccccccccccccc...", runs of 6-16 of "abcd"); the
+    prompt is ~23 tokens, so an update's forward passes are mostly the completion (sorting 64
+    symbols, the first choice, doubled them with a 66-token prompt); one wrong count anywhere
+    fails the exact match, so per-token errors compound over the length;
+  - 300 RL updates (rl.mu = 1, one minibatch: one update per step) of 8 prompts x 4, with the
+    checkpoints at 25% and 50% kept for experiments/paired.py's distance and the code churn
+    logged every step;
   - outlier channels: 4 evenly spaced channels (one per 64, each in a 16-block of its own) whose
     RMSNorm gains are x16 in every layer, the q/k/v and gate/up kernel rows that read them / 16
     (sft.outlier_channels, lowrl/training/outliers.py: the same function in exact arithmetic; the
     matmuls' inputs get a few channels ~16x the others, as trained LLMs' massive activations do).
     `python -m experiments.regime --workdir=W --config=configs/ablate_regime.py` shows them
     (per-channel max |activation| over the median channel's, kurtosis, planted vs not) and
-    times a few updates of each setting to size the grid (docs/ablation.md, "A regime where the
-    effects can appear").
-The whole grid at 5 seeds does not fit 2.5 hours on 2 CPU cores (docs/ablation.md has the
-measured cost); `groups` keeps the recipe group, `only` its build-up, the subset the claims of
-the trajectory part need.
+    times a few updates of each setting to size the grid.
+The grid (`only`): the BF16 twin, naive NVFP4 and the 4-bitter recipe, 5 seeds: the claims of the
+trajectory part and of the outcome ("the recipe tracks BF16, naive NVFP4 does not"); the
+components are tested forward-only on this regime's base (experiments/paired.py's ladder, with
+and without the outlier channels) and by the seed-paired build-up in configs/ablate.py.
+docs/ablation.md, "The regime", has the sizes' reasons and the measured cost.
 """
 from __future__ import annotations
 
@@ -31,20 +37,23 @@ def get_config() -> ml_collections.ConfigDict:
   c = ablate.get_config()
   c.seeds = (0, 1, 2, 3, 4)
   c.groups = ("recipe",)
-  c.only = ("nvfp4_naive", "+per_token", "+4/6", "+bf16_tail", "nvfp4_recipe")
+  c.only = ("nvfp4_naive", "nvfp4_recipe")  # and the twin (bf16), always
   c.sr_travel = 0.0
+  c.paired.distance_groups = ("recipe",)
   r = c.run
-  r.model.update(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=768,
+  r.model.update(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=512,
                  scan_layers=True)
-  r.task.kwargs = ml_collections.ConfigDict({"min_len": 63, "max_len": 64, "alphabet": "abcd"})
-  r.sft.update(steps=300, batch_size=32, seed=0, outlier_channels=4, outlier_gain=16.0)
-  r.rl.update(steps=300, num_prompts=8, group_size=8, max_new_tokens=72)
+  r.task.name = "runlength"
+  r.task.kwargs = ml_collections.ConfigDict(
+      {"min_len": 64, "max_len": 64, "min_run": 6, "max_run": 16, "alphabet": "abcd"})
+  r.sft.update(steps=600, batch_size=32, seed=0, outlier_channels=4, outlier_gain=16.0)
+  r.rl.update(steps=300, num_prompts=8, group_size=4, max_new_tokens=72)
   r.eval_num_prompts = 64
   r.eval_samples = 4
   r.diagnostics.every = 50
   r.checkpoint_every = 50
   # experiments/regime.py: the timed RL steps per setting (the first is mostly compiling) and the
   # SFT steps of the base they run from (timing only: the regime's base is sft.steps).
-  c.timing = ml_collections.ConfigDict(dict(rl_steps=4, sft_steps=4,
+  c.timing = ml_collections.ConfigDict(dict(rl_steps=6, sft_steps=4,
                                             settings=("bf16", "nvfp4_naive", "nvfp4_recipe")))
   return c

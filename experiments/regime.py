@@ -4,8 +4,9 @@ r"""The regime probe: shows a grid config's outlier channels and times a few upd
 
 Writes `<workdir>/regime.json`, which experiments/report.py prints (docs/ablation.md, "A regime
 where the effects can appear"):
-  outliers  lowrl.training.outliers.channel_stats of the timing base (below; the regime's own
-            base with --config.timing.sft_steps=<run.sft.steps>) with the config's planted
+  outliers  lowrl.training.outliers.channel_stats of the timing base (below; with
+            --config.timing.sft_steps=<run.sft.steps> the grid's own base, <workdir>/base, the
+            one experiments.ablate trains in the same workdir) with the config's planted
             channels and without them (the same stored base), on the normed inputs of every layer's
             matmuls over `eval_num_prompts` held-out prompts with their answers: the largest
             per-channel max |activation| over the median channel's, kurtosis, the top channel;
@@ -58,11 +59,11 @@ def _summary(stats: dict[str, dict[str, float]]) -> dict[str, Any]:
           "kurtosis_median": float(np.median([s["kurtosis"] for s in stats.values()]))}
 
 
-def outlier_probe(cfg: ml_collections.ConfigDict, base_dir: str, work: str, log: Log
+def outlier_probe(cfg: ml_collections.ConfigDict, bases: str, work: str, log: Log
                   ) -> dict[str, Any]:
   """channel_stats of the base with and without the planted channels (module docstring)."""
   c = ml_collections.ConfigDict(cfg.run.to_dict())
-  c.sft.update(base_dir=base_dir, steps=int(cfg.timing.sft_steps))
+  c.sft.update(base_dir=bases, steps=int(cfg.timing.sft_steps))
   off = ml_collections.ConfigDict(c.to_dict())
   off.sft.outlier_channels = 0  # the stored base itself (the channels are planted on loading)
   setup = build(c)
@@ -84,6 +85,14 @@ def outlier_probe(cfg: ml_collections.ConfigDict, base_dir: str, work: str, log:
   return out
 
 
+def base_dir(cfg: ml_collections.ConfigDict, workdir: str) -> str:
+  """Where the probe's base is stored: the grid's own (`<workdir>/base`, experiments.ablate's)
+  when timing.sft_steps is the grid's run.sft.steps (the same base: reused, or trained once for
+  both), else `<workdir>/timing_base`."""
+  same = int(cfg.timing.sft_steps) == int(cfg.run.sft.steps)
+  return os.path.join(workdir, "base" if same else "timing_base")
+
+
 def time_settings(cfg: ml_collections.ConfigDict, workdir: str, log: Log) -> dict[str, Any]:
   """Wall seconds per RL step (steps 3.. of `timing.rl_steps`) and per SFT step, per setting."""
   t = cfg.timing
@@ -91,7 +100,7 @@ def time_settings(cfg: ml_collections.ConfigDict, workdir: str, log: Log) -> dic
   out = {}
   for name in t.settings:
     c = every[name].config(cfg.run, int(cfg.seeds[0]))
-    c.sft.update(steps=int(t.sft_steps), base_dir=os.path.join(workdir, "timing_base"))
+    c.sft.update(steps=int(t.sft_steps), base_dir=base_dir(cfg, workdir))
     c.rl.steps = int(t.rl_steps)
     c.log_every = 1
     c.eval_num_prompts, c.eval_samples = 8, 1
@@ -125,11 +134,11 @@ def time_forward_ladder(cfg: ml_collections.ConfigDict, workdir: str, log: Log) 
   sizes: sampling one batch from the (timing) base in BF16, and scoring it by every rung (each
   measured on a second batch, after a first that compiles)."""
   every = paired.all_settings(cfg)
-  base_dir = os.path.join(workdir, "timing_base")
+  bases = base_dir(cfg, workdir)
   c = ml_collections.ConfigDict(cfg.to_dict())
   c.run.sft.steps = int(cfg.timing.sft_steps)
-  twin_cfg = paired._setting_config(c, every[cfg.twin], base_dir)  # noqa: SLF001
-  setups = {n: build(paired._setting_config(c, every[n], base_dir))  # noqa: SLF001
+  twin_cfg = paired._setting_config(c, every[cfg.twin], bases)  # noqa: SLF001
+  setups = {n: build(paired._setting_config(c, every[n], bases))  # noqa: SLF001
             for n in paired.LADDER}
   twin = Trainer(build(twin_cfg), log=lambda _: None)
   base = loop.load_base(twin_cfg, os.path.join(workdir, "timing", "probe"), log=lambda _: None)
@@ -173,7 +182,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> dict[
   ablate.validate(cfg)  # every setting builds, before anything runs
   os.makedirs(workdir, exist_ok=True)
   timing = time_settings(cfg, workdir, log)
-  out = {"outliers": outlier_probe(cfg, os.path.join(workdir, "timing_base"),
+  out = {"outliers": outlier_probe(cfg, base_dir(cfg, workdir),
                                    os.path.join(workdir, "timing", "probe"), log),
          "timing": timing, "ladder": time_forward_ladder(cfg, workdir, log),
          "estimate": estimate(cfg, timing),

@@ -1,7 +1,11 @@
-r"""The ablation's report: docs/results.md with PNG plots, from an experiments/ablate.py workdir.
+r"""The ablation's report: docs/results.md with PNG plots, from experiments/ablate.py workdirs.
 
   python -m experiments.report --workdir=/tmp/lowrl_ablate        # writes docs/results.md
   python -m experiments.report --workdir=W --out=/tmp/results.md   # elsewhere
+  python -m experiments.report --workdir=W --workdir=W2           # two grids, one report
+
+With several workdirs (configs/ablate.py's grid and configs/ablate_regime.py's), their claims are
+named by grid ("[ablate_regime] ...") and judged as one Holm family; each grid's tables follow.
 
 Every claim is tested as a paired comparison (lowrl.analysis.stats): against a named baseline on
 the same unit, a seed of the grid (settings of one seed share the base, prompts, held-out set and
@@ -9,13 +13,15 @@ sampling keys) or a prompt / batch of experiments/paired.py's forward-only and b
 measurements (identical tokens and weights for every arm). Per claim: the design, n, the mean
 paired difference with its 95% confidence interval (paired t), the Holm-adjusted p over all the
 claims of the report (one family), and the verdict at 0.05: held, contradicted (significant the
-other way) or not resolved. The PNGs are written next to the markdown file (`<stem>_*.png`).
+other way) or not resolved. The PNGs are written next to the markdown file (`<stem>_*.png`, a
+second grid's `<stem>_<grid>_*.png`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -462,12 +468,11 @@ def outlier_claims(ladder: dict[str, Any]) -> list[stats.Claim]:
                   note=f"sign test p {stats.fmt_p(stats.sign_test(removed_on - removed_off))}")]
 
 
-def _plots(workdir: str, agg: dict, out_md: str) -> list[str]:
-  """The PNGs next to `out_md`; returns their file names."""
+def _plots(workdir: str, agg: dict, stem: str) -> list[str]:
+  """The PNGs `<stem>_settings.png` and `<stem>_curves.png`; returns their file names."""
   import matplotlib  # noqa: PLC0415 (headless backend before pyplot)
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
-  stem = os.path.splitext(out_md)[0]
   names = list(agg)
   files = []
 
@@ -652,32 +657,38 @@ def regime_section(probe: dict[str, Any] | None) -> list[str]:
   return md
 
 
-NOT_YET = ["## What this grid cannot test yet", "",
-           "These claims need the regime or arms the grid does not have yet (issue 24); the "
-           "table above has no row for them, or only a proxy:", "",
-           "- **Dynamic effects** (the recipe tracking BF16 *because of training*, not only at the "
-           "start): the toy is 8 layers at d = 64, completions of about 8 tokens, 30 RL steps, no "
-           "outlier channels, so the static forward error dominates every end-of-run number. "
-           "configs/ablate_regime.py is a regime where they can appear (d = 256 with planted "
-           "outlier channels, completions of 64 tokens, 300 updates, the code churn logged; "
-           "`python -m experiments.regime` shows the outliers and times it); its grid does not "
-           "fit the CPU budget (docs/ablation.md, \"A regime where the effects can appear\").",
-           "- **Stochastic rounding at long horizons**: the grid's SR arm (section above) runs "
-           "30 steps (122 at lr 2e-6) on the d = 64 toy; the seed's low-LR regime (hundreds of "
-           "updates, each far below a BF16 ulp, on a wider model) needs the regime of the first bullet. The "
-           "master-weight rows' erasure numbers hold by construction (one SR draw erases less "
-           "than RTN whatever happens), so they are not a claim here.",
-           "- **KL reference reset**: the seed's claim is about the odds of optimal answers "
-           "collapsing under a fixed reference: long runs (300+ updates) with a coefficient large "
-           "enough to matter, per-prompt probability of a correct answer, the fraction of prompts "
-           "whose probability goes to 0, pass@k for k up to 64. The grid's mean KL to a reference "
-           "that was just reset is 0 by construction and is not a claim here; `kl_reset_pass_k` "
-           "is the grid's proxy (pass@k at k = eval_samples). The seed's claim, tested in the "
-           "simulator (300 updates, 10 seeds, fixed vs reset vs no KL): [kl_reset.md](kl_reset.md).",
-           "",
-           "Full grid: `python -m experiments.ablate --workdir=W && python -m experiments.paired "
-           "--workdir=W && python -m experiments.report --workdir=W` (configs/ablate.py: 5 "
-           "seeds, 3 for the rows no claim reads).", ""]
+def where_tested(labels: Sequence[str]) -> list[str]:
+  """Where each claim of the experiment is tested, given the grids this report holds."""
+  regime = REGIME in labels
+  return [
+      "## Where each claim is tested", "",
+      "- **Forward components** (naive -> + per-token -> + 4/6 -> + BF16 tail): the static ladder, "
+      "forward-only and paired by prompt, on each grid's base (the regime's with and without its "
+      "outlier channels), and the trajectory part paired by seed in the build-up of "
+      "configs/ablate.py's grid (`component_*`, `trajectory_*`).",
+      "- **Backward modes**: identical batches and weights, paired by batch (`backward_*`), and "
+      "the training probes' gradient cosine paired by seed (`backward_probe`).",
+      "- **Stochastic rounding** (the seed's arm: FP32 master weights, the BF16 compute cast "
+      "rounded to nearest or stochastically, FP16): configs/ablate.py's `sr` group at every lr "
+      "of `lrs` (`cast_lag@*`, `cast_sr_closes_gap_*`). The master-weight rows (pure BF16 "
+      "training) are described only: their erasure rates differ by construction.",
+      "- **The recipe tracks BF16, naive NVFP4 does not**: the twin KL, its growth, the outcome "
+      "and the trajectory part at the checkpoints, paired by seed (`tracks_*`, "
+      "`trajectory_recipe_vs_naive`, `trajectory_growth_recipe_vs_naive`)"
+      + (", in both grids; the regime's (d = 256 with outlier channels, 64-token completions, "
+         "300 updates) is where dynamic effects can appear." if regime else
+         "; at this size the static forward error dominates. The regime where dynamic effects "
+         "can appear is configs/ablate_regime.py (`python -m experiments.ablate "
+         "--config=configs/ablate_regime.py --workdir=W2`, paired, then this report with "
+         "`--workdir` given twice)."),
+      "- **KL reference reset** (the odds of optimal answers collapsing under a fixed "
+      "reference): 300 updates, 10 seeds, fixed vs reset vs no KL, in the simulator, "
+      "[kl_reset.md](kl_reset.md) (its own report and Holm family). The loop's 30-step `kl` rows "
+      "(`--config.groups` adds `kl_reset`) could only test a proxy, and the KL to a reference "
+      "just reset is 0 by construction.", ""]
+
+
+REGIME = "ablate_regime"  # the label of configs/ablate_regime.py's grid
 
 
 def _fewer_seeds(meta: dict[str, Any]) -> str:
@@ -690,59 +701,136 @@ def _fewer_seeds(meta: dict[str, Any]) -> str:
   return "".join(f"; {', '.join(names)} on seeds {list(seeds)}" for seeds, names in by.items())
 
 
-def write_report(workdir: str, out_md: str) -> str:
-  """Writes `out_md` and its PNGs from `workdir`'s results; returns the markdown."""
-  results = ablate.read_results(workdir)
-  if not results:
-    raise ValueError(f"{workdir}/{ablate.RESULTS} has no results; run experiments.ablate first.")
-  agg = aggregate(results)
-  meta_path = os.path.join(workdir, ablate.GRID)
-  meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
+def grid_label(meta: dict[str, Any]) -> str:
+  """The grid's config module ("ablate", "ablate_regime", ...) from its recorded command."""
+  for word in meta.get("command", "").split():
+    if word.startswith("--config="):
+      return os.path.splitext(os.path.basename(word.split("=", 1)[1].split(":")[0]))[0]
+  return "ablate"
+
+
+def regime_line(workdir: str, agg: dict) -> str:
+  """The grid's regime, read from its twin's first run: model, task, completions, updates,
+  outlier channels."""
+  twin = ablate_twin(agg)
+  if twin is None:
+    return ""
+  run = agg[twin]["runs"][0]
+  path = os.path.join(workdir, run["run_dir"], "config.json")
+  if not os.path.exists(path):
+    return ""
+  with open(path) as f:
+    c = json.load(f)["config"]  # lowrl.training.run_config's record of the run's config
+  m, rl, task, sft = c["model"], c["rl"], c["task"], c["sft"]
+  lengths = [r.get("response_length") for r in run_logs.read_metrics(
+      os.path.join(workdir, run["run_dir"])) if r.get("response_length") is not None]
+  kwargs = ", ".join(f"{k}={v}" for k, v in sorted(task.get("kwargs", {}).items()))
+  out = (f"Regime: {m['n_layers']} layers at d = {m['d_model']} (d_ff {m['d_ff']}); task "
+         f"{task['name']}({kwargs}); completions of at most {rl['max_new_tokens']} tokens"
+         + (f" ({np.mean(lengths):.1f} on average in the twin's first run)" if lengths else "")
+         + f"; {rl['steps']} RL updates of {rl['num_prompts']} prompts x {rl['group_size']}; "
+         f"a base of {sft['steps']} SFT steps")
+  if int(sft.get("outlier_channels", 0)):
+    out += (f", {sft['outlier_channels']} outlier channels planted at gain "
+            f"{sft['outlier_gain']:g}")
+  return out + "."
+
+
+@dataclasses.dataclass
+class Grid:
+  """One experiments.ablate workdir's results, as the report reads them."""
+
+  workdir: str
+  label: str
+  meta: dict[str, Any]
+  results: list[dict[str, Any]]
+  agg: dict[str, dict[str, Any]]
+  paired: dict[str, Any]
+
+  @classmethod
+  def load(cls, workdir: str) -> "Grid":
+    results = ablate.read_results(workdir)
+    if not results:
+      raise ValueError(f"{workdir}/{ablate.RESULTS} has no results; run experiments.ablate "
+                       "first.")
+    meta_path = os.path.join(workdir, ablate.GRID)
+    meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
+    return cls(workdir, grid_label(meta), meta, results, aggregate(results),
+               paired_exp.read_results(workdir))
+
+  def claims(self) -> list[stats.Claim]:
+    return grid_claims(self.results) + paired_claims(self.paired)
+
+  def header(self) -> list[str]:
+    w, meta, agg = self.workdir, self.meta, self.agg
+    wall = sum(r["wall_s"] for r in self.results)
+    quick = " --config.quick=True" if meta.get("quick") else ""
+    config = "" if self.label == "ablate" else f" --config=configs/{self.label}.py"
+    md = [f"Reproduce: `{meta.get('command', 'python -m experiments.ablate --workdir=W')}`, "
+          f"`python -m experiments.paired --workdir={w}{config}{quick}` (paired measurements: "
+          f"{'present' if os.path.exists(os.path.join(w, paired_exp.RESULTS)) else 'not run'}"
+          f"), then `python -m experiments.report --workdir={w}`.", "",
+          f"{len(self.results)} runs ({len(agg)} settings x seeds {meta.get('seeds', '?')}"
+          f"{_fewer_seeds(meta)}); wall time of the runs {wall / 60:.1f} min in all "
+          f"({meta.get('machine', 'this machine')}). " + regime_line(w, agg), ""]
+    if meta.get("quick"):
+      md += ["**This is the quick grid** (`--config.quick=True`: 8 RL steps of 8 prompts x 4, "
+             "16 held-out prompts): it checks that every part of the experiment runs; its "
+             "numbers are too small and short to test the claims.", ""]
+    missing = [s for s in meta.get("settings", []) if s not in agg]
+    if missing:
+      md += [f"Not finished (no results yet): {', '.join(missing)}.", ""]
+    return md
+
+  def body(self, out_md: str, suffix: str) -> list[str]:
+    """The grid's sections after the claims; its PNGs are `<out stem><suffix>_*.png`."""
+    stem = os.path.splitext(out_md)[0] + suffix
+    md = _sr_cast_section(self.results)
+    md += _paired_section(self.paired) + _distance_table(self.paired.get("distance", []))
+    md += _churn_section(self.workdir, self.agg)
+    md += regime_section(regime.read_results(self.workdir))
+    md += ["## All settings", "", _table(self.agg), ""]
+    return md + [f"![{p}]({p})" for p in _plots(self.workdir, self.agg, stem)] + [""]
+
+
+def write_report(workdirs: str | Sequence[str], out_md: str) -> str:
+  """Writes `out_md` and its PNGs from the results of one or more grid workdirs (their claims
+  judged as one Holm family); returns the markdown."""
+  grids = [Grid.load(w) for w in ([workdirs] if isinstance(workdirs, str) else workdirs)]
+  labels = [g.label for g in grids]
+  if len(set(labels)) != len(labels):
+    raise ValueError(f"two workdirs of the same grid config ({labels}); give each grid once.")
   os.makedirs(os.path.dirname(os.path.abspath(out_md)), exist_ok=True)
-  pngs = _plots(workdir, agg, out_md)
-  wall = sum(r["wall_s"] for r in results)
-  md = ["# Recipe ablation in the real training loop", "",
-        f"Reproduce: `{meta.get('command', 'python -m experiments.ablate --workdir=W')}`, "
-        f"`python -m experiments.paired --workdir={workdir}"
-        f"{' --config.quick=True' if meta.get('quick') else ''}` (paired measurements: "
-        f"{'present' if os.path.exists(os.path.join(workdir, paired_exp.RESULTS)) else 'not run'}"
-        f"), then `python -m experiments.report --workdir={workdir}`.", "",
-        f"{len(results)} runs ({len(agg)} settings x seeds {meta.get('seeds', '?')}"
-        f"{_fewer_seeds(meta)}); wall time "
-        f"of the runs {wall / 60:.1f} min in all ({meta.get('machine', 'this machine')}). Numbers "
-        "in the settings table are mean ± population std over seeds (description; the claims "
-        "are tested paired, below). Twin KL: KL(run || BF16 twin of the same seed) "
-        "per completion token on the held-out prompts, k3 estimate on the run's samples (start: "
-        "the base under both precisions).",
-        ""]
-  if meta.get("quick"):
-    md += ["**This is the quick grid** (`--config.quick=True`: 8 RL steps of 8 prompts x 4, "
-           "16 held-out prompts): it checks that every part of the experiment runs; its numbers "
-           "are too small and short to test the claims.", ""]
-  missing = [s for s in meta.get("settings", []) if s not in agg]
-  if missing:
-    md += [f"Not finished (no results yet): {', '.join(missing)}.", ""]
-  paired = paired_exp.read_results(workdir)
-  verdicts = stats.judge(grid_claims(results) + paired_claims(paired))
-  md += ["## Claims", "",
+  many = len(grids) > 1
+  claims = [dataclasses.replace(c, name=f"{g.label}/{c.name}", statement=f"[{g.label}] "
+                                f"{c.statement}") if many else c
+            for g in grids for c in g.claims()]
+  verdicts = stats.judge(claims)
+  md = ["# Recipe ablation in the real training loop", ""]
+  for g in grids:
+    md += ([f"**[{g.label}]** configs/{g.label}.py."] if many else []) + g.header()
+  md += ["Numbers in the settings tables are mean ± population std over seeds (description; the "
+         "claims are tested paired, below). Twin KL: KL(run || BF16 twin of the same seed) per "
+         "completion token on the held-out prompts, k3 estimate on the run's samples (start: the "
+         "base under both precisions).", "",
+         "## Claims", "",
          "Each claim is a paired difference (treatment - baseline on the same unit) with the sign "
          "the claim states; effect = its mean with the 95% confidence interval of a paired t-test; "
-         "Holm p = the t-test's p adjusted over all the claims below (one family); verdict at "
-         "0.05: **held** (significant, the stated sign), **contradicted** (significant, the other "
+         "Holm p = the t-test's p adjusted over all the claims below (one family"
+         + (f", the {len(grids)} grids' together" if many else "") + "); verdict at 0.05: "
+         "**held** (significant, the stated sign), **contradicted** (significant, the other "
          "sign), **not resolved** (not significant: the design cannot tell).", "",
          stats.markdown_table(verdicts, digits=4), ""]
   notes = [f"- {v.claim.statement}: {v.claim.note}" for v in verdicts if v.claim.note]
   if notes:
     md += ["Also (not Holm-adjusted):", "", *notes, ""]
-  md += _sr_cast_section(results)
-  md += _paired_section(paired) + _distance_table(paired.get("distance", []))
-  md += _churn_section(workdir, agg)
-  md += regime_section(regime.read_results(workdir))
+  md += where_tested(labels)
+  for g in grids:
+    if many:
+      md += [f"# The {g.label} grid (configs/{g.label}.py)", ""]
+    md += g.body(out_md, "" if g.label == "ablate" or not many else f"_{g.label}")
   with open(os.path.splitext(out_md)[0] + "_claims.json", "w") as f:
     json.dump([v.row() for v in verdicts], f, indent=1)
-  md += NOT_YET
-  md += ["", "## All settings", "", _table(agg), ""]
-  md += [f"![{p}]({p})" for p in pngs]
   text = "\n".join(md) + "\n"
   with open(out_md, "w") as f:
     f.write(text)
@@ -758,7 +846,9 @@ def main(argv):
 if __name__ == "__main__":
   from absl import app, flags
 
-  _WORKDIR = flags.DEFINE_string("workdir", None, "An experiments.ablate workdir.", required=True)
+  _WORKDIR = flags.DEFINE_multi_string(
+      "workdir", None, "An experiments.ablate workdir; give it again for another grid (e.g. "
+      "configs/ablate_regime.py's): one report, one Holm family.", required=True)
   _OUT = flags.DEFINE_string("out", os.path.join(_REPO, "docs", "results.md"),
                              "Markdown file to write (PNGs next to it).")
   app.run(main)

@@ -5,6 +5,7 @@ from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft, promp
 from lowrl.tasks.countdown import CountdownTask
 from lowrl.tasks.eval import pass_at_k, pass_at_k_from_rewards
 from lowrl.tasks.jsonl import JsonlTask
+from lowrl.tasks.runlength import RunLengthTask
 from lowrl.tasks.registry import TASKS, make_task, task_names
 from lowrl.tasks.splits import SPLITS, split_of
 from lowrl.tasks.strings import ReversalTask, SortingTask, StringTask
@@ -13,7 +14,8 @@ from lowrl.tasks.verifiers import extract_boxed, make_verifier, normalize_answer
 
 __all__ = [
     "AdditionTask", "CharTokenizer", "CountdownTask", "DEFAULT_CHARS", "Example", "JsonlTask",
-    "ProceduralTask", "ReversalTask", "SPLITS", "SortingTask", "StringTask", "TASKS", "Task",
+    "ProceduralTask", "ReversalTask", "RunLengthTask", "SPLITS", "SortingTask", "StringTask",
+    "TASKS", "Task",
     "Tokenizer",
     "decode_batch", "encode_prompts", "encode_sft", "extract_boxed", "make_task", "make_verifier",
     "normalize_answer", "pass_at_k", "pass_at_k_from_rewards", "prompt_ids", "register_verifier",

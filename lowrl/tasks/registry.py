@@ -7,12 +7,14 @@ from lowrl.tasks.addition import AdditionTask
 from lowrl.tasks.base import Task
 from lowrl.tasks.countdown import CountdownTask
 from lowrl.tasks.jsonl import JsonlTask
+from lowrl.tasks.runlength import RunLengthTask
 from lowrl.tasks.strings import ReversalTask, SortingTask
 
 TASKS: dict[str, type[Task]] = {
     "addition": AdditionTask,
     "sorting": SortingTask,
     "reversal": ReversalTask,
+    "runlength": RunLengthTask,
     "countdown": CountdownTask,
     "jsonl": JsonlTask,
 }

@@ -1,7 +1,9 @@
 """experiments.ablate + experiments.report: a 2-setting, 2-seed, 2-step grid of the real loop
 runs, records the probes and the twin KL, resumes without rerunning finished runs, and the
 report writes its markdown and PNGs."""
+import json
 import os
+import shutil
 
 import ml_collections
 import pytest
@@ -88,6 +90,38 @@ def test_report_writes_markdown_and_pngs(grid, tmp_path):
     with open(tmp_path / p, "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert f"]({p})" in text
+
+
+def test_report_of_two_grids_is_one_holm_family(grid, tmp_path):
+  """Two workdirs (here the fixture's grid, and a copy recorded as configs/ablate_regime.py's):
+  every claim once per grid, named by grid, adjusted together; each grid's tables and PNGs."""
+  _, work, _, _ = grid
+  other = str(tmp_path / "regime")
+  shutil.copytree(work, other)
+  meta_path = os.path.join(other, ablate.GRID)
+  with open(meta_path) as f:
+    meta = json.load(f)
+  meta["command"] += " --config=configs/ablate_regime.py"
+  with open(meta_path, "w") as f:
+    json.dump(meta, f)
+  out = str(tmp_path / "results.md")
+  one = report.write_report(work, str(tmp_path / "one.md"))
+  text = report.write_report([work, other], out)
+  assert "# The ablate_regime grid (configs/ablate_regime.py)" in text
+  claims = json.load(open(tmp_path / "results_claims.json"))
+  single = json.load(open(tmp_path / "one_claims.json"))
+  assert len(claims) == 2 * len(single) > 0
+  assert {c["claim"] for c in claims} == {f"{g}/{c['claim']}" for g in ("ablate", "ablate_regime")
+                                            for c in single}
+  # Holm over twice the claims: no adjusted p is smaller than in the one-grid report.
+  p_one = {c["claim"]: c["p_holm"] for c in single}
+  assert all(not c["p_holm"] < p_one[c["claim"].split("/", 1)[1]] for c in claims)
+  assert "Regime: " in one and " RL updates of " in one
+  pngs = sorted(p for p in os.listdir(tmp_path) if p.startswith("results") and p.endswith(".png"))
+  assert pngs == ["results_ablate_regime_curves.png", "results_ablate_regime_settings.png",
+                  "results_curves.png", "results_settings.png"]
+  with pytest.raises(ValueError, match="same grid config"):
+    report.write_report([work, work], out)
 
 
 def test_bad_grid_is_rejected_before_any_run(tmp_path):

@@ -10,7 +10,7 @@ PROCEDURAL = ["addition", "sorting", "reversal", "countdown"]
 
 
 def test_registry():
-  assert task_names() == ["addition", "countdown", "jsonl", "reversal", "sorting"]
+  assert task_names() == ["addition", "countdown", "jsonl", "reversal", "runlength", "sorting"]
   for name in PROCEDURAL:
     task = make_task(name)
     assert isinstance(task, TASKS[name]) and isinstance(task, Task) and task.name == name
