@@ -46,8 +46,8 @@ def get_config() -> ml_collections.ConfigDict:
   r.task.name = "runlength"
   r.task.kwargs = ml_collections.ConfigDict(
       {"min_len": 64, "max_len": 64, "min_run": 6, "max_run": 16, "alphabet": "abcd"})
-  r.sft.update(steps=600, batch_size=32, seed=0, outlier_channels=4, outlier_gain=16.0)
-  r.rl.update(steps=300, num_prompts=8, group_size=4, max_new_tokens=72)
+  r.sft.update(steps=1000, batch_size=32, seed=0, outlier_channels=4, outlier_gain=16.0)
+  r.rl.update(steps=300, num_prompts=4, group_size=8, max_new_tokens=72)
   r.eval_num_prompts = 64
   r.eval_samples = 4
   r.diagnostics.every = 50

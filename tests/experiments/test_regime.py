@@ -19,6 +19,12 @@ def test_regime_builds_and_meets_the_issue():
   ch = outliers.channels(setup.model_cfg.d_model, setup.base.outliers[0])
   assert len(ch) >= 2 and len({c // 16 for c in ch}) == len(ch)
   assert setup.loop.keep_steps == (75, 150) and setup.loop.code_churn
+  # The dynamic claims' settings (the twin, naive NVFP4, the recipe), at least 5 seeds each.
+  assert [s.name for s, _ in pairs] == ["bf16", "nvfp4_naive", "nvfp4_recipe"]
+  assert len(cfg.seeds) >= 5 and all(s.seeds(tuple(cfg.seeds)) == tuple(cfg.seeds)
+                                     for s, _ in pairs)
+  # The prompt is short beside the completion: most of a forward pass is the completion.
+  assert task.max_prompt_len < task.max_answer_len
 
 
 def test_estimate_counts_settings_seeds_and_updates():
@@ -29,4 +35,4 @@ def test_estimate_counts_settings_seeds_and_updates():
   e = regime.estimate(cfg, timing)
   n = len(ablate.settings(cfg))
   assert e["rl_hours"] == pytest.approx(5 * 300 * (10.0 + (n - 1) * 25.0) / 3600)
-  assert e["sft_hours"] == pytest.approx(300 * 2.0 / 3600)
+  assert e["sft_hours"] == pytest.approx(cfg.run.sft.steps * 2.0 / 3600)
