@@ -313,7 +313,7 @@ def _trained(points: dict[float, dict[str, float | None]]) -> dict[float, float]
 
 
 def _label(f: float) -> str:
-  return f"{100 * f:g}%"
+  return f"{100 * f:.3g}%"
 
 
 def distance_claims(lines: list[dict[str, Any]]) -> list[stats.Claim]:
