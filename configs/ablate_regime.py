@@ -49,6 +49,9 @@ def get_config() -> ml_collections.ConfigDict:
       {"min_len": 64, "max_len": 64, "min_run": 6, "max_run": 16, "alphabet": "abcd"})
   r.sft.update(steps=1000, batch_size=32, seed=0, outlier_channels=4, outlier_gain=16.0)
   r.rl.update(steps=300, num_prompts=2, group_size=8, max_new_tokens=72)
+  # 2e-4 (the toy's) collapses this base's BF16 RL within ~50 updates (held-out pass@1 0.06 ->
+  # 0.00 over 300, 5 seeds); 6e-5 measured: 0.090 -> 0.113 in 150 updates (seed 0, exact reward).
+  r.optimizer.lr = 6e-5
   r.eval_num_prompts = 64
   r.eval_samples = 4
   r.diagnostics.every = 50
