@@ -33,6 +33,9 @@ backward        on the first `grad_batches` batches, the RL loss's gradient (low
                  recipe's NVFP4 weight codes that step changes (code_churn): per batch and mode;
                  and the fraction of every quantized forward's weight codes and block scales
                  (the ladder's rungs and the recipe) the dequantized step changes.
+                 Again mid-run (`point` "mid: ..."): the same design on the weights of the
+                 grid's nvfp4_recipe run of the first seed at its kept checkpoint nearest half
+                 the run, on batches (the same prompts and keys) sampled in BF16 from them.
 distance        for every finished run of the grid (results.jsonl) in `paired.distance_groups`
                  (all groups when empty), its distance to BF16 in two
                  parts, static and trajectory (`distance`), on held-out tokens sampled once from
@@ -315,6 +318,42 @@ def distance(cfg, workdir: str, line: dict[str, Any], twin_line: dict[str, Any],
           "points": points}
 
 
+def mid_run_point(cfg, grid_lines: list[dict[str, Any]],
+                  settings: dict[str, ablate.Setting]) -> tuple[dict[str, Any], int] | None:
+  """(the grid's nvfp4_recipe line of the first seed, its kept checkpoint step nearest half the
+  run) for the backward design mid-run; None while that run has not finished or keeps no
+  checkpoint before its end (run.checkpoint_keep_fractions)."""
+  name, seed = BACKWARD["dequantized"], int(cfg.seeds[0])
+  line = next((r for r in grid_lines if r["setting"] == name and int(r["seed"]) == seed), None)
+  if line is None:
+    return None
+  setup = build(_setting_config(cfg, settings[name], ""))
+  kept = [k for k in setup.loop.keep_steps if 0 < k < setup.loop.steps]
+  if not kept:
+    return None
+  return line, min(kept, key=lambda k: (abs(k - setup.loop.steps / 2), k))
+
+
+def backward_mid_run(cfg, workdir: str, line: dict[str, Any], step: int,
+                     settings: dict[str, ablate.Setting], bwd: dict[str, Setup],
+                     forwards: dict[str, Setup], n: dict[str, int], log: Log) -> dict[str, Any]:
+  """`backward` on the weights of the grid run `line` at checkpoint `step`: its batches and
+  held-out batches are sampled in BF16 from those weights (the base's prompts and keys)."""
+  base_dir = os.path.join(workdir, "base")
+  c = settings[line["setting"]].config(cfg.run, int(line["seed"]))
+  c.sft.base_dir = base_dir
+  weights = params_at(c, os.path.join(workdir, line["run_dir"]), step)
+  twin_cfg = _setting_config(cfg, settings[cfg.twin], base_dir)
+  twin = Trainer(build(twin_cfg), log=lambda _: None)
+  params = twin.place(optimizer.to_master(weights, twin_cfg.optimizer.master_dtype))
+  log(f"[paired] backward mid-run: {line['setting']} seed {line['seed']} at step {step}")
+  out = backward(cfg, bwd, params, sample_batches(twin, params, n["grad_batches"]),
+                 sample_batches(twin, params, n["heldout"], first_step=10_000), log,
+                 forwards={**forwards, "nvfp4_recipe": bwd["dequantized"]})
+  return {**out, "weights": f"{line['setting']} seed {line['seed']} step {step}",
+          "step": step, "steps": int(c.rl.steps)}
+
+
 def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[dict[str, Any]]:
   """Runs (or resumes) the paired measurements of the grid config `cfg` on `<workdir>`'s base;
   returns the lines of `<workdir>/paired.jsonl`."""
@@ -353,6 +392,14 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[
           {"measurement": "distance", "point": f"{r['setting']} seed {r['seed']}"},
           f"{r['fingerprint']}-{twins[r['seed']]['fingerprint']}-keep{keep}",
           (r, twins[r["seed"]])))
+  mid = mid_run_point(cfg, grid_lines, settings)
+  if mid is not None:
+    line, step = mid
+    jobs.append(lowrl_grid.Job.of(
+        {"measurement": "backward",
+         "point": f"mid: {line['setting']} seed {line['seed']} step {step}"},
+        f"{line['fingerprint']}-backward-mid{step}-{n['grad_batches']}-{n['heldout']}"
+        + extra["backward"], mid))
   state: dict[str, Any] = {}
 
   def base():
@@ -378,6 +425,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[
   def work(job: lowrl_grid.Job) -> dict[str, Any]:
     if dict(job.key)["measurement"] == "distance":
       return distance(cfg, workdir, *job.payload, settings, base(), log)
+    if dict(job.key)["point"] != "base":
+      return backward_mid_run(cfg, workdir, *job.payload, settings, bwd, setups, n, log)
     s = inputs()
     if dict(job.key)["measurement"] == "forward_ladder":
       return forward_ladder(cfg, setups, s["twin"].setup, s["params"], s["rollouts"], log,
@@ -390,11 +439,13 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[
 
 def read_results(workdir: str) -> dict[str, Any]:
   """{measurement: its line} of `<workdir>/paired.jsonl` ({} when absent); "distance": the list
-  of the distance lines (one per run)."""
+  of the distance lines (one per run); "backward_mid": the backward design mid-run."""
   out: dict[str, Any] = {"distance": []}
   for r in lowrl_grid.read_results(os.path.join(workdir, RESULTS)):
     if r["measurement"] == "distance":
       out["distance"].append(r)
+    elif r.get("point", "base") != "base":  # the backward design mid-run
+      out[f"{r['measurement']}_mid"] = r
     else:
       out[r["measurement"]] = r
   return out

@@ -417,9 +417,21 @@ def paired_claims(paired: dict[str, Any]) -> list[stats.Claim]:
           note=f"bootstrap 95% CI [{stats.fmt_num(boot.ci_low, 4)}, "
                f"{stats.fmt_num(boot.ci_high, 4)}]"))
   out += outlier_claims(paired.get("forward_ladder", {}))
-  modes = paired.get("backward", {}).get("modes", {})
-  design = ("identical batches and weights (the base), gradient of the recipe's forward with each "
+  out += backward_claims(paired.get("backward", {}), "the base", "")
+  mid = paired.get("backward_mid", {})
+  if mid.get("modes"):
+    out += backward_claims(mid, f"mid-run: {mid['weights']}", "_mid")
+  return out
+
+
+def backward_claims(bwd: dict[str, Any], where: str, suffix: str) -> list[stats.Claim]:
+  """The backward modes' claims on one paired.py backward line (identical batches and weights,
+  `where`: the base or a mid-run checkpoint), paired by batch; ids end in `suffix`."""
+  modes = bwd.get("modes", {})
+  tag = "" if not suffix else f" ({where.split(':')[0]})"
+  design = (f"identical batches and weights ({where}), gradient of the recipe's forward with each "
             "backward; {what}; {a} - {b}, paired by batch")
+  out = []
   for key, what, a, b, direction, statement in (
       ("cos_fp32", "cosine to the FP32 gradient", "dequantized", "quantized", +1,
        "The dequantized backward's gradient is closer to FP32 than the quantized one's"),
@@ -437,10 +449,11 @@ def paired_claims(paired: dict[str, Any]) -> list[stats.Claim]:
        "more than with the high-precision one")):
     if a in modes and b in modes:
       d = np.asarray(modes[a][key]) - np.asarray(modes[b][key])
-      out.append(stats.Claim(f"backward_{key}_{a}_vs_{b}", statement,
+      out.append(stats.Claim(f"backward_{key}_{a}_vs_{b}{suffix}", statement + tag,
                              design.format(what=what, a=a, b=b), stats.paired_t(d), direction,
                              note=f"sign test p {stats.fmt_p(stats.sign_test(d))}"))
   return out
+
 
 def outlier_claims(ladder: dict[str, Any]) -> list[stats.Claim]:
   """The planted outlier channels as a factor of the forward ladder (experiments/paired.py: the
@@ -568,19 +581,22 @@ def _paired_section(paired: dict[str, dict[str, Any]]) -> list[str]:
     for name, c in by_fwd.items():
       md.append(f"| {name} | {len(c['codes'])} | {ci(c['codes'])} | {ci(c['scales'])} |")
     md.append("")
-  bwd = paired.get("backward", {})
-  if bwd.get("modes"):
-    md += ["### Backward modes on identical batches", "",
+  for key, where in (("backward", "the base"), ("backward_mid", "mid-run")):
+    bwd = paired.get(key, {})
+    if not bwd.get("modes"):
+      continue
+    at = "" if key == "backward" else f", mid-run ({bwd['weights']} of {bwd['steps']})"
+    md += [f"### Backward modes on identical batches{at}", "",
            "| backward | batches | cos vs FP32 | rel err vs FP32 | cos vs exact quantized-forward "
            "gradient | held-out surrogate change after one step | NVFP4 codes the step changes |",
            "|---|---|---|---|---|---|---|"]
     for mode, m in bwd["modes"].items():
-      def cell(key):
-        return ci(m[key]) if key in m else "–"
+      def cell(k, m=m):
+        return ci(m[k]) if k in m else "–"
       md.append(f"| {mode} | {len(m['heldout_delta'])} | {cell('cos_fp32')} | "
                 f"{cell('rel_err_fp32')} | {cell('cos_exact')} | {cell('heldout_delta')} | "
                 f"{cell('code_churn')} |")
-    md += ["", f"Held-out surrogate at the base: {bwd['heldout_base']:.5f} (lower is better; the "
+    md += ["", f"Held-out surrogate at {where}: {bwd['heldout_base']:.5f} (lower is better; the "
            "fp32 row is the update on the FP32 gradient of the unquantized model).", ""]
   return md
 
@@ -666,8 +682,10 @@ def where_tested(labels: Sequence[str]) -> list[str]:
       "forward-only and paired by prompt, on each grid's base (the regime's with and without its "
       "outlier channels), and the trajectory part paired by seed in the build-up of "
       "configs/ablate.py's grid (`component_*`, `trajectory_*`).",
-      "- **Backward modes**: identical batches and weights, paired by batch (`backward_*`), and "
-      "the training probes' gradient cosine paired by seed (`backward_probe`).",
+      "- **Backward modes**: identical batches and weights, at the base and mid-run (the "
+      "first seed's nvfp4_recipe run at its kept checkpoint nearest half the run), paired by "
+      "batch (`backward_*`, `backward_*_mid`), and the training probes' gradient cosine paired "
+      "by seed (`backward_probe`).",
       "- **Stochastic rounding** (the seed's arm: FP32 master weights, the BF16 compute cast "
       "rounded to nearest or stochastically, FP16): configs/ablate.py's `sr` group at every lr "
       "of `lrs` (`cast_lag@*`, `cast_sr_closes_gap_*`). The master-weight rows (pure BF16 "

@@ -102,11 +102,12 @@ def test_bad_sizes_are_rejected_before_any_work(tmp_path):
 
 @pytest.fixture(scope="module")
 def distanced(measured):
-  """A 2-setting grid (the BF16 twin and naive NVFP4, 1 seed, the fixture's 2 steps, the
-  checkpoint at 50% kept, code churn logged: cosmetic knobs, so the twin's fingerprint and the
-  paired lines stay) on the measured base, then experiments.paired's distance lines."""
+  """A 3-setting grid (the BF16 twin, naive NVFP4 and the recipe, 1 seed, the fixture's 2 steps,
+  the checkpoint at 50% kept, code churn logged: cosmetic knobs, so the twin's fingerprint and
+  the paired lines stay) on the measured base, then experiments.paired's distance lines (and its
+  backward design mid-run, on the recipe's kept checkpoint)."""
   cfg, work, _, _ = measured
-  cfg.groups, cfg.only = ("recipe",), ("nvfp4_naive",)
+  cfg.groups, cfg.only = ("recipe",), ("nvfp4_naive", "nvfp4_recipe")
   cfg.run.checkpoint_every = 2
   cfg.run.checkpoint_keep_fractions = (0.5,)
   cfg.run.diagnostics.code_churn = True
@@ -115,9 +116,28 @@ def distanced(measured):
   return cfg, work, results, [r for r in lines if r["measurement"] == "distance"]
 
 
+def test_backward_design_mid_run_on_the_recipes_kept_checkpoint(distanced):
+  """The backward modes again on the nvfp4_recipe run's weights at its kept checkpoint nearest
+  half the run (step 1 of 2), on batches sampled from those weights: not the base's numbers."""
+  _, work, _, _ = distanced
+  got = paired.read_results(work)
+  mid, at_base = got["backward_mid"], got["backward"]
+  assert mid["point"] == "mid: nvfp4_recipe seed 0 step 1" and mid["step"] == 1
+  assert set(mid["modes"]) == {*paired.BACKWARD, "fp32"}
+  for m in paired.BACKWARD:
+    assert len(mid["modes"][m]["cos_fp32"]) == 2 and np.all(np.isfinite(mid["modes"][m]["cos_fp32"]))
+  assert mid["modes"]["quantized"]["cos_fp32"] != at_base["modes"]["quantized"]["cos_fp32"]
+  names = {c.name for c in report.paired_claims(got)}
+  assert {"backward_cos_fp32_dequantized_vs_quantized",
+          "backward_cos_fp32_dequantized_vs_quantized_mid"} <= names
+  md = "\n".join(report._paired_section(got))  # noqa: SLF001
+  assert "### Backward modes on identical batches, mid-run (nvfp4_recipe seed 0 step 1 of 2)" in md
+
+
 def test_distance_at_every_kept_checkpoint_paired_with_the_twin_at_the_same_step(distanced):
   _, work, results, lines = distanced
-  assert sorted((r["setting"], r["seed"]) for r in lines) == [("bf16", 0), ("nvfp4_naive", 0)]
+  assert sorted((r["setting"], r["seed"]) for r in lines) == [
+      ("bf16", 0), ("nvfp4_naive", 0), ("nvfp4_recipe", 0)]
   # The loop kept step 1 (50% of 2) beside the end.
   for r in results:
     kept = os.listdir(os.path.join(work, r["run_dir"], "checkpoints"))
@@ -146,11 +166,11 @@ def test_distance_only_for_the_runs_of_distance_groups(distanced):
   c.paired.distance_groups = ("sr",)
   logs = []
   paired.run(c, work, log=logs.append)
-  assert any("2 jobs, 2 already done, 0 to run" in x for x in logs), logs
+  assert any("3 jobs, 3 already done, 0 to run" in x for x in logs), logs  # + backward mid-run
   c.paired.distance_groups = ("recipe",)
   logs = []
   paired.run(c, work, log=logs.append)
-  n = 2 + len(lines)
+  n = 3 + len(lines)
   assert any(f"{n} jobs, {n} already done, 0 to run" in x for x in logs), logs
 
 
