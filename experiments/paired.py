@@ -61,7 +61,7 @@ from lowrl.models import layout, transformer
 from lowrl.rl.kl import exact_kl
 from lowrl.sampling.distributions import sampling_logits
 from lowrl.training import code_churn, loop, optimizer, probes, run_config
-from lowrl.training.setup import Setup, build
+from lowrl.training.setup import Setup, build, keep_steps
 from lowrl.training.checkpointing import Checkpointer
 from lowrl.training.state import CHECKPOINTS, params_at
 from lowrl.training.trainer import Trainer
@@ -327,29 +327,27 @@ def mid_run_point(cfg, grid_lines: list[dict[str, Any]],
   line = next((r for r in grid_lines if r["setting"] == name and int(r["seed"]) == seed), None)
   if line is None:
     return None
-  setup = build(_setting_config(cfg, settings[name], ""))
-  kept = [k for k in setup.loop.keep_steps if 0 < k < setup.loop.steps]
+  c = _setting_config(cfg, settings[name], "")
+  steps = int(c.rl.steps)
+  kept = [k for k in keep_steps(c.checkpoint_keep_fractions, steps) if 0 < k < steps]
   if not kept:
     return None
-  return line, min(kept, key=lambda k: (abs(k - setup.loop.steps / 2), k))
+  return line, min(kept, key=lambda k: (abs(k - steps / 2), k))
 
 
 def backward_mid_run(cfg, workdir: str, line: dict[str, Any], step: int,
-                     settings: dict[str, ablate.Setting], bwd: dict[str, Setup],
+                     settings: dict[str, ablate.Setting], twin: Trainer, bwd: dict[str, Setup],
                      forwards: dict[str, Setup], n: dict[str, int], log: Log) -> dict[str, Any]:
-  """`backward` on the weights of the grid run `line` at checkpoint `step`: its batches and
-  held-out batches are sampled in BF16 from those weights (the base's prompts and keys)."""
-  base_dir = os.path.join(workdir, "base")
-  c = settings[line["setting"]].config(cfg.run, int(line["seed"]))
-  c.sft.base_dir = base_dir
+  """`backward` on the weights of the grid run `line` (the first seed's) at checkpoint `step`:
+  its batches and held-out batches are sampled in BF16 by `twin` from those weights (the base's
+  prompts and keys)."""
+  c = _setting_config(cfg, settings[line["setting"]], os.path.join(workdir, "base"))
   weights = params_at(c, os.path.join(workdir, line["run_dir"]), step)
-  twin_cfg = _setting_config(cfg, settings[cfg.twin], base_dir)
-  twin = Trainer(build(twin_cfg), log=lambda _: None)
-  params = twin.place(optimizer.to_master(weights, twin_cfg.optimizer.master_dtype))
+  params = twin.place(optimizer.to_master(weights, twin.setup.loop.master_dtype))
   log(f"[paired] backward mid-run: {line['setting']} seed {line['seed']} at step {step}")
   out = backward(cfg, bwd, params, sample_batches(twin, params, n["grad_batches"]),
                  sample_batches(twin, params, n["heldout"], first_step=10_000), log,
-                 forwards={**forwards, "nvfp4_recipe": bwd["dequantized"]})
+                 forwards=forwards)
   return {**out, "weights": f"{line['setting']} seed {line['seed']} step {step}",
           "step": step, "steps": int(c.rl.steps)}
 
@@ -400,7 +398,14 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[
          "point": f"mid: {line['setting']} seed {line['seed']} step {step}"},
         f"{line['fingerprint']}-backward-mid{step}-{n['grad_batches']}-{n['heldout']}"
         + extra["backward"], mid))
+  # Every quantized forward whose weight codes the dequantized step changes (code churn).
+  forwards = {**setups, "nvfp4_recipe": bwd["dequantized"]}
   state: dict[str, Any] = {}
+
+  def twin() -> Trainer:
+    if "twin" not in state:
+      state["twin"] = Trainer(build(twin_cfg), log=lambda _: None)
+    return state["twin"]
 
   def base():
     if "base" not in state:
@@ -408,16 +413,14 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[
     return state["base"]
 
   def inputs():
-    if "twin" not in state:
-      twin = Trainer(build(twin_cfg), log=lambda _: None)
-      params = twin.place(optimizer.to_master(base(), twin_cfg.optimizer.master_dtype))
-      state.update(twin=twin, params=params,
-                   rollouts=sample_batches(twin, params, n["batches"]),
-                   heldout=sample_batches(twin, params, n["heldout"], first_step=10_000))
+    if "params" not in state:
+      params = twin().place(optimizer.to_master(base(), twin_cfg.optimizer.master_dtype))
+      state.update(params=params, rollouts=sample_batches(twin(), params, n["batches"]),
+                   heldout=sample_batches(twin(), params, n["heldout"], first_step=10_000))
       if planted:  # the stored base itself: the channels are planted when it is loaded
         off = ml_collections.ConfigDict(twin_cfg.to_dict())
         off.sft.outlier_channels = 0
-        state["unplanted"] = twin.place(optimizer.to_master(
+        state["unplanted"] = twin().place(optimizer.to_master(
             loop.load_base(off, os.path.join(workdir, "runs", "paired"), log=log),
             twin_cfg.optimizer.master_dtype))
     return state
@@ -426,13 +429,13 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> list[
     if dict(job.key)["measurement"] == "distance":
       return distance(cfg, workdir, *job.payload, settings, base(), log)
     if dict(job.key)["point"] != "base":
-      return backward_mid_run(cfg, workdir, *job.payload, settings, bwd, setups, n, log)
+      return backward_mid_run(cfg, workdir, *job.payload, settings, twin(), bwd, forwards, n, log)
     s = inputs()
     if dict(job.key)["measurement"] == "forward_ladder":
-      return forward_ladder(cfg, setups, s["twin"].setup, s["params"], s["rollouts"], log,
+      return forward_ladder(cfg, setups, twin().setup, s["params"], s["rollouts"], log,
                             unplanted=s.get("unplanted"))
     return backward(cfg, bwd, s["params"], s["rollouts"][:n["grad_batches"]], s["heldout"], log,
-                    forwards={**setups, "nvfp4_recipe": bwd["dequantized"]})
+                    forwards=forwards)
 
   return lowrl_grid.run(jobs, os.path.join(workdir, RESULTS), work, log=log, tag="paired")
 

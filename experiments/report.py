@@ -417,18 +417,19 @@ def paired_claims(paired: dict[str, Any]) -> list[stats.Claim]:
           note=f"bootstrap 95% CI [{stats.fmt_num(boot.ci_low, 4)}, "
                f"{stats.fmt_num(boot.ci_high, 4)}]"))
   out += outlier_claims(paired.get("forward_ladder", {}))
-  out += backward_claims(paired.get("backward", {}), "the base", "")
+  out += backward_claims(paired.get("backward", {}), "the base")
   mid = paired.get("backward_mid", {})
   if mid.get("modes"):
-    out += backward_claims(mid, f"mid-run: {mid['weights']}", "_mid")
+    out += backward_claims(mid, f"mid-run: {mid['weights']}", mid_run=True)
   return out
 
 
-def backward_claims(bwd: dict[str, Any], where: str, suffix: str) -> list[stats.Claim]:
+def backward_claims(bwd: dict[str, Any], where: str,
+                    mid_run: bool = False) -> list[stats.Claim]:
   """The backward modes' claims on one paired.py backward line (identical batches and weights,
-  `where`: the base or a mid-run checkpoint), paired by batch; ids end in `suffix`."""
+  `where`: the base or a mid-run checkpoint), paired by batch; mid-run ids end in "_mid"."""
   modes = bwd.get("modes", {})
-  tag = "" if not suffix else f" ({where.split(':')[0]})"
+  suffix, tag = ("_mid", " (mid-run)") if mid_run else ("", "")
   design = (f"identical batches and weights ({where}), gradient of the recipe's forward with each "
             "backward; {what}; {a} - {b}, paired by batch")
   out = []
