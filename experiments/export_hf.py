@@ -30,7 +30,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported: host-on
 
 import json  # noqa: E402
 import shutil  # noqa: E402
-import sys  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 import jax  # noqa: E402
@@ -44,7 +43,7 @@ from configs import base as base_config  # noqa: E402
 from lowrl import user_cache  # noqa: E402
 from lowrl.checkpoints import hf, hf_config, hf_quantized  # noqa: E402
 from lowrl.models import calibration, init, layout  # noqa: E402
-from lowrl.training import run_config  # noqa: E402
+from lowrl.training import cli, run_config  # noqa: E402
 from lowrl.training.setup import Setup, build  # noqa: E402
 from lowrl.training.trainer import Trainer  # noqa: E402
 from lowrl.training.checkpointing import verify_manifest  # noqa: E402
@@ -241,8 +240,7 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Write into a non-empty --out
 
 
 def _fail(msg: str) -> None:
-  print(f"export_hf: error: {msg}", file=sys.stderr)
-  sys.exit(2)
+  cli.exit_with_line(f"export_hf: error: {msg}", 2)
 
 
 def main(argv):

@@ -20,7 +20,8 @@ never rotates the last intact one away. A damaged checkpoint is moved (never del
 Asynchronous saves (`async_save=True`, the training loop's): `save` returns once orbax has the
 arrays on the host, and the files are written while training continues. The save is finalized
 (waited for, the rotation run) at the next `save`, `wait` or restore. A kill before orbax
-commits leaves only its tmp directory (never restorable, removed at the next start).
+commits leaves only its tmp directory (never restorable; the next run in the workdir removes it,
+`remove_unfinished`).
 """
 from __future__ import annotations
 
@@ -159,8 +160,10 @@ class Checkpointer:
     self.every = every
     self.max_to_keep = max_to_keep
     self.keep = frozenset(keep)
-    # Unfinished saves (orbax tmp dirs) found at start; orbax deletes them (they are never
-    # restorable), the caller may report them.
+    # Unfinished saves (orbax tmp dirs) found at start: never restorable. Only the directory's
+    # owner removes them (`remove_unfinished`): a reader (an export, a report) must not delete a
+    # live run's save in flight, and orbax's own clean-up runs on a background thread that a
+    # one-line exit would meet mid-way (a traceback at interpreter shutdown).
     self.unfinished = (sorted(d for d in os.listdir(self.directory) if _TMP_MARK in d)
                        if os.path.isdir(self.directory) else [])
     self.async_save = async_save
@@ -170,12 +173,24 @@ class Checkpointer:
     in_commit = async_save and jax.process_count() == 1
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None,  # rotation is ours (`_rotate`): only verified checkpoints count
-        save_interval_steps=every, cleanup_tmp_directories=True,
+        save_interval_steps=every, cleanup_tmp_directories=False,
         enable_async_checkpointing=async_save,
         async_options=(ocp.AsyncOptions(post_finalization_callback=self._manifest_before_commit)
                        if in_commit else None))
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=("state", "meta"))
+
+  def remove_unfinished(self) -> list[str]:
+    """Deletes the unfinished saves found at construction (`unfinished`) and returns their names.
+    Only for the directory's owner (the run holding the workdir's lock): nothing else writes
+    there, so no save found at the start can still be in flight."""
+    if distributed.is_primary():
+      for name in self.unfinished:
+        path = os.path.join(self.directory, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+          shutil.rmtree(path, ignore_errors=True)
+    _barrier("lowrl_remove_unfinished")
+    return self.unfinished
 
   def _manifest_before_commit(self) -> None:
     """orbax's post-finalization callback: the pending step's files are complete in its tmp

@@ -116,21 +116,25 @@ def _open_workdir(cfg: ml_collections.ConfigDict, setup: Setup, workdir: str, lo
   # Asynchronous: a save's files are written while the next steps train.
   ckpt = Checkpointer(os.path.join(workdir, CHECKPOINTS), every=setup.loop.checkpoint_every,
                       async_save=True, keep=setup.loop.keep_steps)
-  steps = ckpt.all_steps()
-  resuming = bool(steps)
-  if resuming and primary:  # damaged bookkeeping: one line, before anything is compiled
-    run_logs.check_resumable(workdir)
-  if ckpt.unfinished:
+  try:
+    steps = ckpt.all_steps()
+    resuming = bool(steps)
+    if resuming and primary:  # damaged bookkeeping: one line, before anything is compiled
+      run_logs.check_resumable(workdir)
+    if not resuming and primary and run_logs.has_logs(workdir):
+      dest = run_logs.move_aside(workdir)
+      log(f"[warn] {workdir} has logs of an earlier attempt but no finished checkpoint: they "
+          f"were moved to {dest}; starting from step 0.")
+    newest = read_meta(ckpt.step_dir(steps[-1])) if steps else None
+    changes = run_config.check_or_write(workdir, cfg, resuming=resuming,
+                                        allow_change=allow_config_change, write=primary,
+                                        checkpoint_fingerprint=(newest or {}).get(
+                                            "config_fingerprint"))
+  except BaseException:
+    ckpt.close()  # a refusal leaves no orbax thread behind (nor touches the unfinished saves)
+    raise
+  if ckpt.remove_unfinished():  # the lock is held: no save of a live run among them
     log(f"[checkpoint] removed unfinished saves {ckpt.unfinished} (never restorable)")
-  if not resuming and primary and run_logs.has_logs(workdir):
-    dest = run_logs.move_aside(workdir)
-    log(f"[warn] {workdir} has logs of an earlier attempt but no finished checkpoint: they were "
-        f"moved to {dest}; starting from step 0.")
-  newest = read_meta(ckpt.step_dir(steps[-1])) if steps else None
-  changes = run_config.check_or_write(workdir, cfg, resuming=resuming,
-                                      allow_change=allow_config_change, write=primary,
-                                      checkpoint_fingerprint=(newest or {}).get(
-                                          "config_fingerprint"))
   log("[config]\n" + setup.record.text)
   for c in changes:
     log(f"[config] changed since the last start (--allow_config_change): {c}")

@@ -5,6 +5,7 @@ counted."""
 import glob
 import os
 import shutil
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -104,13 +105,21 @@ def test_non_finite_state_is_never_checkpointed(tmp_path):
   assert ckpt.all_steps() == [2]
 
 
-def test_unfinished_saves_are_reported_and_not_counted(tmp_path):
+def test_unfinished_saves_are_reported_not_counted_and_removed_only_by_the_owner(tmp_path):
   directory = tmp_path / "c"
   _save(directory, [1, 2])
   os.makedirs(directory / "3.orbax-checkpoint-tmp-1234")
+  threads = set(threading.enumerate())
+  reader = Checkpointer(str(directory), every=1)  # e.g. an export next to a live run
+  # A reader leaves them (one may be a live run's save in flight), and starts no thread that
+  # would outlive it: orbax's own clean-up ran on one, which a quick exit met mid-way.
+  assert not [t for t in set(threading.enumerate()) - threads if not t.daemon]
+  assert reader.unfinished == ["3.orbax-checkpoint-tmp-1234"]
+  assert reader.all_steps() == [1, 2]
+  reader.close()
+  assert "3.orbax-checkpoint-tmp-1234" in os.listdir(directory)
   ckpt = Checkpointer(str(directory), every=1)
-  assert ckpt.unfinished == ["3.orbax-checkpoint-tmp-1234"]
-  assert ckpt.all_steps() == [1, 2]
+  assert ckpt.remove_unfinished() == ["3.orbax-checkpoint-tmp-1234"]
   ckpt.save(3, _tree(3), {"step": 3})
   assert ckpt.all_steps() == [2, 3] and sorted(os.listdir(directory)) == ["2", "3"]
 
