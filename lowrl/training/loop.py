@@ -133,8 +133,11 @@ def _open_workdir(cfg: ml_collections.ConfigDict, setup: Setup, workdir: str, lo
   except BaseException:
     ckpt.close()  # a refusal leaves no orbax thread behind (nor touches the unfinished saves)
     raise
-  if ckpt.remove_unfinished():  # the lock is held: no save of a live run among them
+  # The lock is held: nothing among these is a live run's write in progress.
+  if ckpt.remove_unfinished():
     log(f"[checkpoint] removed unfinished saves {ckpt.unfinished} (never restorable)")
+  if primary and (temps := run_logs.remove_temp_files(workdir)):
+    log(f"[workdir] removed temporary files of an interrupted write: {', '.join(temps)}")
   log("[config]\n" + setup.record.text)
   for c in changes:
     log(f"[config] changed since the last start (--allow_config_change): {c}")

@@ -120,6 +120,20 @@ def move_aside(workdir: str) -> str:
   return dest
 
 
+def remove_temp_files(workdir: str) -> list[str]:
+  """Deletes the `<file>.tmp` of the bookkeeping files (written as temp file + rename) that a
+  kill mid-write left; returns their names. Only for the run holding the workdir's lock, their
+  only writer."""
+  removed = []
+  for name in (METRICS, EVAL_START, SUMMARY, "config.json"):
+    try:
+      os.remove(os.path.join(workdir, name + ".tmp"))
+    except FileNotFoundError:
+      continue
+    removed.append(name + ".tmp")
+  return removed
+
+
 def write_json(workdir: str, name: str, obj: Any) -> None:
   """Writes `obj` atomically (temp file + rename): a kill leaves the old file or the new one."""
   path = os.path.join(workdir, name)

@@ -213,3 +213,28 @@ def test_a_temporary_publish_without_a_lock_is_removed_only_once_it_is_a_day_old
     os.utime(p, (old, old))
   assert base_store.remove_stale_publishes(str(tmp_path)) == [tmp.name]
   assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_a_real_base_of_another_step_count_swapped_in_is_not_reused(tmp_path):
+  """The issue's case with the loop's real bases: the entry of a 6-step base put under the 5-step
+  base's key (its own valid manifest). The 5-step run retrains its own base, not reusing it."""
+  import tiny  # noqa: PLC0415 - the loop's tiny config
+  from lowrl.training import loop  # noqa: PLC0415
+
+  store = str(tmp_path / "store")
+  five, six = tiny.loop_config("fp32", store, sft_steps=5), tiny.loop_config("fp32", store,
+                                                                             sft_steps=6)
+  own = loop.load_base(five, str(tmp_path), lambda _: None)
+  (key,) = os.listdir(store)
+  loop.load_base(six, str(tmp_path), lambda _: None)
+  (other,) = set(os.listdir(store)) - {key}
+  os.rename(os.path.join(store, key), str(tmp_path / "aside"))
+  os.rename(os.path.join(store, other), os.path.join(store, key))
+  logs: list[str] = []
+  again = loop.load_base(five, str(tmp_path), logs.append)
+  warns = [m for m in logs if m.startswith("[warn]")]
+  assert len(warns) == 1, logs
+  assert f"names base {other} (sft_steps 6), not {key} (sft_steps 5)" in warns[0]
+  assert not any("reusing" in m for m in logs) and any("saved base" in m for m in logs), logs
+  assert _equal(again, own)

@@ -154,9 +154,12 @@ def test_repeated_skipped_updates_stop_with_the_last_good_checkpoint(base_dir, t
                                                                      monkeypatch):
   """Updates 3.. report a skip (what the guard does on a non-finite update): the run stops after
   `max_skipped_steps` of them, naming checkpoint 2, which is intact. The workdir starts with an
-  earlier attempt's logs and only an unfinished checkpoint: they are moved aside, not rewritten."""
+  earlier attempt's logs and only an unfinished checkpoint: they are moved aside, not rewritten
+  (the unfinished save and a half-written temporary file are removed)."""
   workdir = str(tmp_path)
   os.makedirs(os.path.join(workdir, "checkpoints", "3.orbax-checkpoint-tmp-99"))
+  with open(os.path.join(workdir, "summary.json.tmp"), "w") as f:  # killed while writing it
+    f.write('{"eval_st')
   with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
     f.write('{"step": 1, "old": 1}\n')
   real_init = loop.Trainer.__init__
@@ -190,6 +193,8 @@ def test_repeated_skipped_updates_stop_with_the_last_good_checkpoint(base_dir, t
     assert f.read() == '{"step": 1, "old": 1}\n'
   assert not any("orbax-checkpoint-tmp" in d for d in os.listdir(os.path.join(workdir,
                                                                               "checkpoints")))
+  assert not os.path.exists(os.path.join(workdir, "summary.json.tmp"))
+  assert "[workdir] removed temporary files of an interrupted write: summary.json.tmp" in logs
 
 
 def test_reevaluate_on_request_adds_no_point(resumed_run, base_dir):

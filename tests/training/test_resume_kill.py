@@ -1,7 +1,9 @@
 """A training run interrupted from outside resumes to exactly the uninterrupted result: SIGKILL,
 SIGTERM (checkpoints the step, exits 75), SIGINT twice (exits at once, 130), a second process on
 the same workdir (refused in one line naming the holder), a disk that fills up mid-run (stops in
-one line keeping the intact checkpoints). Real processes, real signals, a real small filesystem."""
+one line keeping the intact checkpoints), a killed run's workdir missing a bookkeeping file
+(refused in one line, no traceback after it). Real processes, real signals, a real small
+filesystem."""
 import json
 import os
 import signal
@@ -31,11 +33,11 @@ FLAGS = [
 ]
 
 
-def _train(workdir: str, *extra: str) -> subprocess.Popen:
+def _train(workdir: str, *extra: str, stderr=subprocess.STDOUT) -> subprocess.Popen:
   env = multiprocess.child_env(1, PYTHONUNBUFFERED="1")
   return subprocess.Popen([sys.executable, "-m", "experiments.train", f"--workdir={workdir}",
                            *FLAGS, *extra], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+                          stderr=stderr, text=True)
 
 
 def _finish(proc: subprocess.Popen, status: int = 0) -> str:
@@ -165,3 +167,38 @@ def test_a_disk_that_fills_mid_run_stops_in_one_line_keeping_the_checkpoints(tmp
       os.remove(filler)
     _finish(_train(workdir, f"--config.sft.base_dir={base}"))
     _same_result(workdir, full)
+
+
+def _files(workdir: str) -> dict[str, bytes | None]:
+  """Every file (its bytes) and directory (None) under `workdir`, the lock file aside."""
+  out: dict[str, bytes | None] = {}
+  for root, dirs, files in os.walk(workdir):
+    for d in dirs:
+      out[os.path.relpath(os.path.join(root, d), workdir)] = None
+    for f in files:
+      if f != ".lowrl.lock":
+        with open(os.path.join(root, f), "rb") as fh:
+          out[os.path.relpath(os.path.join(root, f), workdir)] = fh.read()
+  return out
+
+
+@pytest.mark.slow
+def test_a_refused_resume_is_one_line_with_no_traceback_and_touches_nothing(tmp_path):
+  """A killed run's workdir without eval_start.json: the re-run's refusal is the only line on
+  stderr. Unfinished saves (the killed run's, and many more) are what orbax used to clean up on a
+  background thread that the exit met mid-way (`RuntimeError: cannot schedule new futures after
+  shutdown`, a traceback after the line, every time with this many); a refused run leaves them."""
+  workdir = str(tmp_path / "killed")
+  proc = _at_checkpoint_2(workdir)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate()
+  os.remove(os.path.join(workdir, "eval_start.json"))
+  for step in range(100, 400):
+    os.makedirs(os.path.join(workdir, "checkpoints", f"{step}.orbax-checkpoint-tmp", "state"))
+  before = _files(workdir)
+  refused = _train(workdir, stderr=subprocess.PIPE)
+  _, err = refused.communicate(timeout=600)
+  assert refused.returncode == 2, err[-3000:]
+  lines = err.splitlines()
+  assert len(lines) == 1 and lines[0].startswith(f"error: {workdir}/eval_start.json "), err[-3000:]
+  assert _files(workdir) == before
