@@ -350,10 +350,8 @@ def run_grid(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print,
 
   try:
     lowrl_grid.run(jobs, os.path.join(workdir, RESULTS), work, log=log, tag="ablate")
-  except ValueError as e:
-    if "another config" in str(e) or "not JSON" in str(e):
-      raise run_config.ConfigError(str(e)) from None
-    raise
+  except lowrl_grid.ResultsFileError as e:
+    raise run_config.ConfigError(str(e)) from None
   results = read_results(workdir)
   log(f"[ablate] done: {len(results)} runs, {sum(r['wall_s'] for r in results):.0f}s of runs "
       f"in all; report: python -m experiments.report --workdir={workdir}")
@@ -362,19 +360,18 @@ def run_grid(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print,
 
 def grid_main(flags, argv, fn: Callable[[ml_collections.ConfigDict, str, Log], Any]) -> None:
   """The body of a grid binary's main: the config of `flags` (configs/ablate.py by default),
-  `fn(cfg, workdir, log)`, a ConfigError as a one-line exit."""
+  `fn(cfg, workdir, log)`; a config or workdir error, a run's failure or a preemption ends in one
+  line and the status experiments/train.py gives it (lowrl.training.exits)."""
   from absl import logging  # noqa: PLC0415 - binaries only
 
-  from lowrl.training import cli, schema  # noqa: PLC0415
+  from lowrl.training import exits, schema  # noqa: PLC0415
 
   cfg = flags.start(argv, schema.TRAIN.docs("run."))
   if cfg is None:
     return
   logging.set_verbosity(logging.WARNING)
-  try:
+  with exits.one_line_exits():
     fn(cfg, flags.workdir.value, lambda s: print(s, flush=True))
-  except run_config.ConfigError as e:
-    cli.fail(str(e))
 
 
 def main(argv):

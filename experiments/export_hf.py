@@ -43,7 +43,7 @@ from configs import base as base_config  # noqa: E402
 from lowrl import user_cache  # noqa: E402
 from lowrl.checkpoints import hf, hf_config, hf_quantized  # noqa: E402
 from lowrl.models import calibration, init, layout  # noqa: E402
-from lowrl.training import cli, run_config  # noqa: E402
+from lowrl.training import exits, run_config  # noqa: E402
 from lowrl.training.setup import Setup, build  # noqa: E402
 from lowrl.training.trainer import Trainer  # noqa: E402
 from lowrl.training.checkpointing import verify_manifest  # noqa: E402
@@ -240,7 +240,7 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Write into a non-empty --out
 
 
 def _fail(msg: str) -> None:
-  cli.exit_with_line(f"export_hf: error: {msg}", 2)
+  exits.exit_with_line(f"export_hf: error: {msg}", exits.USAGE)
 
 
 def main(argv):

@@ -31,7 +31,7 @@ from absl import app
 from lowrl.analysis import stats
 from lowrl.tasks import success
 from lowrl.asyncrl import simulator
-from lowrl.training import cli, run_config
+from lowrl.training import cli, exits, run_config
 
 Log = Callable[[str], None]
 ARMS = ("no_kl", "fixed", "reset")
@@ -261,7 +261,8 @@ def _saved_arms(cfg: ml_collections.ConfigDict, workdir: str, *, fingerprint: st
   with open(path) as f:
     saved = json.load(f)
   if saved["fingerprint"] != (fingerprint or _fingerprint(cfg)):
-    raise ValueError(f"{path} holds another config's runs; use a fresh --workdir or delete it.")
+    raise run_config.ConfigError(f"{path} holds another config's runs; use a fresh --workdir or "
+                                 "delete it.")
   arms = saved["arms"]
   for arm in ARMS:
     arms[arm] = {"counts": np.array(arms[arm]["counts"]), "kl_ref": np.array(arms[arm]["kl_ref"]),
@@ -285,21 +286,22 @@ def _pooled_arms(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
   """The arms of another workdir of this experiment: the same config but its seeds."""
   path = os.path.join(workdir, RESULTS)
   if not os.path.exists(path):
-    raise ValueError(f"--config.pool_workdirs: {path} does not exist; run the experiment there "
-                     "first (same config, other seeds).")
+    raise run_config.ConfigError(f"--config.pool_workdirs: {path} does not exist; run the "
+                                 "experiment there first (same config, other seeds).")
   with open(path) as f:
     other = ml_collections.ConfigDict(json.load(f)["config"])
   if _fingerprint(other, "seeds") != _fingerprint(cfg, "seeds"):
-    raise ValueError(f"--config.pool_workdirs: {workdir} ran another config (not only other "
-                     "seeds); pool only runs of this config.")
+    raise run_config.ConfigError(f"--config.pool_workdirs: {workdir} ran another config (not "
+                                 "only other seeds); pool only runs of this config.")
   return _saved_arms(other, workdir)
 
 
 def _pool(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
   """Two sets of runs of one config with disjoint seeds, as one (seed order: a's, then b's)."""
   if set(a["seeds"]) & set(b["seeds"]):
-    raise ValueError(f"--config.pool_workdirs: seeds {sorted(set(a['seeds']) & set(b['seeds']))} "
-                     "ran twice; pool runs of disjoint seeds.")
+    twice = sorted(set(a["seeds"]) & set(b["seeds"]))
+    raise run_config.ConfigError(f"--config.pool_workdirs: seeds {twice} ran twice; pool runs of "
+                                 "disjoint seeds.")
   out = {"seeds": a["seeds"] + b["seeds"], "points": a["points"],
          "timing": a["timing"] + b["timing"]}
   for arm in ARMS:
@@ -354,7 +356,8 @@ def main(argv):
     check(cfg)
   except ValueError as e:
     cli.fail(str(e))
-  run(cfg, _FLAGS.workdir.value, log=lambda s: print(s, flush=True))
+  with exits.one_line_exits():  # e.g. a results.jsonl of another config: one line
+    run(cfg, _FLAGS.workdir.value, log=lambda s: print(s, flush=True))
 
 
 if __name__ == "__main__":

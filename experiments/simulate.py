@@ -15,7 +15,7 @@ A config error is one line on stderr and exit status 2.
 from absl import app, flags
 
 from lowrl.asyncrl import simulator, sweep
-from lowrl.training import cli
+from lowrl.training import cli, exits, run_config
 
 _FLAGS = cli.define_run_flags("simulate.py", "/tmp/lowrl_sim",
                                "Sweep directory (runs, results).")
@@ -28,10 +28,16 @@ def main(argv):
   if cfg is None:
     return
   log = lambda s: print(s, flush=True)  # noqa: E731
-  if _REPORT_ONLY.value:
-    sweep.write_report(cfg, _FLAGS.workdir.value, log=log)
-  else:
-    sweep.run_sweep(cfg, _FLAGS.workdir.value, log=log)
+  # A bad grid or a results.jsonl of another config is one line (lowrl.training.exits).
+  with exits.one_line_exits():
+    try:
+      sweep.expand_grid(cfg)  # every setting checked, before anything compiles
+    except ValueError as e:
+      raise run_config.ConfigError(str(e)) from None
+    if _REPORT_ONLY.value:
+      sweep.write_report(cfg, _FLAGS.workdir.value, log=log)
+    else:
+      sweep.run_sweep(cfg, _FLAGS.workdir.value, log=log)
 
 
 def run_main():

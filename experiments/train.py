@@ -24,15 +24,10 @@ Several processes (one per host, or per GPU): run the same command on each, with
 and a --workdir every process can reach. The mesh (--config.mesh.shape/axes/rules) spans all
 processes' devices; see docs/sharding.md.
 """
-import os
-import sys
-
 from absl import app, flags, logging
 
 from lowrl import distributed
-from lowrl.training import cli, disk, loop, preemption, run_config, schema
-from lowrl.training.checkpointing import CheckpointError
-from lowrl.training.run_logs import WorkdirError
+from lowrl.training import cli, exits, loop, schema
 
 _FLAGS = cli.define_run_flags("default.py", "/tmp/lowrl_run",
                                "Run directory (checkpoints, logs).")
@@ -65,27 +60,11 @@ def main(argv):
       _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, auto=_DISTRIBUTED.value,
       local_device_ids=None if _LOCAL_DEVICES.value is None else
       [int(i) for i in _LOCAL_DEVICES.value])
-  # The run drops background threads' reports of a full disk (it says so once); they are dropped
-  # here too until the process exits: a failed save's writes still in flight end after the run.
-  with disk.one_line_when_full():
-    try:
-      loop.run(cfg, _FLAGS.workdir.value, log=lambda s: print(s, flush=True),
-               allow_config_change=_ALLOW_CHANGE.value, reevaluate=_REEVALUATE.value)
-    except (run_config.ConfigError, WorkdirError) as e:  # raised before any compile
-      cli.fail(str(e))
-    except preemption.Preempted as e:
-      _exit(f"[signal] {e}", preemption.EXIT_PREEMPTED)
-    except (CheckpointError, loop.NonFiniteError, disk.DiskFullError) as e:
-      _exit(f"error: {e}", 1)
-
-
-def _exit(line: str, status: int) -> None:
-  """Prints `line` and exits at once: orbax's and TensorBoard's background threads are done
-  (the loop waited for them), and an interpreter shutdown with them still registered prints
-  tracebacks of its own (e.g. a full disk's, ending in `sys.meta_path is None`)."""
-  print(line, file=sys.stderr, flush=True)
-  sys.stdout.flush()
-  os._exit(status)
+  # Each expected failure is one line and its exit status (lowrl.training.exits); background
+  # threads' reports of a full disk are dropped until the process exits.
+  with exits.one_line_exits():
+    loop.run(cfg, _FLAGS.workdir.value, log=lambda s: print(s, flush=True),
+             allow_config_change=_ALLOW_CHANGE.value, reevaluate=_REEVALUATE.value)
 
 
 def run_main():

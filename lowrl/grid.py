@@ -21,6 +21,11 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 Log = Callable[[str], None]
 
 
+class ResultsFileError(ValueError):
+  """The results file cannot be used as it is (a line not JSON, a line of another config); the
+  message names the file and the fix. A binary reports it in one line."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Job:
   """One point of a grid: `key` names its line, `fingerprint` its config; `payload` is whatever
@@ -57,8 +62,8 @@ def read_results(path: str) -> list[dict[str, Any]]:
       try:
         out.append(json.loads(line))
       except json.JSONDecodeError as e:
-        raise ValueError(f"{path} line {i} is not JSON ({e.msg}); repair or delete that line "
-                         "(its job then runs again).") from None
+        raise ResultsFileError(f"{path} line {i} is not JSON ({e.msg}); repair or delete that "
+                               "line (its job then runs again).") from None
   return out
 
 
@@ -75,8 +80,8 @@ _AFRESH = "use a new workdir or delete that file to start afresh."
 
 def check_done(jobs: Sequence[Job], done: Mapping[tuple, Mapping[str, Any]], path: str, *,
                fix: str = _AFRESH) -> None:
-  """Raises ValueError when two jobs share a key, or a finished line's fingerprint is not its
-  job's (before anything runs); `fix` ends the latter's message."""
+  """Raises ValueError when two jobs share a key, ResultsFileError when a finished line's
+  fingerprint is not its job's (before anything runs); `fix` ends the latter's message."""
   seen = set()
   for j in jobs:
     if j.key in seen:
@@ -84,7 +89,7 @@ def check_done(jobs: Sequence[Job], done: Mapping[tuple, Mapping[str, Any]], pat
     seen.add(j.key)
     prev = done.get(j.key)
     if prev is not None and prev.get("fingerprint") != j.fingerprint:
-      raise ValueError(f"{path} holds {j.label} from another config (fingerprint "
+      raise ResultsFileError(f"{path} holds {j.label} from another config (fingerprint "
                        f"{prev.get('fingerprint')} != {j.fingerprint}); {fix}")
 
 

@@ -270,7 +270,8 @@ def write_report(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print)
   done = lowrl_grid.finished(_jobs(settings), os.path.join(workdir, "results.jsonl"),
                              fix="pass the config the sweep ran with.")
   if not done:
-    raise ValueError(f"{workdir}/results.jsonl holds no setting of this config yet.")
+    raise lowrl_grid.ResultsFileError(f"{workdir}/results.jsonl holds no setting of this config "
+                                      "yet; run the sweep first (without --report_only).")
   return _write_rows(settings, {r["name"]: r for r in done.values()}, workdir, log)
 
 

@@ -13,13 +13,12 @@ import importlib.util
 import os
 import sys
 import textwrap
-import threading
 from typing import Any, Callable, NoReturn, Sequence
 
 from absl import flags
 
 from lowrl import precision, user_cache
-from lowrl.training import run_config
+from lowrl.training import exits, run_config
 
 
 HELP_ARGS = ("--help", "-h", "-?", "--helpshort")
@@ -49,34 +48,9 @@ def _help_requested(argv: Sequence[str]) -> str | None:
 
 
 def fail(message: str) -> NoReturn:
-  """Prints `error: message` (one line) and exits with status 2 (a usage error)."""
-  exit_with_line(f"error: {' '.join(message.split())}", 2)
-
-
-def exit_with_line(line: str, status: int) -> NoReturn:
-  """Prints `line` on stderr and exits with `status` once the background threads are done.
-
-  The interpreter joins live (non-daemon) threads only after its exit hooks ran, which shut the
-  thread pools down: a library thread still working then (orbax's clean-up or save threads,
-  an executor's writer) fails with `cannot schedule new futures after interpreter shutdown` and
-  prints a traceback after the line. They are joined here first, while they can still finish.
-  """
-  print(line, file=sys.stderr, flush=True)
-  sys.stdout.flush()
-  join_background_threads()
-  sys.exit(status)
-
-
-def join_background_threads() -> None:
-  """Waits for every live non-daemon thread but the caller's (what the interpreter's exit would
-  wait for anyway, but before its exit hooks shut the thread pools down)."""
-  skip = {threading.current_thread(), threading.main_thread()}
-  while True:
-    live = [t for t in threading.enumerate() if t not in skip and not t.daemon and t.is_alive()]
-    if not live:
-      return
-    for t in live:  # a thread may start another before it ends
-      t.join()
+  """Prints `error: message` (one line) and exits with status 2 (a usage error), once the
+  background threads are done (`exits.exit_with_line`: nothing prints after the line)."""
+  exits.exit_with_line(exits.error_line(message), exits.USAGE)
 
 
 def innermost(e: BaseException) -> BaseException:
