@@ -253,8 +253,12 @@ def main(argv):
   if _PART.value:
     run_child(_PART.value, sizes[0], _PART_OUT.value, repeats=_REPEATS.value, iters=_ITERS.value)
     return 0
-  budgets = parse_budgets(_BUDGETS.value)
-  check_flags(sizes, parts, _TOTAL.value, _REPEATS.value, _ITERS.value)
+  try:
+    budgets = parse_budgets(_BUDGETS.value)
+    check_flags(sizes, parts, _TOTAL.value, _REPEATS.value, _ITERS.value)
+  except ValueError as e:  # a bad flag: one line (nothing runs yet, no thread to wait for)
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    return 2
   if _DRY_RUN.value:
     print(dry_run(sizes, parts, budgets, _TOTAL.value))
     return 0

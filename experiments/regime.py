@@ -31,7 +31,7 @@ import numpy as np
 
 from experiments import ablate, paired
 from lowrl.tasks.batching import encode_sft
-from lowrl.training import loop, optimizer, outliers, run_logs
+from lowrl.training import loop, optimizer, outliers, run_config, run_logs
 from lowrl.training.setup import build
 from lowrl.training.trainer import Trainer
 
@@ -177,8 +177,8 @@ def estimate(cfg: ml_collections.ConfigDict, timing: dict[str, Any]) -> dict[str
 def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print) -> dict[str, Any]:
   """The probe of the grid config `cfg` in `workdir`; writes and returns regime.json."""
   if "timing" not in cfg:
-    raise ValueError("the config has no `timing` section: use --config=configs/ablate_regime.py "
-                     "(or add one like it).")
+    raise run_config.ConfigError("the config has no `timing` section: use "
+                                 "--config=configs/ablate_regime.py (or add one like it).")
   ablate.validate(cfg)  # every setting builds, before anything runs
   os.makedirs(workdir, exist_ok=True)
   timing = time_settings(cfg, workdir, log)

@@ -26,8 +26,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from experiments import ablate, paired as paired_exp, regime
+from lowrl import grid as lowrl_grid
 from lowrl.analysis import stats
-from lowrl.training import run_logs
+from lowrl.training import exits, run_config, run_logs
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD_UP = ("nvfp4_naive", "+per_token", "+4/6", "+bf16_tail", "nvfp4_recipe")
@@ -770,8 +771,8 @@ class Grid:
   def load(cls, workdir: str) -> "Grid":
     results = ablate.read_results(workdir)
     if not results:
-      raise ValueError(f"{workdir}/{ablate.RESULTS} has no results; run experiments.ablate "
-                       "first.")
+      raise lowrl_grid.ResultsFileError(f"{workdir}/{ablate.RESULTS} has no results; run "
+                                        "experiments.ablate first.")
     meta_path = os.path.join(workdir, ablate.GRID)
     meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
     return cls(workdir, grid_label(meta), meta, results, aggregate(results),
@@ -818,7 +819,8 @@ def write_report(workdirs: str | Sequence[str], out_md: str) -> str:
   grids = [Grid.load(w) for w in ([workdirs] if isinstance(workdirs, str) else workdirs)]
   labels = [g.label for g in grids]
   if len(set(labels)) != len(labels):
-    raise ValueError(f"two workdirs of the same grid config ({labels}); give each grid once.")
+    raise run_config.ConfigError(f"two workdirs of the same grid config ({labels}); give each "
+                                 "grid once.")
   os.makedirs(os.path.dirname(os.path.abspath(out_md)), exist_ok=True)
   many = len(grids) > 1
   claims = [dataclasses.replace(c, name=f"{g.label}/{c.name}", statement=f"[{g.label}] "
@@ -858,7 +860,8 @@ def write_report(workdirs: str | Sequence[str], out_md: str) -> str:
 
 def main(argv):
   del argv
-  write_report(_WORKDIR.value, _OUT.value)
+  with exits.one_line_exits():  # a missing or damaged results.jsonl: one line
+    write_report(_WORKDIR.value, _OUT.value)
   print(f"[report] wrote {_OUT.value}")
 
 

@@ -109,7 +109,8 @@ def _open_workdir(cfg: ml_collections.ConfigDict, setup: Setup, workdir: str, lo
   """The run's checkpointer and whether it resumes; checks (or writes) the workdir's copy of the
   config `cfg` (run_config.check_or_write).
 
-  An earlier attempt's logs without a checkpoint to resume from are moved aside.
+  An earlier attempt's logs without a checkpoint to resume from are moved aside. Once every check
+  passed (a refusal touches nothing), a killed run's unfinished saves and temporary files go.
   """
   primary = distributed.is_primary()
   os.makedirs(workdir, exist_ok=True)
