@@ -3,12 +3,14 @@ records a part past its budget instead of failing."""
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 
 from experiments import gpu_check
 from experiments.gpu_check_parts import SHAPES
-from multiprocess import child_env
+from multiprocess import REPO, child_env
 
 # The parts' processes: one CPU device, the tests' compile flags (and their compilation cache,
 # through the inherited JAX_* variables).
@@ -111,3 +113,8 @@ def test_bad_flags_are_one_line_errors():
     gpu_check.check_flags(["qwen3_70b"], ["init"], 10, 1, 1)
   with pytest.raises(ValueError, match="--repeats=0"):
     gpu_check.check_flags(["tiny"], ["init"], 10, 0, 1)
+  # The binary: the line alone on stderr, status 2 (it was a traceback).
+  out = subprocess.run([sys.executable, "-m", "experiments.gpu_check", "--repeats=0",
+                        "--dry_run"], cwd=REPO, env=ENV, capture_output=True, text=True,
+                       timeout=300)
+  assert out.returncode == 2 and out.stderr == "error: --repeats=0 and --iters=2 must be >= 1.\n"

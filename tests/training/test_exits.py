@@ -59,3 +59,25 @@ def test_a_stop_or_a_mid_run_failure_leaves_at_once_in_one_line(case, status, li
 def test_anything_else_is_a_bug_and_keeps_its_traceback():
   out = _run("bug")
   assert out.returncode == 1 and "Traceback" in out.stderr and "KeyError" in out.stderr
+
+
+@pytest.mark.parametrize("args, line", [
+    (["experiments.simulate", "--workdir={w}", "--config.seeds=(1,1)"],
+     "error: config.seeds=(1, 1) must be distinct ints, at least one."),
+    (["experiments.simulate", "--workdir={w}", "--report_only"],
+     "error: {w}/results.jsonl holds no setting of this config yet; run the sweep first"),
+    (["experiments.report", "--workdir={w}", "--out={w}/r.md"],
+     "error: {w}/results.jsonl line 1 is not JSON (Expecting value); repair or delete that line"),
+])
+def test_binaries_report_a_bad_grid_or_results_file_in_one_line(tmp_path, args, line):
+  """Errors that were tracebacks: a bad sweep grid, a report of a sweep that has not run, a
+  damaged results file."""
+  w = str(tmp_path)
+  if args[0] == "experiments.report":
+    (tmp_path / "results.jsonl").write_text("garbage\n")
+  out = subprocess.run([sys.executable, "-m", *(a.format(w=w) for a in args)],
+                       cwd=multiprocess.REPO, env=multiprocess.child_env(1), capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 2, out.stderr[-3000:]
+  lines = out.stderr.splitlines()
+  assert len(lines) == 1 and lines[0].startswith(line.format(w=w)), out.stderr[-3000:]
