@@ -135,11 +135,13 @@ def test_evaluation_samples_on_the_rollouts_decode_program():
   c = tiny.loop_config("nvfp4_recipe")
   c.mesh.rules = ()
   c.model.n_layers = 1
+  c.precision.bf16_last_fraction = 0  # (else the one layer is the recipe's BF16 tail)
   c.rl.update(dict(num_prompts=2, group_size=4, max_new_tokens=2))
   c.eval_num_prompts, c.eval_samples = 8, 2  # 16 rows: two chunks of the rollout's 8
   trainer = Trainer(build(c))
   s = trainer.setup
   params = init.init_params(s.model_cfg, jax.random.key(0))
+  assert weights.is_packed(trainer.refit.pack(params))  # NVFP4 kernels: another program
   trainer.rollout(params, params, 0, jax.random.key(1), stale=False, sampler_version=0)
   program = _decode_program(s.model_cfg, weights.prequantized_policy(
       s.sampler_policy, s.model_cfg), s.sampling, s.plan)
