@@ -3,6 +3,7 @@ r"""Repeat runs of the main job: a first run against a repeat run with the cache
   python -m experiments.bench_repeat_run                      # 1 pair of default runs
   python -m experiments.bench_repeat_run --pairs=3 --out=/tmp/repeat.json
   python -m experiments.bench_repeat_run --train_flags=--config.rl.steps=10
+  python -m experiments.bench_repeat_run --table=/tmp/repeat.json   # its tables again, no runs
 
 Each pair, in fresh directories under --root:
   first   `python -m experiments.train` in a fresh workdir with an empty compilation cache
@@ -15,7 +16,8 @@ sides alike. Each run is a subprocess of this one; within it, JAX's compile even
 lowering, XLA compilation or a persistent-cache load) are summed, so "compile" is every second
 spent producing executables. Reported: both wall times (the subprocess from start to exit,
 imports included), repeat / first per pair with the median and range, compilation's share of each
-run, the 1-minute load average around each run, and whether the two runs' metrics.jsonl and final
+run and of each program (by the jitted function's name, the first run's longest --top), the
+1-minute load average around each run, and whether the two runs' metrics.jsonl and final
 evaluation are identical (they must be: see lowrl.user_cache and lowrl.training.base_store).
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ _CHILD = "--_child_report"
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                    "/jax/core/compile/jaxpr_to_mlir_module_duration",
                    "/jax/core/compile/backend_compile_duration")
+_STAGE = dict(zip(_COMPILE_EVENTS, ("trace", "lower", "xla")))
 
 
 def _child(report: str, argv: list[str]) -> None:
@@ -41,17 +44,23 @@ def _child(report: str, argv: list[str]) -> None:
 
   totals = {e: 0.0 for e in _COMPILE_EVENTS}
   counts = {e: 0 for e in _COMPILE_EVENTS}
+  # Per program (the jitted function's name): seconds of each compile stage, and the count.
+  programs: dict[str, dict[str, float]] = {}
 
-  def listen(event: str, duration: float, **_):
+  def listen(event: str, duration: float, fun_name: str = "?", **_):
     if event in totals:
       totals[event] += duration
       counts[event] += 1
+      row = programs.setdefault(str(fun_name), {"trace": 0.0, "lower": 0.0, "xla": 0.0, "n": 0})
+      row[_STAGE[event]] += duration
+      row["n"] += event == _COMPILE_EVENTS[0]
 
   monitoring.register_event_duration_secs_listener(listen)
 
   def write():
     with open(report, "w") as f:
-      json.dump({"compile_s": sum(totals.values()), "seconds": totals, "counts": counts}, f)
+      json.dump({"compile_s": sum(totals.values()), "seconds": totals, "counts": counts,
+                 "programs": programs}, f)
 
   atexit.register(write)
   sys.argv = ["experiments.train", *argv]
@@ -83,6 +92,53 @@ def _run(workdir: str, cache: str, store: str, train_flags: list[str]) -> dict:
           "eval_end": summary["eval_end"], "reused_base": "[sft] reusing base" in proc.stdout}
 
 
+def _by_program(programs: dict) -> dict:
+  """The child's rows merged by program: JAX names the tracing event by the function ("step")
+  and lowering and compilation by the jit ("jit(step)")."""
+  out: dict[str, dict[str, float]] = {}
+  for name, row in programs.items():
+    name = name[4:-1] if name.startswith("jit(") and name.endswith(")") else name
+    merged = out.setdefault(name, {"trace": 0.0, "lower": 0.0, "xla": 0.0, "n": 0})
+    for k in merged:
+      merged[k] += row.get(k, 0)
+  return out
+
+
+def program_table(row: dict, top: int = 12) -> list[str]:
+  """Lines of a table for one pair (a row of --out): the `top` programs by the first run's
+  compile seconds (tracing + lowering + XLA compilation or a cache load, summed over the
+  program's compiles), each as seconds, count of compiles and share of its run's wall time,
+  first and repeat run side by side; then the rest and the total."""
+  runs = {"first": (_by_program(row["first_compile_parts"]["programs"]), row["first_s"]),
+          "repeat": (_by_program(row["repeat_compile_parts"]["programs"]), row["repeat_s"])}
+
+  def parts(run, name):
+    p = runs[run][0].get(name, {})
+    return sum(p.get(k, 0.0) for k in ("trace", "lower", "xla")), int(p.get("n", 0))
+
+  names = sorted(set(runs["first"][0]) | set(runs["repeat"][0]),
+                 key=lambda n: -parts("first", n)[0])
+  wf, wr = runs["first"][1], runs["repeat"][1]
+
+  def line(label, a, na, b, nb):
+    return f"{label[:44]:<44} {a:8.1f} {a / wf:6.1%} {na:3d} {b:9.1f} {b / wr:6.1%} {nb:3d}"
+
+  lines = [f"{'program':<44} {'first s':>8} {'share':>6} {'n':>3} {'repeat s':>9} {'share':>6} "
+           f"{'n':>3}"]
+  rest, total = [0.0, 0, 0.0, 0], [0.0, 0, 0.0, 0]
+  for i, name in enumerate(names):
+    vals = [*parts("first", name), *parts("repeat", name)]
+    total = [t + v for t, v in zip(total, vals)]
+    if i < top:
+      lines.append(line(name, *vals))
+    else:
+      rest = [r + v for r, v in zip(rest, vals)]
+  lines.append(line(f"({max(len(names) - top, 0)} others)", *rest))
+  lines.append(line("all compilation", *total))
+  lines.append(f"{'wall':<44} {wf:8.1f} {'':>6} {'':>3} {wr:9.1f}")
+  return lines
+
+
 def _median(xs: list[float]) -> float:
   s = sorted(xs)
   n = len(s)
@@ -91,6 +147,13 @@ def _median(xs: list[float]) -> float:
 
 def main(argv):
   del argv
+  if _TABLE.value:  # the tables of an earlier run's --out file, nothing run
+    with open(_TABLE.value) as f:
+      saved = json.load(f)
+    for row in saved["pairs"]:
+      print(f"[pair {row['pair']}] load {row['load_first']} (first), {row['load_repeat']} (repeat)")
+      print("\n".join(program_table(row, _TOP.value)))
+    return
   root = _ROOT.value or tempfile.mkdtemp(prefix="lowrl_repeat_")
   rows = []
   for i in range(_PAIRS.value):
@@ -118,6 +181,7 @@ def main(argv):
           f"{repeat['load'][1]:.1f}): repeat/first {row['ratio']:.2f}; base reused "
           f"{row['repeat_reused_base']}, metrics.jsonl identical {row['metrics_identical']}, "
           f"final eval identical {row['eval_end_identical']}", flush=True)
+    print("\n".join(program_table(row, _TOP.value)), flush=True)
   ratios = [r["ratio"] for r in rows]
   shares = [r["repeat_compile_share"] for r in rows]
   print(f"repeat/first: median {_median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f}, "
@@ -143,6 +207,10 @@ if __name__ == "__main__":
     _PAIRS = flags.DEFINE_integer("pairs", 1, "Pairs of (first, repeat) runs, one after the other.")
     _ROOT = flags.DEFINE_string("root", "", "Directory for the runs (default: a new temp dir).")
     _KEEP = flags.DEFINE_bool("keep", False, "Keep the runs' directories.")
+    _TABLE = flags.DEFINE_string("table", "", "Print the per-program compile tables of this "
+                                 "--out file of an earlier run instead of running.")
+    _TOP = flags.DEFINE_integer("top", 12, "Programs listed by name in each pair's compile table "
+                                "(the first run's longest compiles; the rest summed).")
     _OUT = flags.DEFINE_string("out", "", "Optional JSON file for the per-pair results.")
     _TRAIN_FLAGS = flags.DEFINE_list("train_flags", [], "Extra flags of both training runs "
                                      "(comma-separated), e.g. --config.rl.steps=10.")

@@ -11,7 +11,8 @@ default (TF32 / BF16-pass) dots those tolerances would not hold.
 import os
 import pathlib
 
-import multiprocess  # noqa: E402  (tests/ is on the path: pyproject's pythonpath)
+import file_durations  # noqa: E402  (tests/ is on the path: pyproject's pythonpath)
+import multiprocess  # noqa: E402
 import run_count  # noqa: E402
 
 for _flag in multiprocess.xla_flags(8).split():
@@ -74,55 +75,10 @@ settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
-# Test files that compile many or large programs, heaviest first: seconds of each file's tests
-# (setup + call + teardown) in a fresh-clone run with `--durations=0` (2 workers on 2 cores, at
-# load ~11 from other jobs: every value divided by 2.7, that run's total over an idle run's; only
-# the order matters). pytest-xdist hands whole files to workers in collection order (`--dist
-# loadfile --no-loadscope-reorder` in pyproject.toml); starting the longest files first keeps a
-# 3-minute file from being handed out last, which otherwise leaves one worker running it alone at
-# the end. A file missing here (under 10 s) runs after these, in its usual order.
-_FILE_SECONDS = {
-    "tests/asyncrl/test_simulator.py": 242,
-    "tests/test_sharding.py": 123,
-    "tests/experiments/test_paired.py": 115,
-    "tests/sampling/test_act_scales.py": 104,
-    "tests/experiments/test_ablate.py": 103,
-    "tests/sampling/test_sampler.py": 97,
-    "tests/experiments/test_gpu_check.py": 84,
-    "tests/test_distributed.py": 80,
-    "tests/training/test_hf_moe_loop.py": 74,
-    "tests/test_partitioner.py": 71,
-    "tests/training/test_async_loop.py": 59,
-    "tests/models/test_transformer.py": 59,
-    "tests/experiments/test_export_hf.py": 57,
-    "tests/training/test_training.py": 54,
-    "tests/training/test_storage.py": 53,
-    "tests/training/test_hf_loop.py": 53,
-    "tests/quant/test_exact.py": 52,
-    "tests/quant/test_qdot.py": 43,
-    "tests/sampling/test_refit.py": 40,
-    "tests/quant/test_quant.py": 37,
-    "tests/models/test_moe.py": 36,
-    "tests/training/test_resume_kill.py": 33,
-    "tests/sampling/test_kv_cache_sampler.py": 31,
-    "tests/training/test_rl_update.py": 21,
-    "tests/quant/test_nvfp4.py": 20,
-    "tests/rl/test_icepop_vcpo.py": 20,
-    "tests/models/test_logprobs.py": 19,
-    "tests/quant/test_te.py": 18,
-    "tests/checkpoints/test_hf.py": 17,
-    "tests/models/test_decoder.py": 17,
-    "tests/rl/test_losses.py": 15,
-    "tests/experiments/test_bench_gemm.py": 15,
-    "tests/quant/test_grouped_qdot.py": 14,
-    "tests/quant/test_rounding.py": 13,
-    "tests/quant/test_qdot_native.py": 13,
-    "tests/checkpoints/test_hf_quantized.py": 13,
-    "tests/rl/test_advantages.py": 11,
-    "tests/sampling/test_w4a16.py": 11,
-    "tests/training/test_repeat_run.py": 11,
-    "tests/models/test_kv_cache.py": 10,
-}
+# Test files longest first (tests/file_durations.py: the measured seconds per file in
+# tests/data/durations.json, and the command that regenerates it). A file the table lacks runs
+# after those it has, in its usual order.
+_FILE_SECONDS = file_durations.load()
 
 
 def pytest_collection_modifyitems(config, items):

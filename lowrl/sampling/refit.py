@@ -7,8 +7,9 @@ quantized KV cache's K/V scales, which `act_scales.calibration_paths` calibrates
 slot for calibration kept apart from them (`kv_scales`, None unless filled). The refit check
 (peer frameworks' most reported bug: stale scales after a weight update) compares every tensor
 the sampler holds with a fresh quantization and calibration of the trainer's weights, bit for
-bit, in one jitted program (the fresh quantization and the comparison run inside it; only one
-boolean per tensor leaves the device). A mismatch count of 0 is the expected value.
+bit: the fresh quantization and calibration run the programs a sync runs (compiled once for
+both), the comparison a small jitted program; only one boolean per tensor leaves the device.
+A mismatch count of 0 is the expected value.
 """
 from __future__ import annotations
 
@@ -92,14 +93,22 @@ def mismatches(held: RolloutWeights, fresh: RolloutWeights) -> jax.Array:
   return jnp.stack(flags) if flags else jnp.zeros((0,), bool)
 
 
+_jit_mismatches = jax.jit(mismatches)
+
+
 def make_refit_check(model_cfg: ModelConfig, policy: PrecisionPolicy,
                      calibrate: Callable[[Params], Any] | None = None
                      ) -> Callable[[RolloutWeights, Params], jax.Array]:
-  """A jitted `check(held, trainer_params) -> bool[n_tensors]` (`mismatches` of `held` against a
-  fresh quantization of `trainer_params`, and `calibrate(trainer_params)` for the activation
-  scales when `held` has them). `calibrate` must be traceable (the loop's calibration forward).
-  KV-cache calibration: a recipe that fills `held.kv_scales` passes a `calibrate` returning
-  (act_amax, kv_scales)."""
+  """`check(held, trainer_params) -> bool[n_tensors]` (`mismatches` of `held` against a fresh
+  quantization of `trainer_params`, and `calibrate(trainer_params)` for the activation scales
+  when `held` has them). KV-cache calibration: a recipe that fills `held.kv_scales` passes a
+  `calibrate` returning (act_amax, kv_scales).
+
+  The fresh side runs the quantization program of `weights.pack_params` and `calibrate` as they
+  are (a jitted `calibrate` is the sync's own calibration program), and the comparison is one
+  small jitted program: the check compiles no second copy of the quantizers or of the
+  calibration forward. Everything stays on the device until the flags.
+  """
 
   def check(held: RolloutWeights, params: Params) -> jax.Array:
     act, kv = None, None
@@ -109,9 +118,9 @@ def make_refit_check(model_cfg: ModelConfig, policy: PrecisionPolicy,
     fresh = RolloutWeights(quantize_for_sampler(params, model_cfg, policy),
                            act if held.act_amax is not None else None,
                            kv if held.kv_scales is not None else None)
-    return mismatches(held, fresh)
+    return _jit_mismatches(held, fresh)
 
-  return jax.jit(check)
+  return check
 
 
 class Refitter:
@@ -128,15 +137,20 @@ class Refitter:
     self.model_cfg, self.policy, self.check_every, self.log = model_cfg, policy, check_every, log
     self._act_amax = act_amax
     self._packable = packable(model_cfg, policy)
-    self._pack = jax.jit(lambda p: quantize_for_sampler(p, model_cfg, policy))
+    # Not a jit of its own: `pack_params`' program is the one the check's fresh side runs.
+    self._pack = lambda p: quantize_for_sampler(p, model_cfg, policy)
     self.check = make_refit_check(model_cfg, policy, calibrate=act_amax)
     self.version, self.held, self.syncs = None, None, 0
     self.last: float | None = None  # mismatching tensors found by the latest check
 
   def quantize(self, params: Params) -> RolloutWeights:
     """What a sync hands the sampler for `params` (the trainer's weights)."""
-    return RolloutWeights(self._pack(params) if self._packable else params,
-                          self._act_amax(params))
+    return RolloutWeights(self.pack(params), self._act_amax(params))
+
+  def pack(self, params: Params) -> Params:
+    """`RolloutWeights.weights` of `params`: the packed kernels (the trainer's tree when the
+    recipe cannot be packed)."""
+    return self._pack(params) if self._packable else params
 
   def __call__(self, params: Params, version: int | None
                ) -> tuple[RolloutWeights, dict[str, float]]:

@@ -193,8 +193,8 @@ class Trainer:
     k_greedy, k_sample = jax.random.split(key)
     qk = self.setup.trainer_policy.quant_key(key)
     act_amax = self.act_amax(params, self.setup.trainer_policy)
-    out = self.eval_sampler(params, jnp.asarray(tokens), jnp.asarray(mask), k_greedy,
-                            quant_key=qk, act_amax=act_amax)
+    out = self.eval_sampler(self._eval_weights(params), jnp.asarray(tokens), jnp.asarray(mask),
+                            k_greedy, quant_key=qk, act_amax=act_amax)
     greedy, _ = self.rewards(out, examples)
     sampled = np.concatenate([self.rewards(out, chunk)[0] for out, chunk in self._eval_samples(
         params, k_sample, quant_key=qk, act_amax=act_amax)])
@@ -217,10 +217,23 @@ class Trainer:
     examples = [e for e in examples for _ in range(n)]
     tokens, mask = np.repeat(tokens, n, 0), np.repeat(mask, n, 0)
     rows = self.setup.batch_size
+    params = self._eval_weights(params)
     return [(self.eval_sampler_t(params, jnp.asarray(tokens[i:i + rows]),
                                  jnp.asarray(mask[i:i + rows]), jax.random.fold_in(key, i // rows),
                                  quant_key=quant_key, act_amax=act_amax), examples[i:i + rows])
             for i in range(0, len(examples), rows)]
+
+  def _eval_weights(self, params):
+    """`params` as the rollout's sampler holds them when it shares the trainer's recipe (its
+    packed kernels: `Refitter.pack`), so evaluation's decode runs the rollout's compiled program
+    (the sampler's prequantized policy on the same shapes); else `params` themselves.
+
+    Exact either way: the packed kernels dequantize to the fake-quantized weights the decode
+    program would compute from `params` (lowrl.sampling.weights), bit for bit.
+    """
+    if self.setup.sampler_policy != self.setup.trainer_policy:
+      return params
+    return self.refit.pack(params)
 
   def _eval_prompts(self) -> tuple[list, np.ndarray, np.ndarray]:
     """The fixed held-out prompts (eval split, `eval_num_prompts`), left-padded, and their mask."""

@@ -124,3 +124,37 @@ def test_kv_cache_calibration_is_checked_with_the_activation_scales():
   assert not np.asarray(r.check(held, params)).any()
   stale = dict(held.act_amax, **{kv[0]: held.act_amax[kv[0]] * 2.0})
   assert np.asarray(r.check(held._replace(act_amax=stale), params)).sum() == 1
+
+
+def test_evaluation_samples_on_the_rollouts_decode_program():
+  """With the sampler's recipe equal to the trainer's, evaluation's sampled chunks (a rollout's
+  rows) run the rollout's compiled decode program on the packed weights, and sample what the
+  master weights sample, bit for bit; only the greedy evaluation adds a decode program."""
+  from lowrl.sampling import Sampler, weights
+  from lowrl.sampling.generate import _decode_program
+  c = tiny.loop_config("nvfp4_recipe")
+  c.mesh.rules = ()
+  c.model.n_layers = 1
+  c.precision.bf16_last_fraction = 0  # (else the one layer is the recipe's BF16 tail)
+  c.rl.update(dict(num_prompts=2, group_size=4, max_new_tokens=2))
+  c.eval_num_prompts, c.eval_samples = 8, 2  # 16 rows: two chunks of the rollout's 8
+  trainer = Trainer(build(c))
+  s = trainer.setup
+  params = init.init_params(s.model_cfg, jax.random.key(0))
+  assert weights.is_packed(trainer.refit.pack(params))  # NVFP4 kernels: another program
+  trainer.rollout(params, params, 0, jax.random.key(1), stale=False, sampler_version=0)
+  program = _decode_program(s.model_cfg, weights.prequantized_policy(
+      s.sampler_policy, s.model_cfg), s.sampling, s.plan)
+  compiled, programs = program._cache_size(), _decode_program.cache_info().misses
+  assert compiled == 1
+  trainer.evaluate(params, jax.random.key(2))
+  assert program._cache_size() == compiled  # no new executable for the sampled chunks
+  assert _decode_program.cache_info().misses == programs + 1  # the greedy one
+  key, qk = jax.random.key(3), s.trainer_policy.quant_key(jax.random.key(4))
+  out, _ = trainer._eval_samples(params, key, quant_key=qk, act_amax=None)[1]
+  _, tokens, mask = trainer._eval_prompts()
+  tokens, mask = np.repeat(tokens, 2, 0)[8:], np.repeat(mask, 2, 0)[8:]
+  ref = Sampler(s.model_cfg, s.trainer_policy, s.sampling, plan=s.plan)(
+      params, jnp.asarray(tokens), jnp.asarray(mask), jax.random.fold_in(key, 1), quant_key=qk)
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
