@@ -30,7 +30,8 @@ from lowrl.rl.kl import KL_ESTIMATORS
 from lowrl.rl.losses import AGGREGATIONS, LOSSES
 from lowrl.sampling import SamplingConfig
 from lowrl.training.knobs import (UNSET, AtLeast, Below, Check, Knob, OneOf, Schema,  # noqa: F401
-                                  Section, SectionCheck, flatten, knob, NON_NEGATIVE, POSITIVE)
+                                  Section, SectionCheck, as_flags, flatten, knob, NON_NEGATIVE,
+                                  POSITIVE)
 from lowrl.training.compute_cast import ROUNDINGS as COMPUTE_CAST_ROUNDINGS
 from lowrl.training.loss_scaling import check_loss_scale
 from lowrl.training.optimizer import MASTER_DTYPES, MASTER_ROUNDINGS, SCHEDULES
@@ -56,13 +57,13 @@ def _rl_update_check(prefix: str, rl: ml_collections.ConfigDict) -> None:
   try:  # max_len (the Dr.GRPO horizon) depends on the task: build() passes the real one
     update_config_from(rl, master_rounding="nearest", max_len=None)
   except ValueError as e:
-    raise ValueError(_under(prefix, e)) from None
+    raise ValueError(_under(prefix, rl, e)) from None
 
 
-def _under(prefix: str, e: ValueError) -> str:
-  """A type's error message under the section flag (types name their fields, not the flags)."""
-  text = str(e)
-  return text if text.startswith((f"{prefix}.", "--config.")) else f"--config.{prefix}: {text}"
+def _under(prefix: str, node: ml_collections.ConfigDict, e: ValueError) -> str:
+  """A type's error message under the section's flags (types name their fields, not the flags)."""
+  text = as_flags(str(e), prefix, node.keys())
+  return text if text.startswith("--config.") else f"--config.{prefix}: {text}"
 
 
 def _sampling_check(prefix: str, rl: ml_collections.ConfigDict) -> None:

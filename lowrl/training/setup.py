@@ -25,6 +25,7 @@ from lowrl.tasks.base import Task
 from lowrl.tasks.registry import make_task
 from lowrl.training import compute_cast, optimizer, run_config, schema, sft
 from lowrl.training.base_store import BaseConfig
+from lowrl.training.knobs import as_flags
 from lowrl.training.rl_update import UpdateConfig, update_config_from
 from lowrl.training.schedule import AsyncSchedule
 from lowrl.training.step import BatchConfig
@@ -146,7 +147,10 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
     except ValueError as e:
       raise ValueError(f"--config.rl.routing_replay: {e}") from None
   matmuls = layout.matmuls(model_cfg)
-  trainer_policy = precision.make_policy(cfg.precision, matmuls)
+  try:  # lowrl.precision names its knobs `precision.x`; the flag is --config.precision.x
+    trainer_policy = precision.make_policy(cfg.precision, matmuls)
+  except ValueError as e:
+    raise ValueError(as_flags(str(e), "precision")) from None
   sampler_cfg = cfg.precision
   if cfg.sampler_precision.recipe:
     sampler_cfg = precision.recipe(cfg.sampler_precision.recipe)
@@ -319,8 +323,13 @@ def _model_config(model: ml_collections.ConfigDict, task: Task, max_len: int) ->
   knobs.pop("param_dtype")
   scan = knobs.pop("scan_layers")
   if not source:
-    return ModelConfig(vocab_size=task.tokenizer.vocab_size, max_seq_len=max_len,
-                       scan_layers=bool(scan), **knobs)
+    try:
+      return ModelConfig(vocab_size=task.tokenizer.vocab_size, max_seq_len=max_len,
+                         scan_layers=bool(scan), **knobs)
+    except ValueError as e:  # ModelConfig names its fields, which are the section's knobs
+      text = as_flags(str(e).replace("ModelConfig.", "", 1), "model", model.keys())
+      raise ValueError(text if text.startswith("--config.") else f"--config.model: {text}"
+                       ) from None
   execution = {k: knobs[k] for k in ("remat", "attention", "attention_chunk", "logprob_chunk")}
   try:
     model_cfg = dataclasses.replace(hf_config.model_config_from_hf(hf_config.read_hf_config(source)),
