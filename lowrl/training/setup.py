@@ -301,16 +301,22 @@ def _make_task(task_cfg: ml_collections.ConfigDict, hf_checkpoint: str = "") -> 
     kwargs.setdefault("tokenizer", hf_checkpoint)
     if task_cfg.chat_template:
       kwargs.setdefault("chat_template", hf_checkpoint)
-    try:
-      task = make_task(task_cfg.name, **kwargs)
-    except (OSError, ValueError) as e:
-      flag = ("task.chat_template" if "chat_template" in str(e)
-              else f"model.hf_checkpoint={hf_checkpoint}")
-      raise ValueError(f"--config.{flag}: {e}") from None
-  else:
+  try:
     task = make_task(task_cfg.name, **kwargs)
-  for split in ("train", "eval"):
-    task.sample(np.random.default_rng(0), 1, split)  # an empty split raises, naming the fix
+    for split in ("train", "eval"):
+      task.sample(np.random.default_rng(0), 1, split)  # an empty split raises, naming the fix
+  except (OSError, ValueError) as e:
+    # The flag whose file the error is about: the JSONL file, the chat template, the checkpoint.
+    path = kwargs.get("path") if task_cfg.name == "jsonl" else None
+    if path and str(path) in str(e):
+      flag = f"task.path={path}"
+    elif hf_checkpoint and "chat_template" in str(e):
+      flag = "task.chat_template"
+    elif hf_checkpoint:
+      flag = f"model.hf_checkpoint={hf_checkpoint}"
+    else:
+      raise
+    raise ValueError(f"--config.{flag}: {e}") from None
   return task
 
 
