@@ -306,6 +306,10 @@ def _checkpoint_check(prefix: str, m: ml_collections.ConfigDict) -> None:
       raise ValueError(f"--config.{prefix}.param_dtype={m.param_dtype!r} applies to "
                        f"--config.{prefix}.hf_checkpoint only (the tiny model starts in FP32; "
                        "--config.optimizer.master_dtype sets the trained dtype); drop it.")
+    if m.eos_token:
+      raise ValueError(f"--config.{prefix}.eos_token={m.eos_token!r} applies to "
+                       f"--config.{prefix}.hf_checkpoint only (lowrl's tasks bring their own "
+                       "tokenizer); drop it.")
     return
   changed = [k for k, v in TINY_ARCHITECTURE.items() if m[k] != v]
   if changed:
@@ -323,6 +327,9 @@ TRAIN_MODEL = Section("model", (
          "architecture, params and tokenizer from it (needs task.name=jsonl, sft.steps=0)"),
     knob("param_dtype", "dtype the hf_checkpoint params are loaded in (then held in "
          "optimizer.master_dtype)", OneOf(PARAM_DTYPES)),
+    knob("eos_token", "'' = the hf_checkpoint's eos tokens (tokenizer_config.json, "
+         "generation_config.json, config.json); else a token of its tokenizer.json that alone "
+         "ends completions (for a checkpoint whose files name none)"),
 ) + tuple(
     dataclasses.replace(k, doc=k.doc + "; None = on with hf_checkpoint, else off")
     if k.name == "scan_layers" else k for k in _MODEL.knobs), checks=(_checkpoint_check,))

@@ -18,6 +18,7 @@ import optax
 
 from lowrl import hardware, memory, precision, quant_blocks, sharding
 from lowrl.checkpoints import hf, hf_config
+from lowrl.checkpoints.tokenizer import MissingEosError, Tokenizer, load_tokenizer
 from lowrl.models import init, kv_cache, layout, routing
 from lowrl.models.config import ModelConfig
 from lowrl.sampling import SamplingConfig
@@ -138,7 +139,7 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   rl = cfg.rl
   schema.TRAIN.validate(cfg)
   _check_checkpoint_flags(cfg)
-  task = _make_task(cfg.task, cfg.model.hf_checkpoint)
+  task = _make_task(cfg.task, cfg.model.hf_checkpoint, cfg.model.eos_token)
   max_len = task.max_prompt_len + max(rl.max_new_tokens, task.max_answer_len)
   model_cfg = _model_config(cfg.model, task, max_len)
   if rl.routing_replay:
@@ -289,25 +290,30 @@ def _check_checkpoint_flags(cfg: ml_collections.ConfigDict) -> None:
                      "from the checkpoint).")
 
 
-def _make_task(task_cfg: ml_collections.ConfigDict, hf_checkpoint: str = "") -> Task:
+def _make_task(task_cfg: ml_collections.ConfigDict, hf_checkpoint: str = "",
+               eos_token: str = "") -> Task:
   """The task of a validated `config.task`, with both splits checked non-empty (before any SFT
-  or compile). With a checkpoint, prompts are tokenized by its tokenizer (and rendered with its
-  chat template when `task_cfg.chat_template`)."""
+  or compile). With a checkpoint, prompts are tokenized by its tokenizer (`eos_token`: the one
+  token that ends a completion, '' = those its files name), and rendered with its chat template
+  when `task_cfg.chat_template`."""
   kwargs = task_cfg.kwargs.to_dict()
   if task_cfg.name == "jsonl":
     kwargs.setdefault("path", task_cfg.path)
     kwargs.setdefault("verifier", task_cfg.verifier or "exact")
   if hf_checkpoint:
-    kwargs.setdefault("tokenizer", hf_checkpoint)
     if task_cfg.chat_template:
       kwargs.setdefault("chat_template", hf_checkpoint)
   try:
+    if hf_checkpoint and "tokenizer" not in kwargs:
+      kwargs["tokenizer"] = _checkpoint_tokenizer(hf_checkpoint, eos_token)
     task = make_task(task_cfg.name, **kwargs)
     for split in ("train", "eval"):
       task.sample(np.random.default_rng(0), 1, split)  # an empty split raises, naming the fix
   except (OSError, ValueError) as e:
     # The flag whose file the error is about: the JSONL file, the chat template, the checkpoint.
     path = kwargs.get("path") if task_cfg.name == "jsonl" else None
+    if str(e).startswith("--config."):
+      raise
     if path and str(path) in str(e):
       flag = f"task.path={path}"
     elif hf_checkpoint and "chat_template" in str(e):
@@ -320,6 +326,22 @@ def _make_task(task_cfg: ml_collections.ConfigDict, hf_checkpoint: str = "") -> 
   return task
 
 
+def _checkpoint_tokenizer(path: str, eos_token: str) -> Tokenizer:
+  """The checkpoint's tokenizer; with no eos token in its files, an error naming the flag."""
+  try:
+    return load_tokenizer(path, eos_token=eos_token or None)
+  except MissingEosError as e:
+    raise ValueError(
+        f"--config.model.hf_checkpoint={path}: no eos token in {e.where}. Set "
+        "--config.model.eos_token=TOKEN, the token the model ends a completion with (the "
+        f"tokenizer's special tokens: {list(e.specials) or 'none'}), or add \"eos_token\": "
+        f"TOKEN to {e.config_file}.") from None
+  except ValueError as e:
+    if eos_token and str(e).startswith("eos_token="):  # the flag's token is not in tokenizer.json
+      raise ValueError(f"--config.model.{e}") from None
+    raise
+
+
 def _model_config(model: ml_collections.ConfigDict, task: Task, max_len: int) -> ModelConfig:
   """The decoder of `config.model`: the tiny architecture of its knobs (vocabulary: the task's
   tokenizer), or a checkpoint's config.json (weights checked from the file headers) with the
@@ -327,6 +349,7 @@ def _model_config(model: ml_collections.ConfigDict, task: Task, max_len: int) ->
   knobs = model.to_dict()
   source = knobs.pop("hf_checkpoint")
   knobs.pop("param_dtype")
+  knobs.pop("eos_token")
   scan = knobs.pop("scan_layers")
   if not source:
     try:

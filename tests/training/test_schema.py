@@ -16,7 +16,7 @@ from lowrl.training.setup import build
 # changed none; regenerated since for deliberate changes: sft.steps 150 -> 50, eval_every 0 -> 10,
 # rl.routing_replay, the simulator's reduced grid, optimizer.compute_cast_rounding, the
 # ablation's sr_travel, its 5 seeds / descriptive_seeds, its default groups and
-# paired.distance_groups), generated with run_config.to_json(configs.<name>.get_config()) (and precision.recipe(name).to_dict(),
+# paired.distance_groups, model.eos_token), generated with run_config.to_json(configs.<name>.get_config()) (and precision.recipe(name).to_dict(),
 # simulator.default_config()). A deliberate change of a value regenerates it the same way.
 ON_MAIN = json.loads((tiny.REPO / "tests" / "data" / "configs_on_main.json").read_text())
 _set = run_config.set_path
@@ -144,7 +144,8 @@ def test_simulator_shares_the_loop_sections():
   assert (set(sim.optimizer.keys()) | {"loss_scale", "compute_cast_rounding"}
           == set(train.optimizer.keys()))
   # The loop's model section adds the real-checkpoint knobs to the shared ones.
-  assert set(train.model.keys()) - set(sim.model.keys()) == {"hf_checkpoint", "param_dtype"}
+  assert set(train.model.keys()) - set(sim.model.keys()) == {"hf_checkpoint", "param_dtype",
+                                                              "eos_token"}
   assert set(sim.model.keys()) < set(train.model.keys())
   assert set(sim.sft.keys()) == {"steps", "lr", "batch_size"}
   assert (sim.rl.steps, sim.rl.num_prompts, sim.optimizer.lr, sim.sft.steps) == (400, 8, 3e-3, 0)
