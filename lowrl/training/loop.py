@@ -37,7 +37,7 @@ from lowrl import distributed
 from lowrl.metrics import layout as tb_layout
 from lowrl.metrics.writer import create_writer
 from lowrl.training import (base_store, code_churn, disk, pace, preemption, run_config, run_logs,
-                            storage)
+                            storage, zero_reward)
 from lowrl.training.checkpointing import Checkpointer, read_meta
 from lowrl.training.reporting import log_order, log_setup, log_step
 from lowrl.training.schedule import VersionBuffer
@@ -224,6 +224,7 @@ def _train(trainer: Trainer, ckpt: Checkpointer, writer, workdir: str, start: in
   if churn is not None:
     churn.start(params)  # before the step donates them
   eta = run_logs.Eta(knobs.steps)
+  zero_rewards = zero_reward.ZeroRewardWatch()
   skipped_in_a_row = 0
   if preemption.agreed(stop):  # signalled while the base trained or the programs compiled
     raise preemption.Preempted(stop.signame or "a signal", None, workdir)
@@ -251,6 +252,9 @@ def _train(trainer: Trainer, ckpt: Checkpointer, writer, workdir: str, start: in
     if churn is not None:
       m.update(churn.after_step(params))
     tb_only = step_pace.scalars(step, m["response_length"])  # wall times: not in metrics.jsonl
+    warning = zero_rewards.update(done, info["rewards"], info["examples"], info["completions"])
+    if warning:
+      log(warning)
     skipped_in_a_row = skipped_in_a_row + 1 if m["skipped_updates"] > 0 else 0
     if skipped_in_a_row:
       log(f"[warn] step {done}: {int(m['skipped_updates'])} optimizer step(s) skipped "
