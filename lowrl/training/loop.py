@@ -51,6 +51,7 @@ class NonFiniteError(RuntimeError):
   """Training produced non-finite updates for `max_skipped_steps` steps in a row."""
 
 
+@run_logs.run_clock  # one clock for the run's elapsed times
 def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print, *,
         allow_config_change: bool = False, reevaluate: bool = False) -> dict[str, Any]:
   """Runs (or resumes) the whole pipeline in `workdir`; returns the summary.
@@ -146,7 +147,7 @@ def _run_in_workdir(setup: Setup, ckpt: Checkpointer, resuming: bool, workdir: s
     return _show_finished(summary, workdir, setup, log)
   log_setup(setup, workdir, log)
 
-  t0 = time.time()
+  t0 = run_logs.run_started() or time.time()
   tb_dir = os.path.join(workdir, run_logs.TB_DIR)
   # The SFT loss (when this run trains the base) goes to a TensorBoard run of its own, `tb/sft`:
   # its steps are SFT steps, and a resume's purge of RL steps must not touch them.
@@ -172,7 +173,7 @@ def _run_in_workdir(setup: Setup, ckpt: Checkpointer, resuming: bool, workdir: s
   ev0, ev1 = summary["eval_start"], summary["eval_end"]
   log(f"[eval] held-out pass@1: start {ev0['pass_at_1']:.3f} -> end {ev1['pass_at_1']:.3f}; "
       f"greedy: start {ev0['greedy']:.3f} -> end {ev1['greedy']:.3f} "
-      f"(wall {summary['wall_s']:.0f}s)")
+      f"(elapsed {summary['wall_s']:.0f}s)")
   return summary
 
 
