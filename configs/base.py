@@ -38,6 +38,7 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.hf_checkpoint = ""  # '' = the tiny decoder below; else a HF Llama/Qwen directory
   c.model.param_dtype = "float32"  # dtype the hf_checkpoint params are loaded in
+  c.model.eos_token = ""  # '' = the hf_checkpoint's eos tokens; else the one token ending completions
   # The tiny decoder (~0.8M parameters): a forward+backward on 512x48 tokens is ~2 s on 2 cores.
   c.model.d_model = 128  # width
   c.model.n_layers = 4  # decoder layers

@@ -455,12 +455,22 @@ def _fmt_flops(x: float) -> str:
   return f"{x:.3e}"
 
 
+def format_count(n: int) -> str:
+  """A parameter count to three significant digits in the unit that shows them: 800256 ->
+  '800 K', 7615616512 -> '7.62 B' (in billions alone a tiny model printed as 0.00 B)."""
+  for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    if n >= scale:
+      v = n / scale
+      return f"{v:.{2 if v < 10 else 1 if v < 100 else 0}f} {unit}"
+  return str(int(n))
+
+
 def format_estimate(est: MemoryEstimate, hw: Hardware | None = None, mfu: float = 0.4) -> str:
   """A one-screen table of `est` (and, given `hw`, the HBM fit and the step time at `mfu`)."""
   lines = textwrap.wrap("settings: " + ", ".join(f"{k}={v}" for k, v in est.settings), 96)
   if est.n_params:
-    lines.append(f"parameters: {est.n_params / 1e9:.2f} B, {est.n_active / 1e9:.2f} B active "
-                 "per token")
+    lines.append(f"parameters: {format_count(est.n_params)}, {format_count(est.n_active)} "
+                 "active per token")
   lines += ["",
            f"{'per-device memory':<34}{'GB':>10}"]
   rows = [("params", est.params), ("grads", est.grads), ("optimizer (Adam, 2 moments)",

@@ -325,3 +325,15 @@ def test_moe_param_counts_and_expert_parallel_state():
     memory.estimate(moe, expert_parallel=3, **kw)
   with pytest.raises(ValueError, match="mixture-of-experts"):
     memory.estimate(tiny.FULL, expert_parallel=2, **kw)
+
+
+def test_parameter_counts_print_in_a_unit_that_shows_them():
+  """The tiny model's 0.8 M parameters printed as "0.00 B" in billions."""
+  assert [memory.format_count(n) for n in (7, 1000, 800_256, 1_234_567, 596_049_920,
+                                           7_615_616_512, 30_532_122_624)] == [
+      "7", "1.00 K", "800 K", "1.23 M", "596 M", "7.62 B", "30.5 B"]
+  est = _est()
+  line = next(l for l in memory.format_estimate(est).splitlines() if l.startswith("parameters:"))
+  assert est.n_params < 5e6 and "0.00" not in line
+  assert line == (f"parameters: {memory.format_count(est.n_params)}, "
+                  f"{memory.format_count(est.n_active)} active per token")

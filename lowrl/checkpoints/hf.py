@@ -303,13 +303,12 @@ def save_hf_checkpoint(path: str | os.PathLike, model_cfg: ModelConfig, params: 
   metadata = {"format": "pt"}  # transformers refuses safetensors files without it
   shards = _split_shards(tensors, max_shard_bytes)
   if len(shards) == 1 and max_shard_bytes is None:
-    safetensors.numpy.save_file(tensors, os.path.join(path, SINGLE_FILE), metadata=metadata)
+    save_safetensors(tensors, os.path.join(path, SINGLE_FILE), metadata)
   else:
     weight_map = {}
     for i, shard in enumerate(shards):
       file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-      safetensors.numpy.save_file({n: tensors[n] for n in shard}, os.path.join(path, file),
-                                  metadata=metadata)
+      save_safetensors({n: tensors[n] for n in shard}, os.path.join(path, file), metadata)
       weight_map.update({n: file for n in shard})
     index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
              "weight_map": dict(sorted(weight_map.items()))}
@@ -319,6 +318,19 @@ def save_hf_checkpoint(path: str | os.PathLike, model_cfg: ModelConfig, params: 
   with open(os.path.join(path, CONFIG_FILE), "w") as fh:
     json.dump(hf_cfg, fh, indent=2, sort_keys=True)
     fh.write("\n")
+
+
+def save_safetensors(tensors: Mapping[str, np.ndarray], file: str,
+                     metadata: Mapping[str, str] | None = None) -> None:
+  """`safetensors.numpy.save_file`, leaving the file with a normal file's mode.
+
+  safetensors writes through a private temporary file and renames it, so the file keeps that
+  file's 0600; other users (a serving container's) could not read the weights. The mode is set to
+  what `open()` would give, 0666 less the process umask (0644 under the usual 022)."""
+  safetensors.numpy.save_file(dict(tensors), file, metadata=dict(metadata or {}))
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(file, 0o666 & ~umask)
 
 
 def _split_shards(tensors: Mapping[str, np.ndarray], max_bytes: int | None) -> list[list[str]]:

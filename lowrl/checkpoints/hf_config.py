@@ -171,13 +171,13 @@ def hf_config_from_model(cfg: ModelConfig, model_type: str | None = None,
                      f"{SUPPORTED_MODEL_TYPES}.")
   family = hf_moe.base_family(model_type)
   want_bias, want_norm = family == "qwen2", family == "qwen3"
-  moe_fields = hf_moe.hf_moe_fields(cfg, model_type)
+  moe_fields = hf_moe.hf_moe_fields(cfg, model_type, original=extra)
   if cfg.qkv_bias != want_bias or cfg.qk_norm != want_norm:
     raise ValueError(
         f"model_type {model_type!r} has qkv_bias={want_bias}, qk_norm={want_norm}, but the "
         f"ModelConfig has qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}; pass "
         f"model_type={infer_model_type(cfg)!r} (or None to infer it).")
-  out = dict(extra or {})
+  out = {k: v for k, v in (extra or {}).items() if k not in hf_moe.EXPERT_COUNT_KEYS}
   if out.get("model_type", model_type) != model_type:
     # Family-specific leftovers of another family would confuse transformers.
     raise ValueError(f"extra config is for model_type {out['model_type']!r}, not {model_type!r}.")

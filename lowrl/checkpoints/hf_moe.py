@@ -12,10 +12,16 @@ their sparse MoE blocks (modeling_qwen3_moe.py at huggingface/transformers
   model.layers.N.mlp.shared_expert_gate.weight         [1, D]   its sigmoid gate
 
 num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob (and
-shared_expert_intermediate_size for Qwen2-MoE) map to ModelConfig's MoE fields. lowrl has MoE
-blocks in every layer: decoder_sparse_step other than 1 or a non-empty mlp_only_layers (dense
-layers between sparse ones) are refused. The router's auxiliary load-balancing loss
-(output_router_logits, router_aux_loss_coef) is a training-time extra lowrl does not compute.
+shared_expert_intermediate_size for Qwen2-MoE) map to ModelConfig's MoE fields. The expert count
+has two spellings: transformers up to 5.0 and every Qwen2MoeConfig write `num_experts`;
+Qwen3MoeConfig from transformers 5.1 on maps num_experts to `num_local_experts` (its
+attribute_map), so its save_pretrained writes that name (seen in the wheels of 5.0.0, 5.1.0 and
+5.25.0). Both spellings are read; a save keeps the one the original config.json used.
+Qwen2MoeConfig's `qkv_bias` (default true) must be true: lowrl's Qwen2 attention always has
+q/k/v biases. lowrl has MoE blocks in every layer: decoder_sparse_step other than 1 or a
+non-empty mlp_only_layers (dense layers between sparse ones) are refused. The router's auxiliary
+load-balancing loss (output_router_logits, router_aux_loss_coef) is a training-time extra lowrl
+does not compute.
 hf.py builds the tensor table from these names; this module imports nothing from it.
 """
 from __future__ import annotations
@@ -32,6 +38,18 @@ ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCa
 # are required (moe_fields_from_hf).
 HF_DEFAULTS = {t: {"max_position_embeddings": None, "num_key_value_heads": None}
                for t in MOE_MODEL_TYPES}
+# The expert count's spellings in config.json (module docstring): transformers < 5.1 / >= 5.1.
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
+
+
+def _expert_count(hf: Mapping[str, Any]) -> int | None:
+  """The expert count under either spelling (None when neither is there)."""
+  given = {k: hf[k] for k in EXPERT_COUNT_KEYS if hf.get(k) is not None}
+  if len({int(v) for v in given.values()}) > 1:
+    raise ValueError(f"config.json: {' and '.join(f'{k}={v}' for k, v in given.items())} "
+                     "disagree; they are two spellings of the expert count (transformers < 5.1 / "
+                     ">= 5.1): keep the right one and drop the other.")
+  return next((int(v) for v in given.values()), None)
 
 
 def base_family(model_type: str) -> str:
@@ -43,11 +61,14 @@ def moe_fields_from_hf(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]
   """ModelConfig keyword arguments of a MoE config.json (empty for dense families)."""
   if model_type not in MOE_MODEL_TYPES:
     return {}
-  required = ["num_experts", "num_experts_per_tok", "moe_intermediate_size",
-              "max_position_embeddings", "num_key_value_heads"]
+  required = ["num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings",
+              "num_key_value_heads"]
   if model_type == "qwen2_moe":
     required.append("shared_expert_intermediate_size")
   missing = [k for k in required if k not in hf]
+  n_experts = _expert_count(hf)
+  if n_experts is None:
+    missing.insert(0, " or ".join(EXPERT_COUNT_KEYS))
   if missing:
     raise ValueError(f"config.json ({model_type}) lacks {missing}; these fields are required.")
   if int(hf.get("decoder_sparse_step", 1)) != 1 or list(hf.get("mlp_only_layers", []) or []):
@@ -55,14 +76,22 @@ def moe_fields_from_hf(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]
                      f"mlp_only_layers={hf.get('mlp_only_layers')} put dense MLPs between the "
                      "sparse layers; lowrl has a mixture-of-experts MLP in every layer "
                      "(decoder_sparse_step 1, mlp_only_layers []).")
-  return dict(n_experts=int(hf["num_experts"]), n_experts_per_tok=int(hf["num_experts_per_tok"]),
+  if model_type == "qwen2_moe" and not hf.get("qkv_bias", True):
+    raise ValueError("config.json: qkv_bias=false is not supported for qwen2_moe; lowrl's Qwen2 "
+                     "attention has q/k/v biases (transformers' default, qkv_bias true).")
+  return dict(n_experts=n_experts, n_experts_per_tok=int(hf["num_experts_per_tok"]),
               moe_d_ff=int(hf["moe_intermediate_size"]),
               norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
               shared_expert_d_ff=int(hf.get("shared_expert_intermediate_size", 0)))
 
 
-def hf_moe_fields(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
-  """The config.json MoE fields of `cfg` (ValueError when cfg and model_type disagree)."""
+def hf_moe_fields(cfg: ModelConfig, model_type: str,
+                  original: Mapping[str, Any] | None = None) -> dict[str, Any]:
+  """The config.json MoE fields of `cfg` (ValueError when cfg and model_type disagree).
+
+  The expert count is written as `num_local_experts` when `original` (the config.json the
+  weights came from) spells it so, else as `num_experts`, which every transformers version
+  reads (>= 5.1 through Qwen3MoeConfig's attribute_map)."""
   if (model_type in MOE_MODEL_TYPES) != cfg.is_moe:
     raise ValueError(f"model_type {model_type!r} and ModelConfig.n_experts={cfg.n_experts} "
                      "disagree; MoE configs save as qwen3_moe / qwen2_moe, dense ones as dense "
@@ -72,7 +101,10 @@ def hf_moe_fields(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
   if (model_type == "qwen2_moe") != bool(cfg.shared_expert_d_ff):
     raise ValueError(f"model_type {model_type!r}: Qwen2-MoE has a shared expert and Qwen3-MoE none, "
                      f"but ModelConfig.shared_expert_d_ff={cfg.shared_expert_d_ff}.")
-  out = dict(num_experts=cfg.n_experts, num_experts_per_tok=cfg.n_experts_per_tok,
+  count_key = next((k for k in reversed(EXPERT_COUNT_KEYS) if k in (original or {})),
+                   EXPERT_COUNT_KEYS[0])
+  out = {count_key: cfg.n_experts}
+  out.update(num_experts_per_tok=cfg.n_experts_per_tok,
              moe_intermediate_size=cfg.moe_d_ff, norm_topk_prob=cfg.norm_topk_prob,
              decoder_sparse_step=1, mlp_only_layers=[])
   if cfg.shared_expert_d_ff:

@@ -53,7 +53,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import safetensors
-import safetensors.numpy
 
 from lowrl.checkpoints import hf, hf_config
 from lowrl.models import fused_scales, layout
@@ -262,7 +261,7 @@ def save_quantized_checkpoint(path: str | os.PathLike, model_cfg: ModelConfig, p
                              weight_amax=w_amax.get(m.full_path))
     for name, array in arrays.items():
       tensors[f"{m.hf_name}.{name}"] = np.ascontiguousarray(array)
-  safetensors.numpy.save_file(tensors, weights_file, metadata={"format": "pt"})
+  hf.save_safetensors(tensors, weights_file, {"format": "pt"})
 
   config_file = os.path.join(path, hf_config.CONFIG_FILE)
   with open(config_file) as fh:

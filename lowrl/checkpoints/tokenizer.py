@@ -25,6 +25,21 @@ import tokenizers
 TOKENIZER_FILE = "tokenizer.json"
 _TOKENIZER_CONFIG = "tokenizer_config.json"
 _ID_FILES = ("generation_config.json", "config.json")
+# The slow (python) tokenizers' files transformers can convert into a tokenizer.json.
+_SLOW_FILES = ("tokenizer.model", "vocab.json", "spiece.model")
+
+
+class MissingEosError(ValueError):
+  """No file of the checkpoint names an eos token. `where`: what was searched; `specials`: the
+  tokenizer's special tokens (the likely candidates), in id order; `config_file`: the
+  tokenizer_config.json an "eos_token" entry would go in."""
+
+  def __init__(self, where: str, specials: Sequence[str], config_file: str):
+    self.where, self.specials, self.config_file = where, tuple(specials), config_file
+    super().__init__(
+        f"No eos token in {where}. Name the token that ends a completion: pass eos_token=... "
+        f"explicitly (its special tokens: {list(self.specials) or 'none'}), or add "
+        f"\"eos_token\" to {config_file}.")
 
 # Token names tried, in order, for a special token of a bare tokenizer.json (no config files).
 _CANDIDATES = {
@@ -157,6 +172,26 @@ def _ids(value: Any) -> list[int]:
   return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
+def special_tokens(tok: tokenizers.Tokenizer, limit: int = 8) -> tuple[str, ...]:
+  """The first `limit` special added tokens of `tok`, in id order (eos candidates to name)."""
+  added = tok.get_added_tokens_decoder()
+  return tuple(added[i].content for i in sorted(added) if added[i].special)[:limit]
+
+
+def _no_tokenizer_json(path: str, file: str) -> str:
+  """Why a checkpoint has no tokenizer.json, and the fix that applies to what it has instead."""
+  slow = [f for f in _SLOW_FILES if os.path.isfile(os.path.join(path, f))]
+  if slow:
+    return (f"{file} not found; {path} has {slow}, a slow tokenizer lowrl does not read. Convert "
+            "it once with transformers: python -c \"from transformers import AutoTokenizer; "
+            f"AutoTokenizer.from_pretrained('{path}').save_pretrained('{path}')\" (writes "
+            "tokenizer.json).")
+  return (f"{file} not found, and {path} has no other tokenizer files either ({list(_SLOW_FILES)}): "
+          "the checkpoint was saved without its tokenizer. Copy tokenizer.json and "
+          "tokenizer_config.json from the model it was trained from (the base model's "
+          "repository) into the directory.")
+
+
 def load_tokenizer(path: str | os.PathLike, *, bos_token: str | None = None,
                    eos_token: str | None = None, pad_token: str | None = None) -> Tokenizer:
   """Loads `tokenizer.json` and the special-token ids from a checkpoint directory.
@@ -173,8 +208,8 @@ def load_tokenizer(path: str | os.PathLike, *, bos_token: str | None = None,
   Raises:
     FileNotFoundError: `path` does not exist, or has no tokenizer.json (e.g. only a
       sentencepiece tokenizer.model).
-    ValueError: tokenizer.json cannot be parsed, a special token is not in its vocabulary, or
-      no file defines an eos token.
+    ValueError: tokenizer.json cannot be parsed or a special token is not in its vocabulary;
+      MissingEosError (a ValueError) when no file defines an eos token and none is given.
   """
   path = os.fspath(path)
   if not os.path.exists(path):
@@ -185,10 +220,7 @@ def load_tokenizer(path: str | os.PathLike, *, bos_token: str | None = None,
   else:
     file = os.path.join(path, TOKENIZER_FILE)
   if not os.path.isfile(file):
-    raise FileNotFoundError(
-        f"{file} not found. lowrl reads fast tokenizers (tokenizer.json) only; for a "
-        "sentencepiece-only checkpoint, convert once with transformers: "
-        "AutoTokenizer.from_pretrained(dir).save_pretrained(dir).")
+    raise FileNotFoundError(_no_tokenizer_json(path, file))
   try:
     tok = tokenizers.Tokenizer.from_file(file)
   except Exception as e:  # tokenizers raises a bare Exception on parse errors
@@ -221,12 +253,12 @@ def load_tokenizer(path: str | os.PathLike, *, bos_token: str | None = None,
       pad = cfg.get("pad_token_id")
     if eos_token is None:
       eos_ids += [i for i in _ids(cfg.get("eos_token_id")) if i not in eos_ids]
-  if not eos_ids and bare:
-    raise ValueError(f"No eos token in {file!r}: no config files beside it and none of the usual "
-                     f"eos_token names {list(_CANDIDATES['eos'])}; pass eos_token=... explicitly.")
   if not eos_ids:
-    raise ValueError(f"No eos token in {path!r}: tokenizer_config.json, generation_config.json "
-                     "and config.json define none. Pass eos_token='...'.")
+    specials = special_tokens(tok)
+    where = (f"{file!r}: no config files beside it and none of the usual eos_token names "
+             f"{list(_CANDIDATES['eos'])} in it" if bare else
+             f"{path!r}: tokenizer_config.json, generation_config.json and config.json define none")
+    raise MissingEosError(where, specials, os.path.join(path, _TOKENIZER_CONFIG))
   vocab = tok.get_vocab_size(with_added_tokens=True)
   bad = [i for i in eos_ids + [bos, pad] if i is not None and not 0 <= int(i) < vocab]
   if bad:

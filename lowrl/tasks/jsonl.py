@@ -131,7 +131,11 @@ class JsonlTask(Task):
     try:
       f = open(self.path, "rb")  # bytes: a decoding error is reported with its line
     except OSError as e:
-      raise ValueError(f"Cannot read JSONL file {self.path!r}: {e}") from e
+      where = ("" if os.path.isabs(self.path)
+               else f" (a relative path is read from the current directory {os.getcwd()})")
+      raise ValueError(f"Cannot read JSONL file {self.path!r}: {e.strerror or e}; pass the path of "
+                       f"an existing file{where} with one {{\"prompt\": ..., \"answer\": ...}} "
+                       "object per line.") from e
     with f:
       for lineno, raw in enumerate(f, start=1):
         where = f"{self.path}:{lineno}"

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from lowrl.analysis import stats
 
 
 def eval_metrics(greedy_rewards_B: jax.Array,
@@ -24,3 +27,13 @@ def eval_metrics(greedy_rewards_B: jax.Array,
     out["pass_at_1"] = solved(sampled_rewards_B)
     out["reward"] = jnp.mean(jnp.asarray(sampled_rewards_B, jnp.float32))
   return out
+
+
+def solved_ci(rewards_PN: np.ndarray, confidence: float = 0.95) -> tuple[float, float]:
+  """The t interval of the solved fraction over the prompts: rewards_PN holds each held-out
+  prompt's rewards in a row (its samples; one column for greedy), a reward >= 1 counts as solved,
+  and the prompts are the units (lowrl.analysis.stats.paired_t of the per-prompt solved
+  fractions: a one-sample t interval). Its mean is `eval_metrics`' pass_at_1 / greedy."""
+  rates = (np.asarray(rewards_PN, np.float64) >= 1.0).mean(axis=1)
+  r = stats.paired_t(rates, confidence=confidence)
+  return r.ci_low, r.ci_high

@@ -9,12 +9,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+from collections.abc import Iterable
 from typing import Any, Callable
 
 import ml_collections
 
 # ----------------------------------------------------------------------------------------------
 # Checks of one knob: (flag, value) -> None, raising ValueError that names --config.<flag>.
+
+
+def as_flags(text: str, section: str, fields: Iterable[str] = ()) -> str:
+  """A library type's error message in flag terms: every bare `section.knob` mention becomes
+  `--config.section.knob`, and a message that starts with one of the section's `fields` (a type
+  names its own field: "clip_eps_low must be ...") starts with its flag."""
+  text = re.sub(rf"(?<![\w.-]){re.escape(section)}\.(?=\w)", f"--config.{section}.", text)
+  first = re.match(r"\w+", text)
+  if first and first.group() in set(fields):
+    return f"--config.{section}.{text}"
+  return text
 
 
 @dataclasses.dataclass(frozen=True)

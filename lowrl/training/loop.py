@@ -37,7 +37,7 @@ from lowrl import distributed
 from lowrl.metrics import layout as tb_layout
 from lowrl.metrics.writer import create_writer
 from lowrl.training import (base_store, code_churn, disk, pace, preemption, run_config, run_logs,
-                            storage)
+                            storage, zero_reward)
 from lowrl.training.checkpointing import Checkpointer, read_meta
 from lowrl.training.reporting import log_order, log_setup, log_step
 from lowrl.training.schedule import VersionBuffer
@@ -51,6 +51,7 @@ class NonFiniteError(RuntimeError):
   """Training produced non-finite updates for `max_skipped_steps` steps in a row."""
 
 
+@run_logs.run_clock  # one clock for the run's elapsed times
 def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print, *,
         allow_config_change: bool = False, reevaluate: bool = False) -> dict[str, Any]:
   """Runs (or resumes) the whole pipeline in `workdir`; returns the summary.
@@ -154,7 +155,7 @@ def _run_in_workdir(setup: Setup, ckpt: Checkpointer, resuming: bool, workdir: s
     return _show_finished(summary, workdir, setup, log)
   log_setup(setup, workdir, log)
 
-  t0 = time.time()
+  t0 = run_logs.run_started() or time.time()
   tb_dir = os.path.join(workdir, run_logs.TB_DIR)
   # The SFT loss (when this run trains the base) goes to a TensorBoard run of its own, `tb/sft`:
   # its steps are SFT steps, and a resume's purge of RL steps must not touch them.
@@ -180,7 +181,7 @@ def _run_in_workdir(setup: Setup, ckpt: Checkpointer, resuming: bool, workdir: s
   ev0, ev1 = summary["eval_start"], summary["eval_end"]
   log(f"[eval] held-out pass@1: start {ev0['pass_at_1']:.3f} -> end {ev1['pass_at_1']:.3f}; "
       f"greedy: start {ev0['greedy']:.3f} -> end {ev1['greedy']:.3f} "
-      f"(wall {summary['wall_s']:.0f}s)")
+      f"(elapsed {summary['wall_s']:.0f}s)")
   return summary
 
 
@@ -232,6 +233,7 @@ def _train(trainer: Trainer, ckpt: Checkpointer, writer, workdir: str, start: in
   if churn is not None:
     churn.start(params)  # before the step donates them
   eta = run_logs.Eta(knobs.steps)
+  zero_rewards = zero_reward.ZeroRewardWatch()
   skipped_in_a_row = 0
   if preemption.agreed(stop):  # signalled while the base trained or the programs compiled
     raise preemption.Preempted(stop.signame or "a signal", None, workdir)
@@ -259,6 +261,9 @@ def _train(trainer: Trainer, ckpt: Checkpointer, writer, workdir: str, start: in
     if churn is not None:
       m.update(churn.after_step(params))
     tb_only = step_pace.scalars(step, m["response_length"])  # wall times: not in metrics.jsonl
+    warning = zero_rewards.update(done, info["rewards"], info["examples"], info["completions"])
+    if warning:
+      log(warning)
     skipped_in_a_row = skipped_in_a_row + 1 if m["skipped_updates"] > 0 else 0
     if skipped_in_a_row:
       log(f"[warn] step {done}: {int(m['skipped_updates'])} optimizer step(s) skipped "

@@ -11,6 +11,7 @@ import numpy as np
 from lowrl import distributed, precision
 from lowrl.metrics import layout as tb_layout
 from lowrl.models import init, layout
+from lowrl.tasks.jsonl import JsonlTask
 from lowrl.training import run_config, run_logs
 from lowrl.training.setup import Setup, describe_memory
 from lowrl.training.step import BATCH_METRICS
@@ -26,6 +27,13 @@ def log_setup(setup: Setup, workdir: str, log: Log) -> None:
       f"trainer={setup.trainer_policy.name} sampler={setup.sampler_policy.name} "
       f"async lag={setup.schedule.lag} sync_every={setup.schedule.sync_every} "
       f"config {setup.record.fingerprint} ({os.path.join(workdir, run_config.CONFIG_FILE)})")
+  if isinstance(setup.task, JsonlTask):  # a file's split: how much there is to train and test on
+    task = setup.task
+    n_train, n_eval = len(task.examples("train")), len(task.examples("eval"))
+    log(f"[setup] {task.path}: {n_train} train / {n_eval} eval examples (eval_fraction "
+        f"{task.eval_fraction:g} of the distinct prompts, by prompt hash); the held-out "
+        f"evaluation draws eval_num_prompts={setup.loop.eval_num_prompts} of the {n_eval} "
+        "(with replacement)")
   log(precision.format_table(precision.assignment_table(setup.trainer_policy,
                                                           layout.matmuls(setup.model_cfg))))
   log(f"[mesh] {dict(setup.plan.mesh.shape)} over {jax.device_count()} {jax.default_backend()} "

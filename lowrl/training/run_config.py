@@ -84,7 +84,7 @@ def to_json(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
 
 # Knobs added after runs existed, fingerprinted only when set (their value here = off), so that
 # every run of a config without them keeps its fingerprint (and its grid lines and workdirs).
-OFF_UNLESS_SET = {"sft.outlier_channels": 0, "sft.outlier_gain": 1.0}
+OFF_UNLESS_SET = {"sft.outlier_channels": 0, "sft.outlier_gain": 1.0, "model.eos_token": ""}
 
 
 def fingerprint(cfg: ml_collections.ConfigDict) -> str:
@@ -95,12 +95,14 @@ def fingerprint(cfg: ml_collections.ConfigDict) -> str:
 
 
 def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-  """'key: old -> new' for every non-cosmetic key that differs (or exists on one side only)."""
+  """'key: old -> new' for every non-cosmetic key that differs (or exists on one side only; an
+  OFF_UNLESS_SET key absent from a config saved before it existed counts as off)."""
   a, b = flatten(old), flatten(new)
   out = []
   for k in sorted(set(a) | set(b)):
-    if k not in COSMETIC_KEYS and a.get(k, "<absent>") != b.get(k, "<absent>"):
-      out.append(f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}")
+    was, now = (c.get(k, OFF_UNLESS_SET.get(k, "<absent>")) for c in (a, b))
+    if k not in COSMETIC_KEYS and was != now:
+      out.append(f"{k}: {was!r} -> {now!r}")
   return out
 
 

@@ -6,6 +6,8 @@ and says so.
 """
 from __future__ import annotations
 
+import contextvars
+import functools
 import json
 import math
 import os
@@ -165,13 +167,38 @@ def finished_summary(workdir: str, steps: int) -> dict[str, Any] | None:
   return summary
 
 
+# The run's one clock: the `elapsed` of the [sft] and [rl] progress lines and the final line's
+# count seconds from the start of `loop.run` (set there by `run_clock`), so they add up.
+_RUN_START: contextvars.ContextVar[float | None] = contextvars.ContextVar("lowrl_run_start",
+                                                                         default=None)
+
+
+def run_clock(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """Decorates a run's entry point: during the call, `run_started()` is its start time."""
+  @functools.wraps(fn)
+  def timed(*args, **kwargs):
+    token = _RUN_START.set(time.time())
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      _RUN_START.reset(token)
+  return timed
+
+
+def run_started() -> float | None:
+  """time.time() at the start of the run in progress (None outside `run_clock`)."""
+  return _RUN_START.get()
+
+
 class Eta:
   """Remaining-time estimate from steady-state step times (the first step, which compiles,
-  is left out)."""
+  is left out). `elapsed` counts from the run's start inside a run (`run_clock`), else from
+  the Eta's creation (or always from there with a `clock` of its own)."""
 
-  def __init__(self, total: int, start: int = 0, clock: Callable[[], float] = time.time):
-    self.total, self.clock = total, clock
-    self.t0 = clock()
+  def __init__(self, total: int, start: int = 0, clock: Callable[[], float] | None = None):
+    self.total, self.clock = total, clock or time.time
+    started = run_started() if clock is None else None
+    self.t0 = self.clock() if started is None else started
     self._first: tuple[int, float] | None = None  # (step, time) after the first timed step
 
   def update(self, done: int) -> str:

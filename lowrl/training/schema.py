@@ -30,7 +30,8 @@ from lowrl.rl.kl import KL_ESTIMATORS
 from lowrl.rl.losses import AGGREGATIONS, LOSSES
 from lowrl.sampling import SamplingConfig
 from lowrl.training.knobs import (UNSET, AtLeast, Below, Check, Knob, OneOf, Schema,  # noqa: F401
-                                  Section, SectionCheck, flatten, knob, NON_NEGATIVE, POSITIVE)
+                                  Section, SectionCheck, as_flags, flatten, knob, NON_NEGATIVE,
+                                  POSITIVE)
 from lowrl.training.compute_cast import ROUNDINGS as COMPUTE_CAST_ROUNDINGS
 from lowrl.training.loss_scaling import check_loss_scale
 from lowrl.training.optimizer import MASTER_DTYPES, MASTER_ROUNDINGS, SCHEDULES
@@ -56,13 +57,13 @@ def _rl_update_check(prefix: str, rl: ml_collections.ConfigDict) -> None:
   try:  # max_len (the Dr.GRPO horizon) depends on the task: build() passes the real one
     update_config_from(rl, master_rounding="nearest", max_len=None)
   except ValueError as e:
-    raise ValueError(_under(prefix, e)) from None
+    raise ValueError(_under(prefix, rl, e)) from None
 
 
-def _under(prefix: str, e: ValueError) -> str:
-  """A type's error message under the section flag (types name their fields, not the flags)."""
-  text = str(e)
-  return text if text.startswith((f"{prefix}.", "--config.")) else f"--config.{prefix}: {text}"
+def _under(prefix: str, node: ml_collections.ConfigDict, e: ValueError) -> str:
+  """A type's error message under the section's flags (types name their fields, not the flags)."""
+  text = as_flags(str(e), prefix, node.keys())
+  return text if text.startswith("--config.") else f"--config.{prefix}: {text}"
 
 
 def _sampling_check(prefix: str, rl: ml_collections.ConfigDict) -> None:
@@ -305,6 +306,10 @@ def _checkpoint_check(prefix: str, m: ml_collections.ConfigDict) -> None:
       raise ValueError(f"--config.{prefix}.param_dtype={m.param_dtype!r} applies to "
                        f"--config.{prefix}.hf_checkpoint only (the tiny model starts in FP32; "
                        "--config.optimizer.master_dtype sets the trained dtype); drop it.")
+    if m.eos_token:
+      raise ValueError(f"--config.{prefix}.eos_token={m.eos_token!r} applies to "
+                       f"--config.{prefix}.hf_checkpoint only (lowrl's tasks bring their own "
+                       "tokenizer); drop it.")
     return
   changed = [k for k, v in TINY_ARCHITECTURE.items() if m[k] != v]
   if changed:
@@ -322,6 +327,9 @@ TRAIN_MODEL = Section("model", (
          "architecture, params and tokenizer from it (needs task.name=jsonl, sft.steps=0)"),
     knob("param_dtype", "dtype the hf_checkpoint params are loaded in (then held in "
          "optimizer.master_dtype)", OneOf(PARAM_DTYPES)),
+    knob("eos_token", "'' = the hf_checkpoint's eos tokens (tokenizer_config.json, "
+         "generation_config.json, config.json); else a token of its tokenizer.json that alone "
+         "ends completions (for a checkpoint whose files name none)"),
 ) + tuple(
     dataclasses.replace(k, doc=k.doc + "; None = on with hf_checkpoint, else off")
     if k.name == "scan_layers" else k for k in _MODEL.knobs), checks=(_checkpoint_check,))

@@ -18,6 +18,7 @@ import optax
 
 from lowrl import hardware, memory, precision, quant_blocks, sharding
 from lowrl.checkpoints import hf, hf_config
+from lowrl.checkpoints.tokenizer import MissingEosError, Tokenizer, load_tokenizer
 from lowrl.models import init, kv_cache, layout, routing
 from lowrl.models.config import ModelConfig
 from lowrl.sampling import SamplingConfig
@@ -25,6 +26,7 @@ from lowrl.tasks.base import Task
 from lowrl.tasks.registry import make_task
 from lowrl.training import compute_cast, optimizer, run_config, schema, sft
 from lowrl.training.base_store import BaseConfig
+from lowrl.training.knobs import as_flags
 from lowrl.training.rl_update import UpdateConfig, update_config_from
 from lowrl.training.schedule import AsyncSchedule
 from lowrl.training.step import BatchConfig
@@ -137,7 +139,7 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   rl = cfg.rl
   schema.TRAIN.validate(cfg)
   _check_checkpoint_flags(cfg)
-  task = _make_task(cfg.task, cfg.model.hf_checkpoint)
+  task = _make_task(cfg.task, cfg.model.hf_checkpoint, cfg.model.eos_token)
   max_len = task.max_prompt_len + max(rl.max_new_tokens, task.max_answer_len)
   model_cfg = _model_config(cfg.model, task, max_len)
   if rl.routing_replay:
@@ -146,7 +148,10 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
     except ValueError as e:
       raise ValueError(f"--config.rl.routing_replay: {e}") from None
   matmuls = layout.matmuls(model_cfg)
-  trainer_policy = precision.make_policy(cfg.precision, matmuls)
+  try:  # lowrl.precision names its knobs `precision.x`; the flag is --config.precision.x
+    trainer_policy = precision.make_policy(cfg.precision, matmuls)
+  except ValueError as e:
+    raise ValueError(as_flags(str(e), "precision")) from None
   sampler_cfg = cfg.precision
   if cfg.sampler_precision.recipe:
     sampler_cfg = precision.recipe(cfg.sampler_precision.recipe)
@@ -285,29 +290,56 @@ def _check_checkpoint_flags(cfg: ml_collections.ConfigDict) -> None:
                      "from the checkpoint).")
 
 
-def _make_task(task_cfg: ml_collections.ConfigDict, hf_checkpoint: str = "") -> Task:
+def _make_task(task_cfg: ml_collections.ConfigDict, hf_checkpoint: str = "",
+               eos_token: str = "") -> Task:
   """The task of a validated `config.task`, with both splits checked non-empty (before any SFT
-  or compile). With a checkpoint, prompts are tokenized by its tokenizer (and rendered with its
-  chat template when `task_cfg.chat_template`)."""
+  or compile). With a checkpoint, prompts are tokenized by its tokenizer (`eos_token`: the one
+  token that ends a completion, '' = those its files name), and rendered with its chat template
+  when `task_cfg.chat_template`."""
   kwargs = task_cfg.kwargs.to_dict()
   if task_cfg.name == "jsonl":
     kwargs.setdefault("path", task_cfg.path)
     kwargs.setdefault("verifier", task_cfg.verifier or "exact")
   if hf_checkpoint:
-    kwargs.setdefault("tokenizer", hf_checkpoint)
     if task_cfg.chat_template:
       kwargs.setdefault("chat_template", hf_checkpoint)
-    try:
-      task = make_task(task_cfg.name, **kwargs)
-    except (OSError, ValueError) as e:
-      flag = ("task.chat_template" if "chat_template" in str(e)
-              else f"model.hf_checkpoint={hf_checkpoint}")
-      raise ValueError(f"--config.{flag}: {e}") from None
-  else:
+  try:
+    if hf_checkpoint and "tokenizer" not in kwargs:
+      kwargs["tokenizer"] = _checkpoint_tokenizer(hf_checkpoint, eos_token)
     task = make_task(task_cfg.name, **kwargs)
-  for split in ("train", "eval"):
-    task.sample(np.random.default_rng(0), 1, split)  # an empty split raises, naming the fix
+    for split in ("train", "eval"):
+      task.sample(np.random.default_rng(0), 1, split)  # an empty split raises, naming the fix
+  except (OSError, ValueError) as e:
+    # The flag whose file the error is about: the JSONL file, the chat template, the checkpoint.
+    path = kwargs.get("path") if task_cfg.name == "jsonl" else None
+    if str(e).startswith("--config."):
+      raise
+    if path and str(path) in str(e):
+      flag = f"task.path={path}"
+    elif hf_checkpoint and "chat_template" in str(e):
+      flag = "task.chat_template"
+    elif hf_checkpoint:
+      flag = f"model.hf_checkpoint={hf_checkpoint}"
+    else:
+      raise
+    raise ValueError(f"--config.{flag}: {e}") from None
   return task
+
+
+def _checkpoint_tokenizer(path: str, eos_token: str) -> Tokenizer:
+  """The checkpoint's tokenizer; with no eos token in its files, an error naming the flag."""
+  try:
+    return load_tokenizer(path, eos_token=eos_token or None)
+  except MissingEosError as e:
+    raise ValueError(
+        f"--config.model.hf_checkpoint={path}: no eos token in {e.where}. Set "
+        "--config.model.eos_token=TOKEN, the token the model ends a completion with (the "
+        f"tokenizer's special tokens: {list(e.specials) or 'none'}), or add \"eos_token\": "
+        f"TOKEN to {e.config_file}.") from None
+  except ValueError as e:
+    if eos_token and str(e).startswith("eos_token="):  # the flag's token is not in tokenizer.json
+      raise ValueError(f"--config.model.{e}") from None
+    raise
 
 
 def _model_config(model: ml_collections.ConfigDict, task: Task, max_len: int) -> ModelConfig:
@@ -317,10 +349,16 @@ def _model_config(model: ml_collections.ConfigDict, task: Task, max_len: int) ->
   knobs = model.to_dict()
   source = knobs.pop("hf_checkpoint")
   knobs.pop("param_dtype")
+  knobs.pop("eos_token")
   scan = knobs.pop("scan_layers")
   if not source:
-    return ModelConfig(vocab_size=task.tokenizer.vocab_size, max_seq_len=max_len,
-                       scan_layers=bool(scan), **knobs)
+    try:
+      return ModelConfig(vocab_size=task.tokenizer.vocab_size, max_seq_len=max_len,
+                         scan_layers=bool(scan), **knobs)
+    except ValueError as e:  # ModelConfig names its fields, which are the section's knobs
+      text = as_flags(str(e).replace("ModelConfig.", "", 1), "model", model.keys())
+      raise ValueError(text if text.startswith("--config.") else f"--config.model: {text}"
+                       ) from None
   execution = {k: knobs[k] for k in ("remat", "attention", "attention_chunk", "logprob_chunk")}
   try:
     model_cfg = dataclasses.replace(hf_config.model_config_from_hf(hf_config.read_hf_config(source)),

@@ -16,7 +16,7 @@ from lowrl.sampling import SampleOutput, Sampler, refit, rescore
 from lowrl.sampling.act_scales import calibration_paths
 from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
 from lowrl.training import compute_cast, diagnostics, optimizer, probes, routing_replay
-from lowrl.training.evaluation import eval_metrics
+from lowrl.training.evaluation import eval_metrics, solved_ci
 from lowrl.training.kv_share import kv_share_metrics
 from lowrl.training.loss_scaling import loss_scaled
 from lowrl.training.rl_update import make_logprob_fn
@@ -187,7 +187,9 @@ class Trainer:
 
     pass_at_1: the success rate of one sample at the rollout temperature (the unbiased estimate
     from `eval_samples` samples per prompt, as RL papers report it); greedy: temperature-0
-    accuracy; reward: mean reward of the samples.
+    accuracy; each with its 95% interval over the prompts (`pass_at_1_ci_low`, ..._high,
+    `evaluation.solved_ci`). The samples' mean reward is not reported: with the tasks' 0/1
+    rewards it is pass_at_1 again.
     """
     examples, tokens, mask = self._eval_prompts()
     k_greedy, k_sample = jax.random.split(key)
@@ -199,8 +201,13 @@ class Trainer:
     sampled = np.concatenate([self.rewards(out, chunk)[0] for out, chunk in self._eval_samples(
         params, k_sample, quant_key=qk, act_amax=act_amax)])
     m = eval_metrics(greedy, sampled)
+    out = {}
     # "pass_at_1", not "pass@1": TensorBoard tag names cannot hold "@".
-    return {k: float(m[k]) for k in ("pass_at_1", "greedy", "reward")}
+    for name, rewards_PN in (("pass_at_1", sampled.reshape(len(examples), -1)),
+                             ("greedy", greedy.reshape(len(examples), 1))):
+      out[name] = float(m[name])
+      out[f"{name}_ci_low"], out[f"{name}_ci_high"] = solved_ci(rewards_PN)
+    return out
 
   def _eval_samples(self, params, key: jax.Array, *, quant_key: jax.Array | None,
                     act_amax: blocks.ActAmax | None) -> list[tuple[SampleOutput, list]]:

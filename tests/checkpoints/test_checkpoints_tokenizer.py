@@ -54,3 +54,36 @@ def test_hf_errors(tokenizer_json, tmp_path):
     load_tokenizer(str(path))
   tok = load_tokenizer(str(path), eos_token="b")  # no bos: allowed; pad falls back to eos
   assert tok.bos_id is None and tok.pad_id == tok.eos_id == 1
+
+
+def test_a_missing_tokenizer_json_names_the_fix_that_applies(tmp_path):
+  """No tokenizer at all: copy it from the base model; a slow tokenizer only: convert it."""
+  with pytest.raises(FileNotFoundError) as e:
+    load_tokenizer(str(tmp_path))
+  assert "saved without its tokenizer. Copy tokenizer.json and tokenizer_config.json" in str(e.value)
+  assert "convert" not in str(e.value).lower()
+  (tmp_path / "tokenizer.model").write_bytes(b"\x00")
+  with pytest.raises(FileNotFoundError) as e:
+    load_tokenizer(str(tmp_path))
+  assert f"{tmp_path} has ['tokenizer.model'], a slow tokenizer" in str(e.value)
+  assert (f"AutoTokenizer.from_pretrained('{tmp_path}').save_pretrained('{tmp_path}')"
+          in str(e.value))
+
+
+def test_no_eos_token_lists_the_special_tokens_to_name(tokenizer_json, tmp_path):
+  import json
+  import shutil
+
+  from lowrl.checkpoints.tokenizer import MissingEosError
+  shutil.copy(tokenizer_json, tmp_path / "tokenizer.json")
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+  with pytest.raises(MissingEosError) as e:
+    load_tokenizer(str(tmp_path))
+  assert e.value.specials == ("<pad>", "<s>", "</s>")
+  assert e.value.config_file == str(tmp_path / "tokenizer_config.json")
+  assert str(e.value) == (
+      f"No eos token in {str(tmp_path)!r}: tokenizer_config.json, generation_config.json and "
+      "config.json define none. Name the token that ends a completion: pass eos_token=... "
+      "explicitly (its special tokens: ['<pad>', '<s>', '</s>']), or add \"eos_token\" to "
+      f"{tmp_path / 'tokenizer_config.json'}.")
+  assert load_tokenizer(str(tmp_path), eos_token="</s>").eos_ids == (2,)

@@ -477,7 +477,8 @@ def test_tokenizer_round_trip_and_special_ids(tmp_path, style):
 
 
 def test_tokenizer_overrides_and_errors(tmp_path):
-  with pytest.raises(FileNotFoundError, match="tokenizer.json not found.*save_pretrained"):
+  with pytest.raises(FileNotFoundError, match="tokenizer.json not found.*saved without its "
+                                              "tokenizer. Copy tokenizer.json"):
     load_tokenizer(tmp_path)
   (tmp_path / "tokenizer.json").write_text("{not json")
   with pytest.raises(ValueError, match="cannot be parsed"):

@@ -64,3 +64,19 @@ def test_dotted_paths_and_digest():
   text = '{"a": [1, 2], "b": "x"}'
   assert run_config.digest({"b": "x", "a": (1, 2)}, 12) == hashlib.sha256(
       text.encode()).hexdigest()[:12]
+
+
+def test_a_knob_added_later_is_off_in_a_config_saved_without_it(tmp_path):
+  """model.eos_token (an OFF_UNLESS_SET knob): a workdir whose config.json predates it resumes
+  unchanged under the same fingerprint; setting it is a change."""
+  c = _tiny_config()
+  run_config.check_or_write(str(tmp_path), c, resuming=False, allow_change=False)
+  saved = json.load(open(tmp_path / "config.json"))
+  del saved["config"]["model"]["eos_token"]  # as written before the knob existed
+  json.dump(saved, open(tmp_path / "config.json", "w"))
+  assert run_config.check_or_write(str(tmp_path), c, resuming=True, allow_change=False) == []
+  fp = run_config.fingerprint(c)  # (the default config's is pinned: test_schema.py)
+  c.model.eos_token = "</s>"
+  assert run_config.check_or_write(str(tmp_path), c, resuming=True, allow_change=True) == [
+      "model.eos_token: '' -> '</s>'"]
+  assert run_config.fingerprint(c) != fp

@@ -34,3 +34,27 @@ def test_logs_of_an_earlier_attempt_are_moved_not_overwritten(tmp_path):
   assert dest == str(tmp_path / "previous" / "0")
   assert (tmp_path / "previous" / "0" / "metrics.jsonl").read_text() == '{"step": 1}\n'
   assert not run_logs.has_logs(str(tmp_path))
+
+
+def test_one_clock_for_the_run(monkeypatch):
+  """Inside a run (run_clock) every Eta's elapsed counts from the run's start: the SFT's, the
+  RL loop's (created later) and the final line's add up instead of restarting at 0."""
+  now = [100.0]
+  monkeypatch.setattr(run_logs.time, "time", lambda: now[0])
+  seen = {}
+
+  @run_logs.run_clock
+  def a_run():
+    now[0] += 5  # setup
+    sft = run_logs.Eta(total=2)
+    now[0] += 10
+    seen["sft"] = sft.update(1)
+    rl = run_logs.Eta(total=4)  # created after the SFT, as the loop's
+    now[0] += 20
+    seen["rl"] = rl.update(1)
+    return now[0] - run_logs.run_started()
+
+  assert a_run() == 35.0
+  assert seen == {"sft": "elapsed 15s eta ?", "rl": "elapsed 35s eta ?"}
+  assert run_logs.run_started() is None  # reset after the run
+  assert run_logs.Eta(total=1).update(1) == "elapsed 0s eta ?"  # outside a run: its own start

@@ -16,7 +16,7 @@ from lowrl.training.setup import build
 # changed none; regenerated since for deliberate changes: sft.steps 150 -> 50, eval_every 0 -> 10,
 # rl.routing_replay, the simulator's reduced grid, optimizer.compute_cast_rounding, the
 # ablation's sr_travel, its 5 seeds / descriptive_seeds, its default groups and
-# paired.distance_groups), generated with run_config.to_json(configs.<name>.get_config()) (and precision.recipe(name).to_dict(),
+# paired.distance_groups, model.eos_token), generated with run_config.to_json(configs.<name>.get_config()) (and precision.recipe(name).to_dict(),
 # simulator.default_config()). A deliberate change of a value regenerates it the same way.
 ON_MAIN = json.loads((tiny.REPO / "tests" / "data" / "configs_on_main.json").read_text())
 _set = run_config.set_path
@@ -96,6 +96,10 @@ def test_defaults_are_fresh_per_config():
     ("rl.num_minibatches", 3, "--config.rl.num_minibatches=3: rl.num_prompts * rl.group_size = "
      "256 is not divisible by it."),
     ("rl.mis_low", 6.0, "--config.rl: Need 0 <= mis_low < mis_high"),
+    # Range checks of the loss / update types, which name their own fields: under the flag.
+    ("rl.clip_eps_low", 1.5, "--config.rl.clip_eps_low must be in [0, 1)"),
+    ("rl.tis_cap", -1.0, "--config.rl.tis_cap must be > 0, got -1.0."),
+    ("rl.mu", 0, "--config.rl.mu (inner updates per batch) must be >= 1, got 0."),
     ("rl.overlong_buffer", 9, "--config.rl.overlong_buffer=9: must be in [0, rl.max_new_tokens=8]"),
     ("rl.std_ddof", 2, "--config.rl.std_ddof=2: use one of 0, 1."),
     ("optimizer.grad_clip", 0.0, "--config.optimizer.grad_clip=0.0: must be > 0 or None."),
@@ -140,7 +144,8 @@ def test_simulator_shares_the_loop_sections():
   assert (set(sim.optimizer.keys()) | {"loss_scale", "compute_cast_rounding"}
           == set(train.optimizer.keys()))
   # The loop's model section adds the real-checkpoint knobs to the shared ones.
-  assert set(train.model.keys()) - set(sim.model.keys()) == {"hf_checkpoint", "param_dtype"}
+  assert set(train.model.keys()) - set(sim.model.keys()) == {"hf_checkpoint", "param_dtype",
+                                                              "eos_token"}
   assert set(sim.model.keys()) < set(train.model.keys())
   assert set(sim.sft.keys()) == {"steps", "lr", "batch_size"}
   assert (sim.rl.steps, sim.rl.num_prompts, sim.optimizer.lr, sim.sft.steps) == (400, 8, 3e-3, 0)
@@ -164,6 +169,30 @@ def test_simulator_build_runs_the_same_checks(path, value, message):
   with pytest.raises(ValueError) as e:
     simulator.build(c)
   assert str(e.value).startswith(message), str(e.value)
+
+
+@pytest.mark.parametrize("path, value, message", [
+    # lowrl.precision's and ModelConfig's own range checks, reported under the flag.
+    ("precision.bf16_last_fraction", 2.0, "--config.precision.bf16_last_fraction=2.0 must be in "
+     "[0, 1] (0 disables the high-precision tail)."),
+    ("model.n_layers", 0, "--config.model.n_layers must be a positive int, got 0."),
+])
+def test_build_range_errors_name_the_flag(path, value, message):
+  c = base.get_config("bf16")
+  _set(c, path, value)
+  with pytest.raises(ValueError) as e:
+    build(c)
+  assert str(e.value) == message
+
+
+def test_precision_errors_name_every_flag_they_mention():
+  c = base.get_config("bf16")
+  c.precision.act_per_token = True  # needs a quantized format; bf16 has none
+  with pytest.raises(ValueError) as e:
+    build(c)
+  assert str(e.value) == ("--config.precision.act_per_token=True needs a quantized format; set "
+                          "--config.precision.format (e.g. nvfp4) or "
+                          "--config.precision.act_per_token=False.")
 
 
 def test_loop_build_validates_before_building_the_task():

@@ -230,7 +230,8 @@ def test_build_rejects_double_correction_and_bad_ddof():
   for correction in ("tis", "mis"):
     c = _tiny_config()
     c.rl.old_logp_source, c.rl.correction = "sampler", correction
-    with pytest.raises(ValueError, match="rl.correction=.* rl.old_logp_source=sampler"):
+    with pytest.raises(ValueError, match="^--config.rl.correction=.* "
+                                         "--config.rl.old_logp_source=sampler"):
       build(c)
 
 
