@@ -19,11 +19,12 @@ import optax
 from lowrl import hardware, memory, precision, quant_blocks, sharding
 from lowrl.checkpoints import hf, hf_config
 from lowrl.models import init, kv_cache, layout, routing
+from lowrl.models import lora as lora_lib
 from lowrl.models.config import ModelConfig
 from lowrl.sampling import SamplingConfig
 from lowrl.tasks.base import Task
 from lowrl.tasks.registry import make_task
-from lowrl.training import compute_cast, optimizer, run_config, schema, sft
+from lowrl.training import compute_cast, lora_update, optimizer, run_config, schema, sft
 from lowrl.training.base_store import BaseConfig
 from lowrl.training.rl_update import UpdateConfig, update_config_from
 from lowrl.training.schedule import AsyncSchedule
@@ -125,6 +126,7 @@ class Setup:
   hardware: str  # the `hardware` knob
   device_memory: tuple[float | None, str] = (None, "")  # memory.device_memory(hardware)
   lr_schedule: Any = None  # the optimizer's learning-rate schedule (optax.Schedule), per update
+  lora: lora_lib.LoraConfig | None = None  # LoRA adapters on a frozen base; None = full FT
 
   @property
   def batch_size(self) -> int:
@@ -146,6 +148,10 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
     except ValueError as e:
       raise ValueError(f"--config.rl.routing_replay: {e}") from None
   matmuls = layout.matmuls(model_cfg)
+  lora_cfg = lora_lib.config_from(cfg.lora)
+  if lora_cfg is not None:
+    lora_lib.check(lora_cfg, model_cfg)
+    lora_update.check_config(cfg)
   trainer_policy = precision.make_policy(cfg.precision, matmuls)
   sampler_cfg = cfg.precision
   if cfg.sampler_precision.recipe:
@@ -153,6 +159,9 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   kv_cache.check_mode(cfg.sampler_precision.kv_cache, model_cfg.head_dim)
   sampler_policy = dataclasses.replace(precision.make_policy(sampler_cfg, matmuls),
                                        kv_cache=cfg.sampler_precision.kv_cache)
+  # Both sides add the adapters with the same precision (exact mode: one forward).
+  trainer_policy = lora_lib.adapter_policy(trainer_policy, lora_cfg)
+  sampler_policy = lora_lib.adapter_policy(sampler_policy, lora_cfg)
   stop = task.tokenizer.eos_ids  # every eos of a checkpoint ends a completion
   sampling = SamplingConfig(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
                             top_k=rl.top_k, top_p=rl.top_p, stop_tokens=stop,
@@ -194,7 +203,7 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   return Setup(loop, base, record, task, model_cfg, trainer_policy, sampler_policy, sampling,
                eval_sampling, update_cfg, BatchConfig.from_rl(rl, rl.max_new_tokens), tx,
                schedule, plan, est, cfg.hardware, budget,
-               lr_schedule=optimizer.make_schedule(cfg.optimizer, updates))
+               lr_schedule=optimizer.make_schedule(cfg.optimizer, updates), lora=lora_cfg)
 
 
 # The loop's flags that shrink each term of the estimate (memory.KNOB_HINTS's keys).

@@ -52,7 +52,7 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer, base, resuming: bool, wo
   checkpoint when resuming; on the mesh (a host-stored reference stays on the host)."""
   setup = trainer.setup
   knobs = setup.loop
-  base = trainer.place(optimizer.to_master(base, knobs.master_dtype))
+  base = trainer.place(optimizer.to_master(trainer.with_adapters(base), knobs.master_dtype))
   # The update donates `params`: the reference needs buffers of its own (`storage.keep`).
   ref = storage.keep(base, knobs.ref_storage) if knobs.keep_reference else None
   state = state_tree(base, trainer.init_opt_state(base),
@@ -95,7 +95,7 @@ def params_at(cfg: ml_collections.ConfigDict, workdir: str, step: int | None,
   params = jax.eval_shape(lambda p: optimizer.to_master(p, knobs.master_dtype),
                           trainer.param_shapes)
   state = jax.eval_shape(lambda p: state_tree(
-      p, optimizer.init_opt_state(trainer.tx, p), jax.random.key_data(jax.random.key(0)),
+      p, trainer.opt_init(p), jax.random.key_data(jax.random.key(0)),
       p if knobs.keep_reference else None, {}), params)
   state = state_at(state, trainer.setup.schedule, step)
   ckpt = Checkpointer(os.path.join(workdir, CHECKPOINTS), every=knobs.checkpoint_every)
