@@ -12,7 +12,7 @@ import numpy as np
 from lowrl import distributed, precision
 from lowrl.models import blocks, calibration, init, layout, lora
 from lowrl.rl.mismatch import mismatch_metrics
-from lowrl.sampling import SampleOutput, Sampler, refit, rescore
+from lowrl.sampling import SampleOutput, Sampler, adapter_sync, refit, rescore
 from lowrl.sampling.act_scales import calibration_paths
 from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
 from lowrl.training import (compute_cast, diagnostics, lora_update, optimizer, probes,
@@ -96,7 +96,9 @@ class Trainer:
                               static_argnames=("model_cfg", "policy", "paths"))
     self.calib_tokens, self.calib_mask = self._calibration_batch(repl)
     # The sampler's weights between syncs (packed, + static scales) and the refit check.
-    self.refit = refit.Refitter(setup.model_cfg, setup.sampler_policy,
+    # A LoRA run's sync moves only the adapters after the first (lowrl.sampling.adapter_sync).
+    refitter = refit.Refitter if setup.lora is None else adapter_sync.AdapterRefitter
+    self.refit = refitter(setup.model_cfg, setup.sampler_policy,
                                 lambda p: self.act_amax(p, setup.sampler_policy),
                                 check_every=knobs.refit_check_every, log=log)
     # Gradient bias vs FP32 and update erasure (diagnostics.every): programs of their own (the
