@@ -11,6 +11,7 @@ import tiny
 
 from lowrl.models import lora
 from lowrl.training import loop
+from lowrl.training.setup import build
 from lowrl.training.state import final_params
 
 STEPS = 3
@@ -90,3 +91,24 @@ def test_interrupted_lora_run_resumes_bit_identically(lora_run, base_dir, tmp_pa
   got, want = final_params(cfg, str(tmp_path)), final_params(cfg, lora_run)
   for x, y in zip(jax.tree.leaves(lora.split(got)[1]), jax.tree.leaves(lora.split(want)[1])):
     np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+
+
+def test_export_merged_and_peft(lora_run, base_dir, tmp_path):
+  """experiments.export_hf of a LoRA run: merged kernels W + A B alpha / r by default, the
+  adapters alone in PEFT's layout with --lora_format=peft (both read back exactly)."""
+  from experiments import export_hf
+  from lowrl.checkpoints import load_hf_checkpoint, peft_adapters
+  cfg = lora_config(base_dir)
+  params = jax.tree.map(np.asarray, final_params(cfg, lora_run))
+  merged_dir, peft_dir = str(tmp_path / "merged"), str(tmp_path / "peft")
+  export_hf.export(lora_run, merged_dir, log=_quiet)
+  _, loaded = load_hf_checkpoint(merged_dir)
+  want = lora.merged_kernels(params, cfg.lora.alpha / cfg.lora.rank)
+  assert jax.tree.structure(loaded) == jax.tree.structure(want)
+  for x, y in zip(jax.tree.leaves(loaded), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  export_hf.export(lora_run, peft_dir, lora_format="peft", log=_quiet)
+  got_cfg, adapters = peft_adapters.load_adapters(peft_dir, build(cfg).model_cfg)
+  assert (got_cfg.rank, got_cfg.alpha) == (4, 8.0)
+  for x, y in zip(jax.tree.leaves(adapters), jax.tree.leaves(lora.split(params)[1])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
