@@ -119,6 +119,11 @@ def adapter_policy(policy: PrecisionPolicy, cfg: LoraConfig | None) -> Precision
   return policy if cfg is None else dataclasses.replace(policy, adapter=cfg.precision)
 
 
+def num_params(cfg: LoraConfig, model_cfg: ModelConfig) -> int:
+  """Adapter parameters: r (in + out) per targeted matmul."""
+  return sum(cfg.rank * (m.in_features + m.out_features) for m in targets(cfg, model_cfg))
+
+
 def _module_keys(m: layout.Matmul) -> tuple[str, ...]:
   return m.param_keys[:-1]  # ("layers_0", "attn", "q_proj")
 

@@ -181,7 +181,9 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   seq_len = task.max_prompt_len + rl.max_new_tokens
   plan = _mesh_plan(cfg, model_cfg, trainer_policy, sampler_policy, seq_len=seq_len)
   est = memory_estimate(cfg, model_cfg, trainer_policy, sampler_policy, plan, schedule, seq_len,
-                        keep_reference=loop.keep_reference)
+                        keep_reference=loop.keep_reference,
+                        adapter_params=0 if lora_cfg is None else lora_lib.num_params(lora_cfg,
+                                                                                      model_cfg))
   budget = memory.device_memory(cfg.hardware)
   if budget[0] is not None:
     try:
@@ -229,14 +231,15 @@ def memory_estimate(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
                     trainer_policy: precision.PrecisionPolicy,
                     sampler_policy: precision.PrecisionPolicy, plan: sharding.ShardingPlan,
                     schedule: AsyncSchedule, seq_len: int, *,
-                    keep_reference: bool) -> memory.MemoryEstimate:
+                    keep_reference: bool, adapter_params: int = 0) -> memory.MemoryEstimate:
   """The per-device memory estimate of one RL step of this run (lowrl.memory.estimate).
 
   What the loop holds: FP32 Adam moments over the master params (optimizer.master_dtype), the
   reference params when `keep_reference` (LoopConfig.keep_reference), the schedule's parameter
   copies, the RL sampler's KV cache (all rows, the sampler policy's compute dtype; the eval
   samplers' caches are left out, as in lowrl.memory); each PPO minibatch is one optimizer step
-  over `rl.micro_batches` forward/backward passes.
+  over `rl.micro_batches` forward/backward passes. `adapter_params`: a LoRA run's adapters
+  (the gradients and Adam moments then cover them alone; memory.estimate).
   """
   rl = cfg.rl
   rows = rl.num_prompts * rl.group_size
@@ -257,7 +260,7 @@ def memory_estimate(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
       async_dtype=stored(cfg.async_rl.version_storage),
       kv_cache_dtype=sampler_policy.compute_dtype, sampler_batch=rows, ppo_epochs=rl.mu,
       score_forwards=2 if stale else 1, minibatches=rl.num_minibatches,
-      expert_parallel=_expert_parallel(model_cfg, plan))
+      expert_parallel=_expert_parallel(model_cfg, plan), adapter_params=adapter_params)
 
 
 def _expert_parallel(model_cfg: ModelConfig, plan: sharding.ShardingPlan) -> int:

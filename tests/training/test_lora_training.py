@@ -109,3 +109,18 @@ def test_trainer_initial_params_compute_the_base():
   want = transformer.forward(base, tokens, full.model_cfg, full.trainer_policy)
   got = transformer.forward(params, tokens, setup.model_cfg, setup.trainer_policy)
   np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+
+
+def test_memory_estimate_counts_adapters_and_trains_only_them():
+  """The per-device estimate of a LoRA run: params = the full run's + the adapters (FP32), the
+  gradients and Adam's two FP32 moments of the adapters alone (counted from the adapter tree).
+  The tests' 8 fake devices split the base's terms 8 ways: the full run's terms are per device,
+  the adapters (replicated) whole."""
+  full = build(tiny.loop_config("fp32")).memory
+  setup = build(_config())
+  n = sum(x.size for x in jax.tree.leaves(lora.adapter_shapes(setup.lora, setup.model_cfg)))
+  assert n == lora.num_params(setup.lora, setup.model_cfg) > 0
+  est = setup.memory
+  assert est.params == full.params + 4 * n
+  assert est.grads == 4 * n and est.optimizer == 2 * 4 * n
+  assert est.reference == full.reference + 4 * n  # the reference copies the whole tree
