@@ -50,7 +50,7 @@ from configs import base as base_config  # noqa: E402
 from lowrl import user_cache  # noqa: E402
 from lowrl.checkpoints import hf, hf_config, hf_quantized, peft_adapters  # noqa: E402
 from lowrl.models import calibration, init, layout, lora  # noqa: E402
-from lowrl.training import run_config  # noqa: E402
+from lowrl.training import base_store, run_config  # noqa: E402
 from lowrl.training.setup import Setup, build  # noqa: E402
 from lowrl.training.trainer import Trainer  # noqa: E402
 from lowrl.training.checkpointing import verify_manifest  # noqa: E402
@@ -199,13 +199,17 @@ def export(workdir: str, out: str, *, step: int | None = None, rollout_format: s
     raise ExportError(f"The run's config does not build here: {e}") from None
   device = jax.local_devices()[0]
   shapes = init.param_shapes(setup.model_cfg)
-  if setup.lora is not None:  # a LoRA run's params carry the adapters next to their kernels
-    shapes = lora.merge(shapes, lora.adapter_shapes(setup.lora, setup.model_cfg))
+  if setup.lora is not None:  # a LoRA run's checkpoints hold its adapters alone
+    shapes = lora.adapter_shapes(setup.lora, setup.model_cfg)
   one = jax.sharding.SingleDeviceSharding(device)
   master = jnp.dtype(cfg.optimizer.master_dtype)  # the loop trains params in this dtype
   abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, master, sharding=one), shapes)
   params, step = _restore_params(os.path.join(workdir, "checkpoints"), step, abstract)
   if setup.lora is not None:
+    base = base_store.load_base(setup.base, setup.task, setup.model_cfg, setup.plan, workdir,
+                                log=lambda _: None)  # the frozen base the adapters sit on
+    params = lora.merge(jax.tree.map(lambda x: jax.device_put(x.astype(master), one), base),
+                        params)
     if lora_format == "peft":
       os.makedirs(out, exist_ok=True)
       peft_adapters.save_adapters(out, params, setup.lora, setup.model_cfg,

@@ -15,7 +15,8 @@ import jax
 import ml_collections
 
 from lowrl import sharding
-from lowrl.training import optimizer, storage
+from lowrl.models import lora
+from lowrl.training import base_store, optimizer, storage
 from lowrl.training.checkpointing import Checkpointer
 from lowrl.training.schedule import AsyncSchedule, VersionBuffer
 from lowrl.training.setup import build
@@ -64,10 +65,14 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer, base, resuming: bool, wo
   start = 0
   if resuming:
     def abstract_for(step: int):
-      shapes = jax.eval_shape(lambda: state_at(state, setup.schedule, step))
+      # A LoRA run's checkpoint holds the adapters alone (Trainer.checkpointed).
+      shapes = jax.eval_shape(lambda: trainer.checkpointed(state_at(state, setup.schedule, step)))
       # Restores onto this run's mesh, whatever mesh saved it.
       return sharding.abstract(shapes, trainer.state_shardings(shapes))
+    frozen = lora.split(state["params"])[0]  # a LoRA run's base, placed (unused otherwise)
     state, meta, start = ckpt.restore_newest_intact(abstract_for, log)
+    # The reference and the versions are copied below (storage.keep): only params keeps `frozen`.
+    state = trainer.restored(state, frozen)
     log(f"[resume] from step {start} (data position {meta['data_position']}) in {workdir}")
     if "ref_params" in state:  # restored onto the devices: back where the run keeps it
       state["ref_params"] = storage.keep(state["ref_params"], knobs.ref_storage)
@@ -97,8 +102,14 @@ def params_at(cfg: ml_collections.ConfigDict, workdir: str, step: int | None,
   state = jax.eval_shape(lambda p: state_tree(
       p, trainer.opt_init(p), jax.random.key_data(jax.random.key(0)),
       p if knobs.keep_reference else None, {}), params)
-  state = state_at(state, trainer.setup.schedule, step)
+  state = trainer.checkpointed(state_at(state, trainer.setup.schedule, step))
   ckpt = Checkpointer(os.path.join(workdir, CHECKPOINTS), every=knobs.checkpoint_every)
   restored, _, _ = ckpt.restore(sharding.abstract(state, trainer.state_shardings(state)),
                                 step=step)
+  if trainer.setup.lora is not None:  # the checkpoint holds the adapters: + the run's base
+    setup = trainer.setup
+    base = base_store.load_base(setup.base, setup.task, setup.model_cfg, setup.plan, workdir,
+                                log=lambda _: None)
+    restored = trainer.restored(restored, trainer.place(optimizer.to_master(
+        base, knobs.master_dtype)))
   return restored["params"]

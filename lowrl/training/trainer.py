@@ -133,6 +133,33 @@ class Trainer:
     key = jax.random.fold_in(jax.random.key(self.setup.loop.seed), _LORA_STREAM)
     return lora.merge(base, lora.init_adapters(lc, self.setup.model_cfg, key))
 
+  def checkpointed(self, state: dict[str, Any]) -> dict[str, Any]:
+    """The tree a checkpoint stores of `state` (lowrl.training.state.state_tree): in a LoRA run
+    its param trees (params, ref_params, versions) as their adapters alone (the base is frozen:
+    `restored` puts the run's base back); the state itself otherwise. Works on shape trees."""
+    if self.setup.lora is None:
+      return state
+    adapters = lambda p: lora.split(p)[1]  # noqa: E731
+    out = dict(state, params=adapters(state["params"]))
+    if "ref_params" in state:
+      out["ref_params"] = adapters(state["ref_params"])
+    if "versions" in state:
+      out["versions"] = {v: adapters(p) for v, p in state["versions"].items()}
+    return out
+
+  def restored(self, state: dict[str, Any], base: Any) -> dict[str, Any]:
+    """Inverse of `checkpointed`: `base` (the run's base params, frozen) merged back into each
+    param tree of a restored checkpoint. The trees share `base`'s buffers: callers keep copies
+    where the update's donation would reach them (lowrl.training.storage.keep)."""
+    if self.setup.lora is None:
+      return state
+    out = dict(state, params=lora.merge(base, state["params"]))
+    if "ref_params" in state:
+      out["ref_params"] = lora.merge(base, state["ref_params"])
+    if "versions" in state:
+      out["versions"] = {v: lora.merge(base, p) for v, p in state["versions"].items()}
+    return out
+
   def state_shardings(self, state: Any) -> Any:
     """Shardings of a state tree: parameter-shaped leaves as the params, the rest replicated."""
     return self.plan.shardings_like_params(state, self.param_shapes)

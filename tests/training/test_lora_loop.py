@@ -67,6 +67,13 @@ def test_lora_run_trains_adapters_only_and_syncs_them(lora_run, base_dir):
     np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
   b = [x for kp, x in jax.tree_util.tree_leaves_with_path(adapters) if kp[-1].key == lora.B]
   assert b and all(np.abs(x).max() > 0 for x in b)  # B left zero: the adapters trained
+  # The checkpoints hold the adapters and their optimizer state, not the frozen base (the
+  # leaves orbax's tree metadata lists under "params").
+  with open(os.path.join(lora_run, "checkpoints", str(STEPS), "state", "_METADATA")) as f:
+    keys = list(json.load(f)["tree_metadata"])
+  params_keys = [k for k in keys if k.startswith("('params',")]
+  assert len(params_keys) == len(jax.tree.leaves(adapters))
+  assert all(k.endswith(("'lora_a')", "'lora_b')")) for k in params_keys)
 
 
 def test_interrupted_lora_run_resumes_bit_identically(lora_run, base_dir, tmp_path):
