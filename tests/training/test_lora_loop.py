@@ -3,6 +3,7 @@ train, the base stays bit for bit, each sync after the first moves the adapters 
 interrupted after step 2 resumes to the uninterrupted run's metrics and adapters bit for bit."""
 import json
 import os
+import signal
 
 import jax
 import numpy as np
@@ -119,3 +120,30 @@ def test_export_merged_and_peft(lora_run, base_dir, tmp_path):
   assert (got_cfg.rank, got_cfg.alpha) == (4, 8.0)
   for x, y in zip(jax.tree.leaves(adapters), jax.tree.leaves(lora.split(params)[1])):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.slow
+def test_lora_run_killed_by_sigkill_resumes_bit_identically(tmp_path):
+  """The training binary under LoRA, SIGKILLed after its step-2 checkpoint, resumed: the
+  uninterrupted run's metrics (but the resumed sampler's first sync, which moves the base
+  again) and final adapters bit for bit."""
+  from test_resume_kill import _at_checkpoint_2, _finish, _train
+  flags = ("--config.lora.rank=4", "--config.lora.alpha=8")
+  full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
+  _finish(_train(full, *flags))
+  proc = _at_checkpoint_2(killed, *flags)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate()
+  assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+  assert "[resume] from step" in _finish(_train(killed, *flags))
+  drop = lambda rows: [{k: v for k, v in r.items() if k != "refit/sync_bytes"}  # noqa: E731
+                       for r in rows]
+  assert drop(_metrics(killed)) == drop(_metrics(full))
+  with open(os.path.join(full, "summary.json")) as f, open(os.path.join(killed,
+                                                                         "summary.json")) as g:
+    assert json.load(f)["eval_end"] == json.load(g)["eval_end"]
+  from experiments.export_hf import run_config_of
+  want = lora.split(final_params(run_config_of(full), full))[1]
+  got = lora.split(final_params(run_config_of(killed), killed))[1]
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
