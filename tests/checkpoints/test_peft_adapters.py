@@ -26,9 +26,11 @@ def _adapted(path, targets=lora.ALL_LINEAR, rank=4, alpha=8.0):
   mc, params = load_hf_checkpoint(path)
   cfg = lora.LoraConfig(rank=rank, alpha=alpha, targets=targets)
   adapters = lora.init_adapters(cfg, mc, jax.random.key(1))
-  adapters = jax.tree_util.tree_map_with_path(
-      lambda kp, x: 0.3 * jax.random.normal(jax.random.key(hash(str(kp)) % 1000), x.shape)
-      if kp[-1].key == lora.B else x, adapters)
+  leaves, treedef = jax.tree.flatten(adapters)  # B drawn too (leaf i from key i): live adapters
+  paths = [kp for kp, _ in jax.tree_util.tree_leaves_with_path(adapters)]
+  adapters = jax.tree.unflatten(treedef, [
+      0.3 * jax.random.normal(jax.random.key(i), x.shape) if kp[-1].key == lora.B else x
+      for i, (kp, x) in enumerate(zip(paths, leaves))])
   return mc, params, cfg, lora.merge(params, adapters)
 
 
