@@ -21,6 +21,7 @@ import ml_collections
 from ml_collections.config_dict import placeholder
 
 from lowrl import precision, sharding
+from lowrl.models import lora
 
 
 def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
@@ -67,6 +68,12 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.sampler_precision.kv_cache = "none"  # the sampler's KV cache format; none = compute dtype
   c.sampler_exact = True  # sampler logprobs from the trainer's forward
   c.refit_check_every = 1  # weight syncs between sampler-weight checks; 0 = off
+
+  c.lora = ml_collections.ConfigDict()  # LoRA adapters on a frozen base (docs/lora.md)
+  c.lora.rank = 0  # adapter rank r; 0 = off (full fine-tuning)
+  c.lora.alpha = 16.0  # the adapter's output is scaled by alpha / rank
+  c.lora.targets = lora.ALL_LINEAR  # regex (fullmatch) over matmul paths that get adapters
+  c.lora.dtype = "float32"  # the adapter products' operands: float32 | bfloat16
 
   c.sft = ml_collections.ConfigDict()  # supervised mid-training of the base
   c.sft.steps = 50  # 0 = RL from the init (or the hf_checkpoint); 50 leaves RL room

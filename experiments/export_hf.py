@@ -3,6 +3,7 @@ r"""Export a training run's policy as a Hugging Face checkpoint.
   python -m experiments.export_hf --workdir=/tmp/lowrl_run --out=/tmp/policy_hf
   python -m experiments.export_hf --workdir=W --out=DIR --step=20 --dtype=bfloat16
   python -m experiments.export_hf --workdir=W --out=DIR --rollout_format=nvfp4   # ModelOpt NVFP4
+  python -m experiments.export_hf --workdir=W --out=DIR --lora_format=peft  # a LoRA run's adapters
 
 Writes config.json + model.safetensors (transformers' AutoModelForCausalLM loads them) from the
 newest checkpoint in <workdir>/checkpoints (or --step), with the model config rebuilt from the
@@ -19,6 +20,11 @@ fused q/k/v and gate/up with one shared global scale), so the file holds the sam
 for bit, else with the format's default quantizer. NVFP4's static activation scales are calibrated
 on the run's calibration batch (train prompts + reference answers) in the trainer's precision, as
 the loop calibrates its sampler; nvfp4_w4a16 (ModelOpt "W4A16_NVFP4") has none.
+
+A LoRA run (lora.rank > 0, docs/lora.md) is written merged, W + A B alpha / r (what PEFT's
+merge_and_unload gives), in any of the formats above; --lora_format=peft writes its adapters alone
+in PEFT's layout (adapter_config.json + adapter_model.safetensors, which PEFT and vLLM's LoRA
+loader read on top of the base).
 
 The export runs on the host CPU (JAX_PLATFORMS=cpu unless set): it restores only the `params`
 subtree and needs no accelerator. Bad input (no checkpoint, unknown step, non-empty --out
@@ -41,9 +47,9 @@ from absl import app, flags  # noqa: E402
 
 from configs import base as base_config  # noqa: E402
 from lowrl import user_cache  # noqa: E402
-from lowrl.checkpoints import hf, hf_config, hf_quantized  # noqa: E402
-from lowrl.models import calibration, init, layout  # noqa: E402
-from lowrl.training import exits, run_config  # noqa: E402
+from lowrl.checkpoints import hf, hf_config, hf_quantized, peft_adapters  # noqa: E402
+from lowrl.models import calibration, init, layout, lora  # noqa: E402
+from lowrl.training import base_store, exits, run_config  # noqa: E402
 from lowrl.training.setup import Setup, build  # noqa: E402
 from lowrl.training.trainer import Trainer  # noqa: E402
 from lowrl.training.checkpointing import verify_manifest  # noqa: E402
@@ -168,9 +174,12 @@ def _calibrated_amax(setup: Setup, params: Any) -> dict[str, jax.Array]:
 
 
 def export(workdir: str, out: str, *, step: int | None = None, rollout_format: str = "",
-           dtype: Any = None, overwrite: bool = False,
+           dtype: Any = None, overwrite: bool = False, lora_format: str = "",
            log: Callable[[str], None] = print) -> dict[str, Any]:
   """Writes the policy of `workdir` at `step` (None: the newest checkpoint) to `out`.
+
+  A LoRA run (lora.rank > 0) is written merged (W + A B alpha / r) unless `lora_format` is
+  "peft": its adapters alone in PEFT's layout (lowrl/checkpoints/peft_adapters.py).
 
   Returns {"step", "out", "tokenizer_files", "rollout_format"}. Raises ExportError naming the fix.
   """
@@ -189,10 +198,29 @@ def export(workdir: str, out: str, *, step: int | None = None, rollout_format: s
     raise ExportError(f"The run's config does not build here: {e}") from None
   device = jax.local_devices()[0]
   shapes = init.param_shapes(setup.model_cfg)
+  if setup.lora is not None:  # a LoRA run's checkpoints hold its adapters alone
+    shapes = lora.adapter_shapes(setup.lora, setup.model_cfg)
   one = jax.sharding.SingleDeviceSharding(device)
   master = jnp.dtype(cfg.optimizer.master_dtype)  # the loop trains params in this dtype
   abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, master, sharding=one), shapes)
   params, step = _restore_params(os.path.join(workdir, "checkpoints"), step, abstract)
+  if setup.lora is not None:
+    base = base_store.load_base(setup.base, setup.task, setup.model_cfg, setup.plan, workdir,
+                                log=lambda _: None)  # the frozen base the adapters sit on
+    params = lora.merge(jax.tree.map(lambda x: jax.device_put(x.astype(master), one), base),
+                        params)
+    if lora_format == "peft":
+      os.makedirs(out, exist_ok=True)
+      peft_adapters.save_adapters(out, params, setup.lora, setup.model_cfg,
+                                  base_model_name_or_path=cfg.model.hf_checkpoint or None)
+      log(f"[export] step {step} of {workdir}: LoRA adapters (r={setup.lora.rank}) in PEFT's "
+          f"layout -> {out}")
+      return {"step": step, "out": out, "tokenizer_files": [], "rollout_format": ""}
+    # The merged model W + A B alpha / r, as PEFT's merge_and_unload writes it.
+    params = lora.merged_kernels(params, setup.lora.scale)
+  elif lora_format:
+    raise ExportError(f"--lora_format={lora_format} needs a LoRA run (lora.rank > 0); this "
+                      "run trained every weight: drop the flag.")
 
   source = _source_checkpoint(cfg)
   if source and not os.path.isfile(os.path.join(source, "tokenizer.json")):
@@ -237,6 +265,9 @@ _DTYPE = flags.DEFINE_enum("dtype", "", list(_DTYPES), "dtype of the written (un
                            "tensors; empty keeps the run's parameter dtype.")
 _COMPILE_CACHE = user_cache.define_compile_cache_flag()
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Write into a non-empty --out directory.")
+_LORA_FORMAT = flags.DEFINE_enum("lora_format", "", ["", "peft"], "A LoRA run: empty writes the "
+                                 "merged model; peft writes adapter_config.json + "
+                                 "adapter_model.safetensors (the adapters alone).")
 
 
 def _fail(msg: str) -> None:
@@ -252,7 +283,7 @@ def main(argv):
   try:
     export(_WORKDIR.value, _OUT.value, step=_STEP.value, rollout_format=_ROLLOUT.value,
            dtype=_DTYPES[_DTYPE.value], overwrite=_OVERWRITE.value,
-           log=lambda s: print(s, flush=True))
+           lora_format=_LORA_FORMAT.value, log=lambda s: print(s, flush=True))
   except (ExportError, FileNotFoundError) as e:
     _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
 

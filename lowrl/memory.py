@@ -215,7 +215,8 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
              async_versions: int = 0, async_dtype: str = "float32",
              kv_cache_dtype: str = "bfloat16", sampler_batch: int | None = None,
              ppo_epochs: int = 1, score_forwards: int = 1,
-             minibatches: int = 1, expert_parallel: int = 1) -> MemoryEstimate:
+             minibatches: int = 1, expert_parallel: int = 1,
+             adapter_params: int = 0) -> MemoryEstimate:
   """Per-device memory and per-step FLOPs of GRPO-style RL on `model_cfg` (module docstring).
 
   Args:
@@ -238,6 +239,10 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
     score_forwards: forwards per step that score the batch without a gradient (pi_old).
     minibatches: optimizer steps per pass over the batch (PPO minibatches).
     expert_parallel: devices of `data` on the mesh's expert axis (MoE; divides mesh[0]).
+    adapter_params: LoRA adapter parameters (lowrl.models.lora; 0 = full fine-tuning): held
+      whole on every device beside the frozen base (in param_dtype, in the reference and the
+      versions too, which copy the whole tree); the gradients and Adam's moments then cover the
+      adapters alone.
   """
   cfg = model_cfg
   for flag, value, minimum in (("batch", batch, 1), ("micro_batch", micro_batch, 1),
@@ -281,11 +286,14 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
   # FSDP over every device; with expert parallelism the non-expert weights over devices / e.
   per_device = lambda b: (_cdiv(n_experts * b, devices)  # noqa: E731
                           + _cdiv((n - n_experts) * b, devices // expert_parallel))
-  params = per_device(p_bytes)
-  grads = per_device(p_bytes) * (2 if micro_batch < step_batch else 1)
-  optimizer = 2 * per_device(o_bytes)
-  reference = per_device(r_bytes) if keep_reference else 0
-  versions = async_versions * per_device(a_bytes)
+  _check_int("adapter_params", adapter_params, 0)
+  held = lambda b: per_device(b) + adapter_params * b  # noqa: E731  (base + adapters)
+  trained = (lambda b: adapter_params * b) if adapter_params else per_device  # noqa: E731
+  params = held(p_bytes)
+  grads = trained(p_bytes) * (2 if micro_batch < step_batch else 1)
+  optimizer = 2 * trained(o_bytes)
+  reference = held(r_bytes) if keep_reference else 0
+  versions = async_versions * held(a_bytes)
 
   d, L, T = cfg.d_model, cfg.n_layers, seq_len
   q = _split(cfg.q_dim, cfg.n_heads, model)
@@ -359,6 +367,8 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
               ("logprob_chunk", cfg.logprob_chunk),
               ("kv_cache_dtype", kv_cache_dtype), ("ppo_epochs", ppo_epochs),
               ("score_forwards", score_forwards))
+  if adapter_params:
+    settings += (("lora_adapter_params", adapter_params),)
   if cfg.is_moe:
     settings += (("experts", f"{cfg.n_experts} (top-{cfg.n_experts_per_tok})"),
                  ("expert_parallel", expert_parallel))

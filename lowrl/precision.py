@@ -84,6 +84,24 @@ def bf16_tail_layers(n_layers: int, fraction: float) -> tuple[int, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
+class AdapterPrecision:
+  """How the low-rank adapters of a LoRA run compute (lowrl.models.lora): `(x A) B * scale`
+  with both products taking `compute_dtype` operands and accumulating in FP32.
+
+  Attributes:
+    scale: alpha / rank.
+    compute_dtype: "float32" or "bfloat16" (the adapter's precision, whatever the base's).
+  """
+
+  scale: float
+  compute_dtype: str = "float32"
+
+  def __post_init__(self):
+    if self.compute_dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"adapter compute_dtype={self.compute_dtype!r}; use float32 or bfloat16.")
+
+
+@dataclasses.dataclass(frozen=True)
 class PrecisionPolicy:
   """Frozen matmul-path -> QDotConfig map (a static argument of jitted model functions).
 
@@ -98,6 +116,8 @@ class PrecisionPolicy:
       engine's fused linear holds the values the policy computes; "per_linear": each its own.
     kv_cache: what the KV cache stores, one of KV_CACHE_MODES ("none": compute_dtype); a
       quantized cache reads static K/V scales (lowrl.models.kv_cache).
+    adapter: how LoRA adapters found in the params compute (None: a tree with adapters is an
+      error; lowrl.models.lora.adapter_policy sets it).
   """
 
   rules: tuple[tuple[str, QDotConfig], ...]
@@ -105,6 +125,7 @@ class PrecisionPolicy:
   name: str = ""
   weight_scales: str = "fused"
   kv_cache: str = "none"
+  adapter: AdapterPrecision | None = None
 
   def __post_init__(self):
     if self.compute_dtype not in COMPUTE_DTYPES:

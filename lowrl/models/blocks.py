@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrl.models import fused_scales, kv_cache, layout, moe
+from lowrl.models import fused_scales, kv_cache, layout, lora, moe
 from lowrl.models.config import ModelConfig
 from lowrl.models.row_sharding import constrain_unsplit
 from lowrl.precision import PrecisionPolicy, activation_scaling
@@ -137,6 +137,13 @@ class QDense(nn.Module):
     if self.use_bias:
       bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
       y = y + bias.astype(jnp.float32)
+    if self.has_variable("params", lora.A):  # a LoRA adapter next to the kernel (models/lora.py)
+      if self.policy.adapter is None:
+        raise ValueError(f"{layout.matmul_path(self.layer, self.matmul)} has LoRA adapters but "
+                         "the policy has no adapter precision; use lora.adapter_policy(policy, "
+                         "lora_cfg).")
+      y = y + lora.adapter_delta(x, self.get_variable("params", lora.A),
+                                 self.get_variable("params", lora.B), self.policy.adapter)
     return y.astype(self.out_dtype or self.policy.dtype)
 
 

@@ -288,7 +288,8 @@ def _train(trainer: Trainer, ckpt: Checkpointer, writer, workdir: str, start: in
     state = state_tree(params, opt_state, jax.random.key_data(base_key), ref_params,
                        {str(v): versions.get(v) for v in versions.versions() if v != done})
     stopping = preemption.agreed(stop)
-    ckpt.save(done, state, {"data_position": done, "step": done, "config_fingerprint": fp},
+    ckpt.save(done, trainer.checkpointed(state),  # a LoRA run: its adapters alone
+              {"data_position": done, "step": done, "config_fingerprint": fp},
               force=done == knobs.steps or stopping or done in knobs.keep_steps)
     if stopping:
       ckpt.wait()

@@ -17,6 +17,7 @@ from typing import Any
 
 import ml_collections
 
+from lowrl.models import lora
 from lowrl.training import schema
 from lowrl.training.run_logs import WorkdirError
 from lowrl.training.schema import flatten  # noqa: F401 (run_config.flatten, for callers)
@@ -84,7 +85,9 @@ def to_json(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
 
 # Knobs added after runs existed, fingerprinted only when set (their value here = off), so that
 # every run of a config without them keeps its fingerprint (and its grid lines and workdirs).
-OFF_UNLESS_SET = {"sft.outlier_channels": 0, "sft.outlier_gain": 1.0, "model.eos_token": ""}
+OFF_UNLESS_SET = {"sft.outlier_channels": 0, "sft.outlier_gain": 1.0, "model.eos_token": "",
+                  "lora.rank": 0, "lora.alpha": 16.0, "lora.targets": lora.ALL_LINEAR,
+                  "lora.dtype": "float32"}
 
 
 def fingerprint(cfg: ml_collections.ConfigDict) -> str:

@@ -24,6 +24,7 @@ import dataclasses
 import ml_collections
 
 from lowrl import memory, precision, sharding
+from lowrl.models.lora import ADAPTER_DTYPES
 from lowrl.rl.advantages import ADVANTAGE_MODES
 from lowrl.rl.corrections import CORRECTION_LEVELS, CORRECTION_MODES
 from lowrl.rl.kl import KL_ESTIMATORS
@@ -351,6 +352,16 @@ def _fractions(flag: str, value) -> None:
                      "'(0.25,0.5)'; () = none.")
 
 
+LORA = Section("lora", (
+    knob("rank", "LoRA adapter rank r (0 = off: every weight trained); the base is then frozen "
+         "and only the adapters are trained and synced (docs/lora.md)", NON_NEGATIVE),
+    knob("alpha", "the adapters' output scale is alpha / rank (PEFT's lora_alpha)"),
+    knob("targets", "regex (fullmatch) over matmul paths (layers_3/attn/q_proj, lm_head) that "
+         "get adapters; default: every linear layer of the blocks (PEFT's all-linear)"),
+    knob("dtype", "precision of the adapter products' operands (FP32 accumulation): " +
+         " | ".join(ADAPTER_DTYPES), OneOf(ADAPTER_DTYPES)),
+))
+
 _EVAL_NUM_PROMPTS = knob("eval_num_prompts", "held-out eval-split prompts", POSITIVE)
 
 # The training loop (configs/base.py). Sections in the order --print_config lists them.
@@ -381,6 +392,7 @@ TRAIN = Schema((
                  knob("refit_check_every", "weight syncs between refit checks (the sampler's "
                       "quantized weights and scales vs a fresh quantization of the trainer's, "
                       "bit for bit; metric refit/mismatched_tensors); 0 = off", NON_NEGATIVE))),
+    LORA,
     TRAIN_SFT,
     TRAIN_RL,
     TRAIN_OPTIMIZER,

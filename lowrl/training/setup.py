@@ -20,11 +20,12 @@ from lowrl import hardware, memory, precision, quant_blocks, sharding
 from lowrl.checkpoints import hf, hf_config
 from lowrl.checkpoints.tokenizer import MissingEosError, Tokenizer, load_tokenizer
 from lowrl.models import init, kv_cache, layout, routing
+from lowrl.models import lora as lora_lib
 from lowrl.models.config import ModelConfig
 from lowrl.sampling import SamplingConfig
 from lowrl.tasks.base import Task
 from lowrl.tasks.registry import make_task
-from lowrl.training import compute_cast, optimizer, run_config, schema, sft
+from lowrl.training import compute_cast, lora_update, optimizer, run_config, schema, sft
 from lowrl.training.base_store import BaseConfig
 from lowrl.training.knobs import as_flags
 from lowrl.training.rl_update import UpdateConfig, update_config_from
@@ -127,6 +128,7 @@ class Setup:
   hardware: str  # the `hardware` knob
   device_memory: tuple[float | None, str] = (None, "")  # memory.device_memory(hardware)
   lr_schedule: Any = None  # the optimizer's learning-rate schedule (optax.Schedule), per update
+  lora: lora_lib.LoraConfig | None = None  # LoRA adapters on a frozen base; None = full FT
 
   @property
   def batch_size(self) -> int:
@@ -148,6 +150,10 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
     except ValueError as e:
       raise ValueError(f"--config.rl.routing_replay: {e}") from None
   matmuls = layout.matmuls(model_cfg)
+  lora_cfg = lora_lib.config_from(cfg.lora)
+  if lora_cfg is not None:
+    lora_lib.check(lora_cfg, model_cfg)
+    lora_update.check_config(cfg)
   try:  # lowrl.precision names its knobs `precision.x`; the flag is --config.precision.x
     trainer_policy = precision.make_policy(cfg.precision, matmuls)
   except ValueError as e:
@@ -158,6 +164,9 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   kv_cache.check_mode(cfg.sampler_precision.kv_cache, model_cfg.head_dim)
   sampler_policy = dataclasses.replace(precision.make_policy(sampler_cfg, matmuls),
                                        kv_cache=cfg.sampler_precision.kv_cache)
+  # Both sides add the adapters with the same precision (exact mode: one forward).
+  trainer_policy = lora_lib.adapter_policy(trainer_policy, lora_cfg)
+  sampler_policy = lora_lib.adapter_policy(sampler_policy, lora_cfg)
   stop = task.tokenizer.eos_ids  # every eos of a checkpoint ends a completion
   sampling = SamplingConfig(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
                             top_k=rl.top_k, top_p=rl.top_p, stop_tokens=stop,
@@ -177,7 +186,9 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   seq_len = task.max_prompt_len + rl.max_new_tokens
   plan = _mesh_plan(cfg, model_cfg, trainer_policy, sampler_policy, seq_len=seq_len)
   est = memory_estimate(cfg, model_cfg, trainer_policy, sampler_policy, plan, schedule, seq_len,
-                        keep_reference=loop.keep_reference)
+                        keep_reference=loop.keep_reference,
+                        adapter_params=0 if lora_cfg is None else lora_lib.num_params(lora_cfg,
+                                                                                      model_cfg))
   budget = memory.device_memory(cfg.hardware)
   if budget[0] is not None:
     try:
@@ -199,7 +210,7 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   return Setup(loop, base, record, task, model_cfg, trainer_policy, sampler_policy, sampling,
                eval_sampling, update_cfg, BatchConfig.from_rl(rl, rl.max_new_tokens), tx,
                schedule, plan, est, cfg.hardware, budget,
-               lr_schedule=optimizer.make_schedule(cfg.optimizer, updates))
+               lr_schedule=optimizer.make_schedule(cfg.optimizer, updates), lora=lora_cfg)
 
 
 # The loop's flags that shrink each term of the estimate (memory.KNOB_HINTS's keys).
@@ -225,14 +236,15 @@ def memory_estimate(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
                     trainer_policy: precision.PrecisionPolicy,
                     sampler_policy: precision.PrecisionPolicy, plan: sharding.ShardingPlan,
                     schedule: AsyncSchedule, seq_len: int, *,
-                    keep_reference: bool) -> memory.MemoryEstimate:
+                    keep_reference: bool, adapter_params: int = 0) -> memory.MemoryEstimate:
   """The per-device memory estimate of one RL step of this run (lowrl.memory.estimate).
 
   What the loop holds: FP32 Adam moments over the master params (optimizer.master_dtype), the
   reference params when `keep_reference` (LoopConfig.keep_reference), the schedule's parameter
   copies, the RL sampler's KV cache (all rows, the sampler policy's compute dtype; the eval
   samplers' caches are left out, as in lowrl.memory); each PPO minibatch is one optimizer step
-  over `rl.micro_batches` forward/backward passes.
+  over `rl.micro_batches` forward/backward passes. `adapter_params`: a LoRA run's adapters
+  (the gradients and Adam moments then cover them alone; memory.estimate).
   """
   rl = cfg.rl
   rows = rl.num_prompts * rl.group_size
@@ -253,7 +265,7 @@ def memory_estimate(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
       async_dtype=stored(cfg.async_rl.version_storage),
       kv_cache_dtype=sampler_policy.compute_dtype, sampler_batch=rows, ppo_epochs=rl.mu,
       score_forwards=2 if stale else 1, minibatches=rl.num_minibatches,
-      expert_parallel=_expert_parallel(model_cfg, plan))
+      expert_parallel=_expert_parallel(model_cfg, plan), adapter_params=adapter_params)
 
 
 def _expert_parallel(model_cfg: ModelConfig, plan: sharding.ShardingPlan) -> int:

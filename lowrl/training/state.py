@@ -15,7 +15,8 @@ import jax
 import ml_collections
 
 from lowrl import sharding
-from lowrl.training import optimizer, storage
+from lowrl.models import lora
+from lowrl.training import base_store, optimizer, storage
 from lowrl.training.checkpointing import Checkpointer
 from lowrl.training.schedule import AsyncSchedule, VersionBuffer
 from lowrl.training.setup import build
@@ -52,7 +53,7 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer, base, resuming: bool, wo
   checkpoint when resuming; on the mesh (a host-stored reference stays on the host)."""
   setup = trainer.setup
   knobs = setup.loop
-  base = trainer.place(optimizer.to_master(base, knobs.master_dtype))
+  base = trainer.place(optimizer.to_master(trainer.with_adapters(base), knobs.master_dtype))
   # The update donates `params`: the reference needs buffers of its own (`storage.keep`).
   ref = storage.keep(base, knobs.ref_storage) if knobs.keep_reference else None
   state = state_tree(base, trainer.init_opt_state(base),
@@ -64,10 +65,14 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer, base, resuming: bool, wo
   start = 0
   if resuming:
     def abstract_for(step: int):
-      shapes = jax.eval_shape(lambda: state_at(state, setup.schedule, step))
+      # A LoRA run's checkpoint holds the adapters alone (Trainer.checkpointed).
+      shapes = jax.eval_shape(lambda: trainer.checkpointed(state_at(state, setup.schedule, step)))
       # Restores onto this run's mesh, whatever mesh saved it.
       return sharding.abstract(shapes, trainer.state_shardings(shapes))
+    frozen = lora.split(state["params"])[0]  # a LoRA run's base, placed (unused otherwise)
     state, meta, start = ckpt.restore_newest_intact(abstract_for, log)
+    # The reference and the versions are copied below (storage.keep): only params keeps `frozen`.
+    state = trainer.restored(state, frozen)
     log(f"[resume] from step {start} (data position {meta['data_position']}) in {workdir}")
     if "ref_params" in state:  # restored onto the devices: back where the run keeps it
       state["ref_params"] = storage.keep(state["ref_params"], knobs.ref_storage)
@@ -95,10 +100,16 @@ def params_at(cfg: ml_collections.ConfigDict, workdir: str, step: int | None,
   params = jax.eval_shape(lambda p: optimizer.to_master(p, knobs.master_dtype),
                           trainer.param_shapes)
   state = jax.eval_shape(lambda p: state_tree(
-      p, optimizer.init_opt_state(trainer.tx, p), jax.random.key_data(jax.random.key(0)),
+      p, trainer.opt_init(p), jax.random.key_data(jax.random.key(0)),
       p if knobs.keep_reference else None, {}), params)
-  state = state_at(state, trainer.setup.schedule, step)
+  state = trainer.checkpointed(state_at(state, trainer.setup.schedule, step))
   ckpt = Checkpointer(os.path.join(workdir, CHECKPOINTS), every=knobs.checkpoint_every)
   restored, _, _ = ckpt.restore(sharding.abstract(state, trainer.state_shardings(state)),
                                 step=step)
+  if trainer.setup.lora is not None:  # the checkpoint holds the adapters: + the run's base
+    setup = trainer.setup
+    base = base_store.load_base(setup.base, setup.task, setup.model_cfg, setup.plan, workdir,
+                                log=lambda _: None)
+    restored = trainer.restored(restored, trainer.place(optimizer.to_master(
+        base, knobs.master_dtype)))
   return restored["params"]

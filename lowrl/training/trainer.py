@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrl import distributed, precision
-from lowrl.models import blocks, calibration, init, layout
+from lowrl.models import blocks, calibration, init, layout, lora
 from lowrl.rl.mismatch import mismatch_metrics
-from lowrl.sampling import SampleOutput, Sampler, refit, rescore
+from lowrl.sampling import SampleOutput, Sampler, adapter_sync, refit, rescore
 from lowrl.sampling.act_scales import calibration_paths
 from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
-from lowrl.training import compute_cast, diagnostics, optimizer, probes, routing_replay
+from lowrl.training import (compute_cast, diagnostics, lora_update, optimizer, probes,
+                            routing_replay)
 from lowrl.training.evaluation import eval_metrics, solved_ci
 from lowrl.training.kv_share import kv_share_metrics
 from lowrl.training.loss_scaling import loss_scaled
@@ -25,6 +26,7 @@ from lowrl.training.step import Rollout, make_step
 
 Log = Callable[[str], None]
 _PROBE_STREAM = 0x9B0BE  # fold_in of the step key for the probes: a stream no step uses
+_LORA_STREAM = 0x10A  # fold_in of the run's seed key for the adapters' init
 
 
 @jax.jit
@@ -51,10 +53,19 @@ class Trainer:
     # Every step runs on the mesh with explicit shardings: sampler and update take the same
     # sharded params (no gather in between), batches are split over the batch axes.
     self.plan = plan = setup.plan
-    self.step_fn = make_step(self.logprob_fn, self.tx, setup.update_cfg, setup.batch_cfg, plan)
+    # LoRA (setup.lora): the params carry adapters next to their kernels and the step trains
+    # those alone (lowrl.training.lora_update); the optimizer state covers the adapters only.
+    make = make_step if setup.lora is None else lora_update.make_lora_step
+    self.step_fn = make(self.logprob_fn, self.tx, setup.update_cfg, setup.batch_cfg, plan)
     self.param_shapes = init.param_shapes(setup.model_cfg)
+    if setup.lora is not None:
+      self.param_shapes = lora.merge(self.param_shapes,
+                                     lora.adapter_shapes(setup.lora, setup.model_cfg))
     p_sh = plan.param_shardings(self.param_shapes)
-    init_opt = lambda p: optimizer.init_opt_state(self.tx, p)  # noqa: E731
+    self.opt_init = (  # unjitted: params -> optimizer state (shapes for a restore too)
+        (lambda p: optimizer.init_opt_state(self.tx, p)) if setup.lora is None
+        else (lambda p: lora_update.init_opt_state(self.tx, p)))
+    init_opt = self.opt_init
     o_sh = plan.shardings_like_params(jax.eval_shape(init_opt, self.param_shapes),
                                       self.param_shapes)
     self.init_opt_state = jax.jit(init_opt, in_shardings=(p_sh,), out_shardings=o_sh)
@@ -85,7 +96,9 @@ class Trainer:
                               static_argnames=("model_cfg", "policy", "paths"))
     self.calib_tokens, self.calib_mask = self._calibration_batch(repl)
     # The sampler's weights between syncs (packed, + static scales) and the refit check.
-    self.refit = refit.Refitter(setup.model_cfg, setup.sampler_policy,
+    # A LoRA run's sync moves only the adapters after the first (lowrl.sampling.adapter_sync).
+    refitter = refit.Refitter if setup.lora is None else adapter_sync.AdapterRefitter
+    self.refit = refitter(setup.model_cfg, setup.sampler_policy,
                                 lambda p: self.act_amax(p, setup.sampler_policy),
                                 check_every=knobs.refit_check_every, log=log)
     # Gradient bias vs FP32 and update erasure (diagnostics.every): programs of their own (the
@@ -110,6 +123,42 @@ class Trainer:
     self.weight_errors = jax.jit(
         lambda p: diagnostics.weight_quant_errors(p, setup.model_cfg, setup.trainer_policy),
         in_shardings=(p_sh,), out_shardings=repl)
+
+  def with_adapters(self, base: Any) -> Any:
+    """The run's initial params from its base: + fresh adapters (B = 0) in a LoRA run, drawn
+    from the run's seed; the base itself otherwise."""
+    lc = self.setup.lora
+    if lc is None:
+      return base
+    key = jax.random.fold_in(jax.random.key(self.setup.loop.seed), _LORA_STREAM)
+    return lora.merge(base, lora.init_adapters(lc, self.setup.model_cfg, key))
+
+  def checkpointed(self, state: dict[str, Any]) -> dict[str, Any]:
+    """The tree a checkpoint stores of `state` (lowrl.training.state.state_tree): in a LoRA run
+    its param trees (params, ref_params, versions) as their adapters alone (the base is frozen:
+    `restored` puts the run's base back); the state itself otherwise. Works on shape trees."""
+    if self.setup.lora is None:
+      return state
+    adapters = lambda p: lora.split(p)[1]  # noqa: E731
+    out = dict(state, params=adapters(state["params"]))
+    if "ref_params" in state:
+      out["ref_params"] = adapters(state["ref_params"])
+    if "versions" in state:
+      out["versions"] = {v: adapters(p) for v, p in state["versions"].items()}
+    return out
+
+  def restored(self, state: dict[str, Any], base: Any) -> dict[str, Any]:
+    """Inverse of `checkpointed`: `base` (the run's base params, frozen) merged back into each
+    param tree of a restored checkpoint. The trees share `base`'s buffers: callers keep copies
+    where the update's donation would reach them (lowrl.training.storage.keep)."""
+    if self.setup.lora is None:
+      return state
+    out = dict(state, params=lora.merge(base, state["params"]))
+    if "ref_params" in state:
+      out["ref_params"] = lora.merge(base, state["ref_params"])
+    if "versions" in state:
+      out["versions"] = {v: lora.merge(base, p) for v, p in state["versions"].items()}
+    return out
 
   def state_shardings(self, state: Any) -> Any:
     """Shardings of a state tree: parameter-shaped leaves as the params, the rest replicated."""

@@ -1,0 +1,149 @@
+"""A LoRA run through the real loop (lowrl.training.loop.run) on a tiny config: the adapters
+train, the base stays bit for bit, each sync after the first moves the adapters alone, and a run
+interrupted after step 2 resumes to the uninterrupted run's metrics and adapters bit for bit."""
+import json
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+import tiny
+
+from lowrl.models import lora
+from lowrl.training import loop
+from lowrl.training.setup import build
+from lowrl.training.state import final_params
+
+STEPS = 3
+
+
+class _Crash(Exception):
+  pass
+
+
+def _quiet(_: str) -> None:
+  pass
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("base"))
+
+
+def lora_config(base_dir: str):
+  # The async-loop test's base (one layer, 150 SFT steps: non-zero advantages), NVFP4 recipe
+  # widths (blocks of 16), LoRA r = 4 on every linear layer.
+  c = tiny.loop_config("nvfp4_recipe", base_dir, steps=STEPS, num_prompts=4, sft_steps=150,
+                       sft_batch_size=64)
+  c.model.update(dict(n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128))
+  c.lora.update(dict(rank=4, alpha=8.0))
+  c.optimizer.lr = 1e-3
+  return c
+
+
+def _metrics(workdir: str) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def lora_run(base_dir, tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("lora"))
+  loop.run(lora_config(base_dir), workdir, log=_quiet)
+  return workdir
+
+
+def test_lora_run_trains_adapters_only_and_syncs_them(lora_run, base_dir):
+  cfg = lora_config(base_dir)
+  rows = _metrics(lora_run)
+  assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+  assert all(r["refit/mismatched_tensors"] == 0.0 and r["mismatch/mismatch_kl"] == 0.0
+             for r in rows)
+  params = final_params(cfg, lora_run)
+  base, adapters = lora.split(jax.tree.map(np.asarray, params))
+  assert rows[0]["refit/sync_bytes"] > rows[1]["refit/sync_bytes"] == lora.tree_bytes(adapters)
+  start = loop.load_base(cfg, lora_run, _quiet)
+  for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(start)):
+    np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+  b = [x for kp, x in jax.tree_util.tree_leaves_with_path(adapters) if kp[-1].key == lora.B]
+  assert b and all(np.abs(x).max() > 0 for x in b)  # B left zero: the adapters trained
+  # The checkpoints hold the adapters and their optimizer state, not the frozen base (the
+  # leaves orbax's tree metadata lists under "params").
+  with open(os.path.join(lora_run, "checkpoints", str(STEPS), "state", "_METADATA")) as f:
+    keys = list(json.load(f)["tree_metadata"])
+  params_keys = [k for k in keys if k.startswith("('params',")]
+  assert len(params_keys) == len(jax.tree.leaves(adapters))
+  assert all(k.endswith(("'lora_a')", "'lora_b')")) for k in params_keys)
+
+
+def test_interrupted_lora_run_resumes_bit_identically(lora_run, base_dir, tmp_path):
+  cfg = lora_config(base_dir)
+
+  def crash_at_step_2(msg: str) -> None:
+    if msg.startswith("[rl] step 2/"):
+      raise _Crash
+
+  with pytest.raises(_Crash):
+    loop.run(cfg, str(tmp_path), log=crash_at_step_2)
+  logs = []
+  loop.run(cfg, str(tmp_path), log=logs.append)
+  assert any(m.startswith("[resume] from step 1") for m in logs)
+  got_rows, want_rows = _metrics(str(tmp_path)), _metrics(lora_run)
+  # The resumed process's sampler starts empty: its first sync (step 2) moves the packed base
+  # again; every other number is the uninterrupted run's.
+  assert got_rows[1]["refit/sync_bytes"] == want_rows[0]["refit/sync_bytes"]
+  drop = lambda rows: [{k: v for k, v in r.items() if k != "refit/sync_bytes"}  # noqa: E731
+                       for r in rows]
+  assert drop(got_rows) == drop(want_rows)
+  got, want = final_params(cfg, str(tmp_path)), final_params(cfg, lora_run)
+  for x, y in zip(jax.tree.leaves(lora.split(got)[1]), jax.tree.leaves(lora.split(want)[1])):
+    np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+
+
+def test_export_merged_and_peft(lora_run, base_dir, tmp_path):
+  """experiments.export_hf of a LoRA run: merged kernels W + A B alpha / r by default, the
+  adapters alone in PEFT's layout with --lora_format=peft (both read back exactly)."""
+  from experiments import export_hf
+  from lowrl.checkpoints import load_hf_checkpoint, peft_adapters
+  cfg = lora_config(base_dir)
+  params = jax.tree.map(np.asarray, final_params(cfg, lora_run))
+  merged_dir, peft_dir = str(tmp_path / "merged"), str(tmp_path / "peft")
+  export_hf.export(lora_run, merged_dir, log=_quiet)
+  _, loaded = load_hf_checkpoint(merged_dir)
+  want = lora.merged_kernels(params, cfg.lora.alpha / cfg.lora.rank)
+  assert jax.tree.structure(loaded) == jax.tree.structure(want)
+  for x, y in zip(jax.tree.leaves(loaded), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  export_hf.export(lora_run, peft_dir, lora_format="peft", log=_quiet)
+  got_cfg, adapters = peft_adapters.load_adapters(peft_dir, build(cfg).model_cfg)
+  assert (got_cfg.rank, got_cfg.alpha) == (4, 8.0)
+  for x, y in zip(jax.tree.leaves(adapters), jax.tree.leaves(lora.split(params)[1])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.slow
+def test_lora_run_killed_by_sigkill_resumes_bit_identically(tmp_path):
+  """The training binary under LoRA, SIGKILLed after its step-2 checkpoint, resumed: the
+  uninterrupted run's metrics (but the resumed sampler's first sync, which moves the base
+  again) and final adapters bit for bit."""
+  from test_resume_kill import _at_checkpoint_2, _finish, _train
+  flags = ("--config.lora.rank=4", "--config.lora.alpha=8")
+  full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
+  _finish(_train(full, *flags))
+  proc = _at_checkpoint_2(killed, *flags)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate()
+  assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+  assert "[resume] from step" in _finish(_train(killed, *flags))
+  drop = lambda rows: [{k: v for k, v in r.items() if k != "refit/sync_bytes"}  # noqa: E731
+                       for r in rows]
+  assert drop(_metrics(killed)) == drop(_metrics(full))
+  with open(os.path.join(full, "summary.json")) as f, open(os.path.join(killed,
+                                                                         "summary.json")) as g:
+    assert json.load(f)["eval_end"] == json.load(g)["eval_end"]
+  from experiments.export_hf import run_config_of
+  want = lora.split(final_params(run_config_of(full), full))[1]
+  got = lora.split(final_params(run_config_of(killed), killed))[1]
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
