@@ -136,6 +136,18 @@ def test_export_round_trip(tied, tmp_path):
   assert load_tokenizer(out).encode(text) == load_tokenizer(tied).encode(text)
   assert ChatTemplate.from_checkpoint(out).render_prompt("x") == \
       ChatTemplate.from_checkpoint(tied).render_prompt("x")
+  # transformers reads the export: same ids, and logits within the bound of the GGUF's.
+  import torch
+  from transformers import AutoModelForCausalLM, AutoTokenizer
+  ids = load_tokenizer(tied).encode(text)
+  assert AutoTokenizer.from_pretrained(out)(text, add_special_tokens=False).input_ids == ids
+  model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  with torch.no_grad():
+    theirs = model(torch.tensor([ids])).logits[0].numpy()
+  ours = check_gguf.lowrl_logits(tied, [ids])[0]
+  bound = check_gguf.logit_bound(model_cfg.n_layers, model_cfg.d_model, model_cfg.d_ff, len(ids),
+                                 float(np.abs(theirs).max()))
+  assert np.abs(ours - theirs).max() <= bound
 
 
 def test_bfloat16_load_casts(tied):
