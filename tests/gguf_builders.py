@@ -85,7 +85,7 @@ def write_gguf(path, *, tied: bool = True, pre: str = "smollm", digits_split: bo
                arch: str = "llama", tokenizer_model: str = "gpt2", add_bos: bool = False,
                skip: tuple[str, ...] = (), extra: dict | None = None, seed: int = 0) -> str:
   """Writes a tiny Llama GGUF to `path` and returns it. `skip`: tensor names left out;
-  `extra`: {tensor name: (array, raw qtype name)} written besides (or instead of) the normal ones."""
+  `extra`: {tensor name: (array, raw qtype name)} written besides the normal ones."""
   import gguf
   rng = np.random.default_rng(seed)
   c = TINY

@@ -49,7 +49,8 @@ _QWEN2_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r
 # "\p{N}", LLAMA3 and QWEN2 have their own regex, and LLAMA3 looks whole words up first
 # (ignore_merges).
 _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
-    **{name: ((_GPT2_SPLIT,), False) for name in ("default", "gpt-2", "gpt2", "mpt", "olmo", "jais")},
+    **{name: ((_GPT2_SPLIT,), False)
+       for name in ("default", "gpt-2", "gpt2", "mpt", "olmo", "jais")},
     **{name: ((r"\p{N}", _GPT2_SPLIT), False)
        for name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
                     "minerva-7b")},
