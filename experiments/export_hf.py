@@ -9,7 +9,8 @@ Writes config.json + model.safetensors (transformers' AutoModelForCausalLM loads
 newest checkpoint in <workdir>/checkpoints (or --step), with the model config rebuilt from the
 run's <workdir>/config.json by the loop's own `build`. When the run's tokenizer came from a
 checkpoint (`model.hf_checkpoint` in the config), its tokenizer.json, tokenizer_config.json and
-generation_config.json (and chat_template.jinja) are copied beside the weights; the built-in
+generation_config.json (and chat_template.jinja) are copied beside the weights (from a `.gguf`
+file: written from its metadata, lowrl/checkpoints/gguf_tokenizer.py); the built-in
 character tokenizer has no Hugging Face form and nothing is written for it (the log says so).
 
 --rollout_format=nvfp4|nvfp4_w4a16|mxfp8 instead writes the block linears quantized in NVIDIA
@@ -47,7 +48,7 @@ from absl import app, flags  # noqa: E402
 
 from configs import base as base_config  # noqa: E402
 from lowrl import user_cache  # noqa: E402
-from lowrl.checkpoints import hf, hf_config, hf_quantized, peft_adapters  # noqa: E402
+from lowrl.checkpoints import gguf, gguf_tokenizer, hf, hf_quantized, peft_adapters  # noqa: E402
 from lowrl.models import calibration, init, layout, lora  # noqa: E402
 from lowrl.training import base_store, exits, run_config  # noqa: E402
 from lowrl.training.setup import Setup, build  # noqa: E402
@@ -123,7 +124,10 @@ def _source_checkpoint(cfg: ml_collections.ConfigDict) -> str | None:
 
 
 def copy_tokenizer_files(source: str, out: str) -> list[str]:
-  """Copies the TOKENIZER_FILES that `source` has into `out`; returns their names."""
+  """Copies the TOKENIZER_FILES that `source` has into `out` (a `.gguf` source: writes them from
+  its metadata); returns their names."""
+  if gguf.is_gguf(source):
+    return gguf_tokenizer.write_hf_tokenizer_files(source, out)
   copied = []
   for name in TOKENIZER_FILES:
     if os.path.isfile(os.path.join(source, name)):
@@ -223,10 +227,11 @@ def export(workdir: str, out: str, *, step: int | None = None, rollout_format: s
                       "run trained every weight: drop the flag.")
 
   source = _source_checkpoint(cfg)
-  if source and not os.path.isfile(os.path.join(source, "tokenizer.json")):
+  if (source and not gguf.is_gguf(source)
+      and not os.path.isfile(os.path.join(source, "tokenizer.json"))):
     raise ExportError(f"The run's source checkpoint {source} has no tokenizer.json to export; "
                       "restore it there.")
-  extra = hf_config.read_hf_config(source) if source else None
+  extra = hf.read_checkpoint_config(source) if source else None
   if rollout_format:  # checked before anything is written
     try:
       hf_quantized.export_policy(setup.model_cfg, rollout_format, setup.sampler_policy)

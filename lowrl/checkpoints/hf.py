@@ -3,7 +3,9 @@
 A checkpoint directory holds `config.json` (read and written by `hf_config.py`) plus either
 `model.safetensors` or `model.safetensors.index.json` with its shards. Which tensor goes where is
 one table (`hf_names.tensor_specs`), so loading and saving are exact inverses; `load_hf_params`
-places the tensors on a mesh, each process reading only its devices' slices.
+places the tensors on a mesh, each process reading only its devices' slices. A path ending in
+`.gguf` is a llama.cpp GGUF file instead (`gguf.py`): `read_checkpoint_config`, `check_hf_weights`,
+`load_hf_params` and `load_hf_checkpoint` read it through the same calls.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from lowrl.checkpoints import gguf
 from lowrl.checkpoints.hf_config import (CONFIG_FILE, hf_config_from_model, model_config_from_hf,
                                          read_hf_config)
 from lowrl.checkpoints.hf_names import IGNORED_TENSOR_RE, TensorSpec, tensor_specs
@@ -137,10 +140,22 @@ def _checked_files(path: str, cfg: ModelConfig) -> tuple[dict[str, str], dict[st
   return files, specs
 
 
+def read_checkpoint_config(path: str | os.PathLike) -> dict:
+  """The config.json dict of checkpoint `path`: a directory's file, or what a `.gguf` file's
+  metadata says (gguf.read_gguf_config)."""
+  if gguf.is_gguf(path):
+    return gguf.read_gguf_config(path)
+  return read_hf_config(path)
+
+
 def check_hf_weights(path: str | os.PathLike, model_cfg: ModelConfig) -> None:
   """Raises (FileNotFoundError / ValueError naming the file or tensor) unless the weight files of
-  checkpoint `path` hold every tensor of `model_cfg` with its shape, in a float dtype. Reads only
-  the safetensors headers: a check to run before anything is compiled."""
+  checkpoint `path` hold every tensor of `model_cfg` with its shape, in a float dtype (a `.gguf`
+  file: in a storage type lowrl dequantizes). Reads only the headers: a check to run before
+  anything is compiled."""
+  if gguf.is_gguf(path):
+    gguf.check_gguf_weights(path, model_cfg)
+    return
   _checked_files(os.fspath(path), model_cfg)
 
 
@@ -173,7 +188,8 @@ def load_hf_params(path: str | os.PathLike, model_cfg: ModelConfig, *, dtype: An
   """The params of checkpoint `path` for `model_cfg` (its architecture must be the checkpoint's).
 
   Args:
-    path: checkpoint directory (config.json + model.safetensors or an index and shards).
+    path: checkpoint directory (config.json + model.safetensors or an index and shards), or a
+      `.gguf` file (every tensor dequantized to FP32 first).
     model_cfg: the model config (`model_config_from_hf` of the checkpoint's config.json, execution
       knobs such as scan_layers free).
     dtype: jnp.float32 or jnp.bfloat16; every parameter is cast to it (BF16 -> FP32 is exact).
@@ -188,6 +204,8 @@ def load_hf_params(path: str | os.PathLike, model_cfg: ModelConfig, *, dtype: An
   """
   path = os.fspath(path)
   target = _check_dtype(dtype, _LOAD_DTYPES)
+  if gguf.is_gguf(path):
+    return gguf.load_gguf_params(path, model_cfg, dtype=target, shardings=shardings)
   files, specs = _checked_files(path, model_cfg)
   params: dict = {}
   with contextlib.ExitStack() as stack:
@@ -223,7 +241,7 @@ def load_hf_checkpoint(path: str | os.PathLike,
 
   Args:
     path: directory with config.json and model.safetensors (or model.safetensors.index.json
-      plus shards).
+      plus shards), or a llama.cpp `.gguf` file.
     dtype: jnp.float32 or jnp.bfloat16; every parameter is cast to it (BF16 -> FP32 is exact).
 
   Returns:
@@ -236,7 +254,7 @@ def load_hf_checkpoint(path: str | os.PathLike,
       shape or non-float (quantized) tensor; the message names the file or tensor.
   """
   _check_dtype(dtype, _LOAD_DTYPES)
-  cfg = model_config_from_hf(read_hf_config(path))
+  cfg = model_config_from_hf(read_checkpoint_config(path))
   return cfg, load_hf_params(path, cfg, dtype=dtype)
 
 

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import tokenizers
 
+from lowrl.checkpoints import gguf, gguf_tokenizer
+
 TOKENIZER_FILE = "tokenizer.json"
 _TOKENIZER_CONFIG = "tokenizer_config.json"
 _ID_FILES = ("generation_config.json", "config.json")
@@ -197,7 +199,8 @@ def load_tokenizer(path: str | os.PathLike, *, bos_token: str | None = None,
   """Loads `tokenizer.json` and the special-token ids from a checkpoint directory.
 
   Args:
-    path: the directory (or the tokenizer.json file itself).
+    path: the directory (or the tokenizer.json file itself), or a llama.cpp `.gguf` file (its
+      tokenizer built from the file's metadata: `gguf_tokenizer.build_tokenizer`).
     bos_token, eos_token, pad_token: token strings overriding what the checkpoint's files say.
 
   A token that is neither given nor defined by the files stays undefined (no bos; pad = eos),
@@ -215,6 +218,12 @@ def load_tokenizer(path: str | os.PathLike, *, bos_token: str | None = None,
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path} not found: expected a checkpoint directory or its "
                             f"{TOKENIZER_FILE}.")
+  if gguf.is_gguf(path):
+    if bos_token or eos_token or pad_token:
+      raise ValueError("bos_token/eos_token/pad_token overrides apply to tokenizer.json "
+                       "checkpoints; a .gguf file's special tokens come from its metadata.")
+    tok, ids = gguf_tokenizer.build_tokenizer(gguf.open_gguf(path))
+    return Tokenizer(tok, ids["eos_ids"], bos_id=ids["bos"], pad_id=ids["pad"])
   if os.path.isfile(path):
     path, file = os.path.dirname(path), path
   else:

@@ -159,8 +159,15 @@ class ChatTemplate:
   @classmethod
   def from_checkpoint(cls, path: str | os.PathLike, **variables: Any) -> ChatTemplate:
     """The chat template of a checkpoint directory: chat_template.jinja if present (transformers
-    prefers it), else tokenizer_config.json's chat_template; special tokens from the latter."""
+    prefers it), else tokenizer_config.json's chat_template; special tokens from the latter. A
+    `.gguf` file: its tokenizer.chat_template and special tokens."""
     path = os.fspath(path)
+    if path.lower().endswith(".gguf"):
+      # Imported here: lowrl.checkpoints pulls in the models (jax) and `tokenizers`.
+      from lowrl.checkpoints.gguf_tokenizer import read_tokenizer_config
+      config = read_tokenizer_config(path)
+      return cls.from_tokenizer_config(
+          config, _select_template(config.get("chat_template"), path), **variables)
     config_file = os.path.join(path, TOKENIZER_CONFIG)
     if not os.path.isdir(path):
       raise FileNotFoundError(f"Checkpoint directory {path!r} does not exist (needed for its "

@@ -5,7 +5,9 @@ the model wrote them; every verifier ignores surrounding whitespace. Registry na
 
   "exact"    completion.strip() == answer.strip().
   "numeric"  the whole (stripped) completion is one decimal number within tolerance of the answer
-             (math.isclose with rtol/atol); anything else, e.g. "x = 3", scores 0.
+             (math.isclose with rtol/atol); anything else, e.g. "x = 3", scores 0. With
+             last=True the last decimal literal anywhere in the completion is compared instead
+             ("The answer is 122." -> 122: GSM8K-style extraction for chat models).
   "boxed"    the content of the *last* \\boxed{...} in the completion (nested braces and escaped
              \\{ \\} handled; an unclosed last box scores 0) equals the answer after
              `normalize_answer`.
@@ -108,8 +110,9 @@ def exact_verifier() -> Verifier:
   return verify
 
 
-def numeric_verifier(rtol: float = 1e-6, atol: float = 1e-9) -> Verifier:
-  """The completion is a single number within `rtol`/`atol` (math.isclose) of the answer."""
+def numeric_verifier(rtol: float = 1e-6, atol: float = 1e-9, last: bool = False) -> Verifier:
+  """The completion is a single number within `rtol`/`atol` (math.isclose) of the answer; with
+  `last`, the last number written anywhere in the completion is."""
   if not (rtol >= 0 and atol >= 0):
     raise ValueError(f"rtol={rtol}, atol={atol}; tolerances must be non-negative.")
 
@@ -118,7 +121,11 @@ def numeric_verifier(rtol: float = 1e-6, atol: float = 1e-9) -> Verifier:
     if ref is None:
       raise ValueError(f"Reference answer {answer!r} is not a number; use the 'exact' or 'boxed' "
                        "verifier for non-numeric answers.")
-    pred = parse_number(completion)
+    if last:
+      found = _NUMBER.findall(completion)
+      pred = float(found[-1]) if found else None
+    else:
+      pred = parse_number(completion)
     return 1.0 if pred is not None and math.isclose(pred, ref, rel_tol=rtol, abs_tol=atol) else 0.0
 
   return verify

@@ -324,8 +324,9 @@ def _checkpoint_check(prefix: str, m: ml_collections.ConfigDict) -> None:
 # tiny path's program is unchanged).
 TRAIN_MODEL = Section("model", (
     knob("hf_checkpoint", "'' = the tiny model (architecture knobs above, SFT from scratch); "
-         "a Hugging Face Llama/Qwen2/Qwen3 directory (config.json, *.safetensors, tokenizer.json): "
-         "architecture, params and tokenizer from it (needs task.name=jsonl, sft.steps=0)"),
+         "a Hugging Face Llama/Qwen2/Qwen3 directory (config.json, *.safetensors, tokenizer.json) "
+         "or a llama.cpp .gguf file (dequantized to FP32): architecture, params and tokenizer "
+         "from it (needs task.name=jsonl, sft.steps=0)"),
     knob("param_dtype", "dtype the hf_checkpoint params are loaded in (then held in "
          "optimizer.master_dtype)", OneOf(PARAM_DTYPES)),
     knob("eos_token", "'' = the hf_checkpoint's eos tokens (tokenizer_config.json, "

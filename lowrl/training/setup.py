@@ -373,7 +373,8 @@ def _model_config(model: ml_collections.ConfigDict, task: Task, max_len: int) ->
                        ) from None
   execution = {k: knobs[k] for k in ("remat", "attention", "attention_chunk", "logprob_chunk")}
   try:
-    model_cfg = dataclasses.replace(hf_config.model_config_from_hf(hf_config.read_hf_config(source)),
+    hf_cfg = hf.read_checkpoint_config(source)  # a directory's config.json or a .gguf's metadata
+    model_cfg = dataclasses.replace(hf_config.model_config_from_hf(hf_cfg),
                                     scan_layers=True if scan is None else bool(scan), **execution)
     hf.check_hf_weights(source, model_cfg)
   except (OSError, ValueError) as e:

@@ -79,6 +79,13 @@ def test_numeric_tolerance_and_bad_reference():
     make_verifier("numeric", rtol=-1.0)
 
 
+def test_numeric_last_number():
+  last = make_verifier("numeric", last=True)
+  assert last("The answer is 122.", "122") == 1.0 and last("94 + 28 = 122", "122") == 1.0
+  assert last("The answer is 12", "122") == 0.0 and last("no number", "122") == 0.0
+  assert make_verifier("numeric")("The answer is 122.", "122") == 0.0
+
+
 def test_exact_verifier_and_registry():
   exact = make_verifier("exact")
   assert exact(" yes\n", "yes") == 1.0 and exact("Yes", "yes") == 0.0 and exact("yes!", "yes") == 0.0
