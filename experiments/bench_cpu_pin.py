@@ -34,14 +34,15 @@ _RECIPES = flags.DEFINE_list("recipes", ["bf16", "nvfp4_recipe"], "Train-step re
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Interleaved timed rounds.")
 _ITERS = flags.DEFINE_integer("iters", 3, "Calls per round.")
 
-HOST = {name: "true" if name == "xla_cpu_enable_platform_dependent_math" else None
-        for name, _ in lowrl.CROSS_CPU_FLAGS}
+# XLA's defaults of the pinned flags (what a process without lowrl's pin compiles with).
+HOST = {"xla_cpu_enable_platform_dependent_math": True}
 
 
-def _options(pinned: bool) -> dict[str, str]:
-  if pinned:
-    return dict(lowrl.CROSS_CPU_FLAGS)
-  return {k: v for k, v in HOST.items() if v is not None}
+def _options(pinned: bool) -> dict[str, bool | str]:
+  """compiler_options of the pinned or the host variant (booleans as bools, as JAX wants)."""
+  if not pinned:
+    return {k: HOST[k] for k, _ in lowrl.CROSS_CPU_FLAGS}
+  return {k: {"true": True, "false": False}.get(v, v) for k, v in lowrl.CROSS_CPU_FLAGS}
 
 
 def _digest(tree) -> str:
