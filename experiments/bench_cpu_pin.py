@@ -5,7 +5,8 @@ r"""What lowrl's cross-CPU pin (`lowrl.CROSS_CPU_FLAGS`) costs and changes on th
 
 Each program is compiled twice in this one process, with the host's platform-dependent math
 (XLA's default: YNNPACK picks its dot kernels from the host's instruction set) and with the pin
-(`compiler_options`, the same values lowrl sets in XLA_FLAGS), then timed interleaved round by
+(`compiler_options`: xla_cpu_enable_platform_dependent_math true vs false; the ISA cap is set
+per process, see `_options`), then timed interleaved round by
 round (experiments/bench_gemm.compare: ratio = host time / pinned time per round, median
 [min, max]; < 1 means the pin is slower). Also printed: whether the two programs' outputs are
 bit-identical (they are not where the pin changes the numbers).
@@ -13,6 +14,7 @@ bit-identical (they are not where the pin changes the numbers).
 from __future__ import annotations
 
 import hashlib
+import os
 
 from absl import app, flags
 import jax
@@ -38,11 +40,11 @@ _ITERS = flags.DEFINE_integer("iters", 3, "Calls per round.")
 HOST = {"xla_cpu_enable_platform_dependent_math": True}
 
 
-def _options(pinned: bool) -> dict[str, bool | str]:
-  """compiler_options of the pinned or the host variant (booleans as bools, as JAX wants)."""
-  if not pinned:
-    return {k: HOST[k] for k, _ in lowrl.CROSS_CPU_FLAGS}
-  return {k: {"true": True, "false": False}.get(v, v) for k, v in lowrl.CROSS_CPU_FLAGS}
+def _options(pinned: bool) -> dict[str, bool]:
+  """compiler_options of the pinned or the host variant. Only the platform-math flag: XLA reads
+  `xla_cpu_max_isa` from XLA_FLAGS at start-up, not per program, so the ISA cap is the process's
+  (lowrl's AVX2 on x86; LOWRL_CPU_PLATFORM_MATH=1 runs this bench without it)."""
+  return {k: not pinned for k in HOST}
 
 
 def _digest(tree) -> str:
@@ -86,7 +88,7 @@ def main(argv):
 
     rows.append(_pair(f"train step {_MODEL.value} {recipe}", step,
                       (params, tx.init(params), tokens)))
-  print(f"pin {dict(lowrl.CROSS_CPU_FLAGS)}; {_REPEATS.value} rounds x {_ITERS.value} calls; "
+  print(f"pin {dict(lowrl.CROSS_CPU_FLAGS)}; XLA_FLAGS {os.environ.get('XLA_FLAGS')}; {_REPEATS.value} rounds x {_ITERS.value} calls; "
         "ratio = host time / pinned time per round: median [min, max]")
   print(bench_gemm.HEADER + "  same bits")
   for r, same in rows:
