@@ -7,7 +7,8 @@ prompts, sampling keys and held-out set with the other arms' seed s):
   reset   the same coefficient, the reference reset to the current policy every
           `ref_reset_every` updates (the loop's rl.ref_reset_every; approximate policy mirror
           descent, seed 003 item 2).
-fixed and reset are lanes of one compiled program (the reset plan is a runtime input).
+fixed and reset run one compiled program (the reset plan is a runtime input); every run is one
+seed's program, so a seed's numbers do not depend on the other seeds.
 
 Every `pass_eval_every` updates (and at the start) each run samples `pass_samples` completions per
 held-out prompt at the rollout temperature (lowrl.asyncrl.scan.sampled_correct): per prompt the

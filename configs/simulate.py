@@ -9,7 +9,8 @@ LR x lag phase diagram (lowrl/asyncrl/sweep.py; the report: lowrl/asyncrl/capaci
 
 `sim` is one simulator setting (lowrl.asyncrl.simulator.default_config); each `*grid` lists the
 values of each knob (lowrl.asyncrl.sweep.GRID_KNOBS) and the sweep runs each grid's product, every
-setting over `seeds` (vmapped; a config two points share runs once). Lag and sync interval are
+setting over `seeds` (one program per seed, so a seed gives the same numbers at any seed
+count; a config two points share runs once). Lag and sync interval are
 runtime inputs (settings differing only there share one compiled program); every other knob value
 compiles its own. Override from the command line, e.g.
   --config.grid.lag="(0, 4)" --config.grid.trainer_recipe="('same',)" --config.sim.rl.steps=200
@@ -40,7 +41,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   c.sim.rl.steps = 150 if variant == "reduced" else 300
   # The trainer policy's greedy held-out eval along the run (time to target).
   c.sim.eval_every = 25
-  c.seeds = (0, 1, 2)  # seeds per setting (vmapped)
+  c.seeds = (0, 1, 2)  # seeds per setting
   c.log_every = 1  # TensorBoard scalars every this many steps
 
   # Every grid: FIFO schedule, 8 prompts x 8 samples, horizon 6, unless it sweeps them.

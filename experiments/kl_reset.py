@@ -69,8 +69,8 @@ def _setup(cfg: ml_collections.ConfigDict, kl_coef: float):
 
 
 def _counts(m: dict[str, np.ndarray]) -> np.ndarray:
-  """[lanes, points, P] correct counts at the start and after every eval's update."""
-  curve = m["eval/pass/correct"]  # [lanes, steps, P], -1 off the eval steps
+  """[runs, points, P] correct counts at the start and after every eval's update."""
+  curve = m["eval/pass/correct"]  # [runs, steps, P], -1 off the eval steps
   at = np.flatnonzero(curve[0, :, 0] >= 0)
   return np.concatenate([m["eval/start/pass_correct"][:, None], curve[:, at]], axis=1)
 
@@ -85,20 +85,18 @@ def run_arms(cfg: ml_collections.ConfigDict, log: Log = print) -> dict[str, Any]
   setup_kl, _ = _setup(cfg, float(cfg.kl_coef))  # before any compile: both builds checked
   load0 = os.getloadavg()
   t0 = time.perf_counter()
-  # fixed and reset: lanes of one program (the reset plan is a runtime input). no_kl runs as
-  # many lanes (each seed twice, the second copy unused) so that its base and evals come from the
-  # same compiled programs: a vmap over another number of lanes may round differently, and every
-  # arm of a seed then starts from one bit-identical base.
+  # fixed and reset: one program (the reset plan is a runtime input). Every arm's seed s starts
+  # from one bit-identical base: init and eval are one per-seed program for all three arms.
   s = len(seeds)
-  res0 = simulator.simulate(setup0, schedule, seeds + seeds)
+  res0 = simulator.simulate(setup0, schedule, seeds)
   log(f"[kl_reset] no_kl: compile {res0.compile_s:.0f} s, run {res0.run_s:.0f} s")
   res1 = simulator.simulate(setup_kl, schedule, seeds + seeds,
                             ref_reset_every=(0,) * s + (cfg.ref_reset_every,) * s)
   log(f"[kl_reset] fixed + reset: compile {res1.compile_s:.0f} s, run {res1.run_s:.0f} s")
-  lanes = {"no_kl": (res0.metrics, slice(0, s)), "fixed": (res1.metrics, slice(0, s)),
-           "reset": (res1.metrics, slice(s, 2 * s))}
+  runs = {"no_kl": (res0.metrics, slice(0, s)), "fixed": (res1.metrics, slice(0, s)),
+          "reset": (res1.metrics, slice(s, 2 * s))}
   out: dict[str, Any] = {}
-  for arm, (m, sl) in lanes.items():
+  for arm, (m, sl) in runs.items():
     # no_kl keeps no reference (kl_ref is logged only with one): NaN.
     kl_ref = m.get("kl_ref", np.full(m["reward/mean"].shape, np.nan))
     out[arm] = {"counts": _counts(m)[sl],

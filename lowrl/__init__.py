@@ -1,14 +1,38 @@
 """lowrl: low-precision policy-gradient RL for language models in JAX."""
 import os as _os
+import platform as _platform
 
+# XLA flags set at import (read when the backend starts, so importing lowrl first is in time); a
+# flag XLA_FLAGS already names is left as the user set it. docs/numerics.md says why each is there.
+#
 # BF16/FP16 results must not depend on how XLA happens to fuse a program. With excess precision
 # allowed (XLA's default), a fused chain of BF16 ops is evaluated in FP32 and rounded once, so the
 # same forward compiled into two programs (the sampler's scoring and the trainer's loss) rounds
 # differently; NVFP4 then turns a one-ulp difference into a different code, and a PPO ratio that
 # should be exactly 1 came out 1.10 on average (tests/training/test_training.py). Rounding at every op makes
-# "bf16" mean bf16 everywhere. Read when the backend starts, so setting it at import is in time.
-# Opt out with LOWRL_ALLOW_EXCESS_PRECISION=1.
-_FLAG = "--xla_allow_excess_precision=false"
-if (_os.environ.get("LOWRL_ALLOW_EXCESS_PRECISION") != "1"
-    and "xla_allow_excess_precision" not in _os.environ.get("XLA_FLAGS", "")):
-  _os.environ["XLA_FLAGS"] = (_os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+# "bf16" mean bf16 everywhere. Opt out with LOWRL_ALLOW_EXCESS_PRECISION=1.
+_EXCESS_PRECISION = ("xla_allow_excess_precision", "false")
+# Results must not depend on which x86 CPU runs them. XLA:CPU hands every dot to YNNPACK, which
+# picks its kernels (and their summation order) from the host's instruction set at run time; the
+# first flag makes it keep to kernels that give the same bits on every CPU one jaxlib build runs
+# on (YNN_FLAG_CONSISTENT_ARITHMETIC), and XLA's own codegen to CPU-independent math (rsqrt). The
+# second caps XLA's code generation at AVX2 (+FMA), which every x86 CPU of the last decade has:
+# on this AVX-512 host the main job's base eval read 0.481 uncapped and 0.482 capped, as another
+# machine gave. Opt out with LOWRL_CPU_PLATFORM_MATH=1 (numbers then move with the CPU).
+CROSS_CPU_FLAGS = (("xla_cpu_enable_platform_dependent_math", "false"),) + (
+    (("xla_cpu_max_isa", "AVX2"),) if _platform.machine().lower() in ("x86_64", "amd64") else ())
+
+
+def _flags() -> tuple[tuple[str, str], ...]:
+  out = ()
+  if _os.environ.get("LOWRL_ALLOW_EXCESS_PRECISION") != "1":
+    out += (_EXCESS_PRECISION,)
+  if _os.environ.get("LOWRL_CPU_PLATFORM_MATH") != "1":
+    out += CROSS_CPU_FLAGS
+  return out
+
+
+for _name, _value in _flags():
+  if _name not in _os.environ.get("XLA_FLAGS", ""):
+    _os.environ["XLA_FLAGS"] = (_os.environ.get("XLA_FLAGS", "") + f" --{_name}={_value}").strip()
+del _name, _value

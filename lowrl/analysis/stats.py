@@ -7,8 +7,13 @@ tests here answer whether the mean difference is nonzero:
   paired_t(diffs)           Student's paired t-test: two-sided p, confidence interval of the mean;
   sign_test(diffs)          exact two-sided sign test (zeros dropped), for few units / heavy tails;
   bootstrap_mean_ci(...)    seeded percentile bootstrap of the mean (difference) over units;
+  tost(diffs, margin)       two one-sided paired t-tests: is the mean difference inside a margin
+                            stated before the run (an equivalence claim, not a difference claim);
   holm(pvalues)             Holm's step-down adjustment over one report's claims;
-  judge(claims)             per claim (design, n, effect, CI, Holm p, verdict).
+  judge(claims)             per claim (design, n, effect, CI, Holm p, verdict);
+  interval_coverage(...)    how often an interval method covers the true mean, by simulation at
+                            the n a report uses (the percentile bootstrap over 3 units is the
+                            range [min, max]: 75%, not 95%).
 
 The t distribution's tail is the regularized incomplete beta function, evaluated by its continued
 fraction (DLMF 8.17.22, with the symmetry 8.17.4), so the p-values agree with scipy.stats to near
@@ -139,6 +144,45 @@ def paired_t(diffs: Sequence[float], *, confidence: float = 0.95) -> PairedResul
   return PairedResult(n, mean, mean - half, mean + half, t_two_sided_p(mean / se, n - 1))
 
 
+def t_one_sided_p_greater(t: float, df: float) -> float:
+  """P(T >= t) for Student's t with `df` degrees of freedom."""
+  if math.isnan(t):
+    return math.nan
+  half = 0.5 * t_two_sided_p(t, df)
+  return half if t >= 0 else 1.0 - half
+
+
+def tost(diffs: Sequence[float], margin: float | tuple[float, float], *,
+         alpha: float = ALPHA) -> PairedResult:
+  """Two one-sided paired t-tests (Schuirmann's TOST) of equivalence of per-unit differences.
+
+  `margin`: delta > 0 for the region (-delta, delta), or (low, high) with low < high; it must be
+  stated before the data are seen (the claim is "the mean difference lies inside it"). The null
+  is mean <= low or mean >= high; p = max(P(T >= (mean - low) / se), P(T <= (mean - high) / se))
+  on n - 1 df (scipy.stats.ttest_1samp(d, low, alternative="greater") and (d, high, "less")).
+  The interval is the 1 - 2 alpha t interval of the mean: equivalence at alpha iff it lies inside
+  the margin, the same decision as p < alpha. n = 1: NaN. Zero spread: p is 0 when the mean is
+  strictly inside the margin, else 1.
+  """
+  low, high = (-margin, margin) if np.isscalar(margin) else tuple(margin)
+  if not (math.isfinite(low) and math.isfinite(high) and low < high):
+    raise ValueError(f"tost: margin {margin!r} must be delta > 0 or (low, high) with low < high")
+  if not 0.0 < alpha < 0.5:
+    raise ValueError(f"tost: alpha={alpha} must be in (0, 0.5)")
+  d = _as_1d(diffs, "tost")
+  ci = paired_t(d, confidence=1.0 - 2.0 * alpha)
+  n, mean = ci.n, ci.mean
+  if n == 1:
+    return ci
+  sd = float(d.std(ddof=1))
+  if sd == 0.0:
+    return PairedResult(n, mean, mean, mean, 0.0 if low < mean < high else 1.0)
+  se = sd / math.sqrt(n)
+  p_low = t_one_sided_p_greater((mean - low) / se, n - 1)
+  p_high = t_one_sided_p_greater((high - mean) / se, n - 1)  # P(T <= t) = P(T >= -t)
+  return PairedResult(n, mean, ci.ci_low, ci.ci_high, max(p_low, p_high))
+
+
 def sign_test(diffs: Sequence[float]) -> float:
   """Exact two-sided sign test of median 0 (scipy.stats.binomtest(k, n, 0.5) on the nonzero
   differences, k of them positive); 1.0 when every difference is 0."""
@@ -180,6 +224,25 @@ def bootstrap_mean_ci(values: Sequence[float], *, rng_seed: int, n_boot: int = 1
   below, above = np.mean(means <= 0.0), np.mean(means >= 0.0)
   p = min(1.0, max(2 * min(below, above), 1.0 / n_boot))
   return PairedResult(int(x.size), float(x.mean()), float(lo), float(hi), float(p))
+
+
+def interval_coverage(interval: Callable[[np.ndarray], tuple[float, float]], n: int, *,
+                      trials: int, rng_seed: int,
+                      draw: Callable[[np.random.Generator, tuple[int, int]], np.ndarray] | None = None,
+                      mean: float = 0.0) -> tuple[float, float]:
+  """(fraction of `trials` samples of n units whose `interval(x) -> (low, high)` holds `mean`,
+  its binomial standard error). `draw(rng, (trials, n))` gives the samples, standard normal by
+  default (then mean 0); a report checks the interval it uses at the n it has."""
+  if n < 1 or trials < 1:
+    raise ValueError(f"interval_coverage: n={n}, trials={trials} must be >= 1")
+  rng = np.random.default_rng(rng_seed)
+  xs = rng.standard_normal((trials, n)) if draw is None else np.asarray(draw(rng, (trials, n)))
+  hits = 0
+  for x in xs:
+    lo, hi = interval(x)
+    hits += bool(lo <= mean <= hi)
+  frac = hits / trials
+  return frac, math.sqrt(frac * (1.0 - frac) / trials)
 
 
 def holm(pvalues: Sequence[float]) -> np.ndarray:
@@ -248,17 +311,24 @@ class Claim:
   result: PairedResult
   direction: int = -1
   note: str = ""
+  # An equivalence claim: the effect lies inside (low, high), stated before the run; `result` is
+  # then `tost`'s (p of the TOST, the 1 - 2 alpha interval) and `direction` is not read.
+  margin: tuple[float, float] | None = None
 
   def __post_init__(self):
     if self.direction not in (-1, 1):
       raise ValueError(f"Claim {self.name}: direction={self.direction} must be +1 or -1")
+    if self.margin is not None and not (len(self.margin) == 2
+                                        and self.margin[0] < self.margin[1]):
+      raise ValueError(f"Claim {self.name}: margin={self.margin!r} must be (low, high), low < high")
 
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
   """A claim with its Holm-adjusted p over the report's claims and the verdict at `alpha`:
   'held' (adjusted p < alpha, effect in the stated direction), 'contradicted' (adjusted p < alpha,
-  opposite direction), 'not resolved' (adjusted p >= alpha) or 'not tested' (no p)."""
+  opposite direction), 'not resolved' (adjusted p >= alpha) or 'not tested' (no p). An
+  equivalence claim is 'equivalent' (adjusted TOST p < alpha) or 'not shown equivalent'."""
 
   claim: Claim
   p_holm: float
@@ -270,13 +340,17 @@ class Verdict:
     return {"claim": self.claim.name, "statement": self.claim.statement,
             "design": self.claim.design, "n": r.n, "effect": r.mean, "ci_low": r.ci_low,
             "ci_high": r.ci_high, "p": r.p, "p_holm": self.p_holm, "verdict": self.verdict,
-            "note": self.claim.note}
+            "note": self.claim.note,
+            "margin": None if self.claim.margin is None else list(self.claim.margin)}
 
 
-def verdict_of(effect: float, p_holm: float, direction: int, alpha: float = ALPHA) -> str:
+def verdict_of(effect: float, p_holm: float, direction: int, alpha: float = ALPHA, *,
+               equivalence: bool = False) -> str:
   """The verdict of one claim from its effect and adjusted p (see Verdict)."""
   if math.isnan(p_holm):
     return "not tested"
+  if equivalence:
+    return "equivalent" if p_holm < alpha else "not shown equivalent"
   if p_holm >= alpha:
     return "not resolved"
   return "held" if effect * direction > 0 else "contradicted"
@@ -285,7 +359,8 @@ def verdict_of(effect: float, p_holm: float, direction: int, alpha: float = ALPH
 def judge(claims: Sequence[Claim], *, alpha: float = ALPHA) -> list[Verdict]:
   """The verdicts of one report's claims, Holm-adjusted together (one family)."""
   adj = holm([c.result.p for c in claims])
-  return [Verdict(c, float(a), verdict_of(c.result.mean, float(a), c.direction, alpha))
+  return [Verdict(c, float(a), verdict_of(c.result.mean, float(a), c.direction, alpha,
+                                          equivalence=c.margin is not None))
           for c, a in zip(claims, adj)]
 
 
@@ -306,13 +381,18 @@ def fmt_p(p: float) -> str:
 
 
 def markdown_table(verdicts: Sequence[Verdict], digits: int = 3) -> str:
-  """The claims table of a report: claim, design, n, effect [95% CI], p, Holm p, verdict."""
+  """The claims table of a report: claim, design, n, effect [95% CI], p, Holm p, verdict (an
+  equivalence claim's effect cell: its 90% CI and the margin it must lie in)."""
   lines = ["| claim | design | n | effect [95% CI] | p | Holm p | verdict |",
            "|---|---|---|---|---|---|---|"]
   cell = lambda text: text.replace("|", "\\|")  # noqa: E731 (a | would end the cell)
   for v in verdicts:
     r = v.claim.result
     ci = f" [{fmt_num(r.ci_low, digits)}, {fmt_num(r.ci_high, digits)}]"
+    if v.claim.margin is not None:
+      lo, hi = v.claim.margin
+      ci += (f" ({100 * (1 - 2 * ALPHA):.0f}% CI; margin ({fmt_num(lo, digits)}, "
+             f"{fmt_num(hi, digits)}))")
     lines.append(f"| {cell(v.claim.statement)} | {cell(v.claim.design)} | {r.n} | "
                  f"{fmt_num(r.mean, digits)}{ci} | {fmt_p(r.p)} | {fmt_p(v.p_holm)} | "
                  f"**{v.verdict}** |")

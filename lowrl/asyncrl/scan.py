@@ -341,7 +341,7 @@ def make_train(setup: SimSetup, num_slots: int) -> Callable[..., tuple[Any, dict
       version = ring_version[read_slot]
       if moe:
         m = {**m, "routing/flips": routing_flips(setup, out, params_before, qk)}
-      if setup.eval_every:  # t comes from the scan, not the seeds: a real cond under vmap
+      if setup.eval_every:  # every eval_every steps: a real cond (not a select)
         m = {**m, "eval/curve/reward": jax.lax.cond(
             (t + 1) % setup.eval_every == 0,
             lambda p: evaluate(setup, p, eval_key(key))["reward"],

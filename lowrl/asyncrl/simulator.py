@@ -17,7 +17,7 @@ slot and which slot holds the version that samples the step's batch; the version
 with each slot is logged (`sampler_version`), so a test can check that the scan sampled with
 exactly `AsyncSchedule.sampler_version(t)`.
 
-A run (`simulate`, vmapped over seeds): `initial_params` (random init + optional supervised warm
+A run (`simulate`, one program per seed, the same for every seed): `initial_params` (random init + optional supervised warm
 start), greedy `evaluate` in the trainer's precision on the held-out split (`SequenceTask.prompts`:
 problems training never draws), the training scan (`make_train`), `evaluate` again. Step t of the scan (its keys from fold_in(k_steps, t)):
   1. sync: if t % sync_every == 0, params (version t) go into their ring slot;
@@ -85,10 +85,9 @@ class SimResult:
     return 60.0 * seeds * steps / max(self.run_s, 1e-9)
 
 
-def _specs(setup: SimSetup, num_seeds: int):
-  keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), num_seeds))
-  params = jax.eval_shape(jax.vmap(functools.partial(initial_params, setup)), keys)
-  return keys, params
+def _specs(setup: SimSetup):
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  return key, jax.eval_shape(functools.partial(initial_params, setup), key)
 
 
 def _eval_view(setup: SimSetup) -> SimSetup:
@@ -100,60 +99,72 @@ def _eval_view(setup: SimSetup) -> SimSetup:
                              std_ddof=0, batch_cfg=None, eval_every=0, pass_eval_every=0)
 
 
+# One program per seed, the same for every seed and every number of seeds: a seed is a unit, so
+# seeds 0-2 alone give bit for bit what they give inside a 10-seed run. (A vmap over seeds made
+# one program per seed count, and XLA rounds a batched program differently: seed 0's base and
+# outcome changed with the number of seeds beside it. experiments/bench_seeds.py measures both.)
+#
 # Few live programs: each compiled whole-run program holds thousands of LLVM JIT memory mappings,
 # and a sweep holding ~26 of them aborted twice at Linux's vm.max_map_count (65,530) with
 # "LLVM ERROR: Unable to allocate section memory" (docs/integrity.md). Settings that share a
 # program run consecutively, and a program evicted and needed again loads from the persistent
 # compilation cache.
 @functools.lru_cache(maxsize=_LIVE_PROGRAMS)
-def _init_eval(setup: SimSetup, num_seeds: int) -> tuple[Any, Any, float]:
-  """Compiled (vmapped) initial_params and evaluate, and how long compiling took."""
+def _init_eval(setup: SimSetup) -> tuple[Any, Any, float]:
+  """Compiled one-seed initial_params and evaluate, and how long compiling took."""
   t0 = time.perf_counter()
-  keys, params = _specs(setup, num_seeds)
-  init = jax.jit(jax.vmap(functools.partial(initial_params, setup))).lower(keys).compile()
-  ev = jax.jit(jax.vmap(lambda p, k: evaluate(setup, p, eval_key(k)))).lower(params, keys)
+  key, params = _specs(setup)
+  init = jax.jit(functools.partial(initial_params, setup)).lower(key).compile()
+  ev = jax.jit(lambda p, k: evaluate(setup, p, eval_key(k))).lower(params, key)
   return init, ev.compile(), time.perf_counter() - t0
 
 
 @functools.lru_cache(maxsize=_LIVE_PROGRAMS)
-def _pass_eval(setup: SimSetup, num_seeds: int) -> tuple[Any, float]:
-  """Compiled (vmapped) sampled_correct on the eval key, and how long compiling took."""
+def _pass_eval(setup: SimSetup) -> tuple[Any, float]:
+  """Compiled one-seed sampled_correct on the eval key, and how long compiling took."""
   t0 = time.perf_counter()
-  keys, params = _specs(setup, num_seeds)
-  pe = jax.jit(jax.vmap(lambda p, k: sampled_correct(setup, p, eval_key(k))))
-  return pe.lower(params, keys).compile(), time.perf_counter() - t0
+  key, params = _specs(setup)
+  pe = jax.jit(lambda p, k: sampled_correct(setup, p, eval_key(k)))
+  return pe.lower(params, key).compile(), time.perf_counter() - t0
 
 
 @functools.lru_cache(maxsize=_LIVE_PROGRAMS)
-def _train(setup: SimSetup, num_slots: int, num_seeds: int, resets: bool = False
-           ) -> tuple[Any, float]:
-  """The compiled (vmapped) training scan, and how long compiling took."""
+def _train(setup: SimSetup, num_slots: int, resets: bool = False) -> tuple[Any, float]:
+  """The compiled one-seed training scan, and how long compiling took."""
   t0 = time.perf_counter()
-  keys, params = _specs(setup, num_seeds)
-  plan = {"write": jax.ShapeDtypeStruct((num_seeds, setup.steps), jnp.bool_),
-          "write_slot": jax.ShapeDtypeStruct((num_seeds, setup.steps), jnp.int32),
-          "read_slot": jax.ShapeDtypeStruct((num_seeds, setup.steps), jnp.int32)}
+  key, params = _specs(setup)
+  plan = {"write": jax.ShapeDtypeStruct((setup.steps,), jnp.bool_),
+          "write_slot": jax.ShapeDtypeStruct((setup.steps,), jnp.int32),
+          "read_slot": jax.ShapeDtypeStruct((setup.steps,), jnp.int32)}
   if resets:
-    plan["ref_reset"] = jax.ShapeDtypeStruct((num_seeds, setup.steps), jnp.bool_)
+    plan["ref_reset"] = jax.ShapeDtypeStruct((setup.steps,), jnp.bool_)
   if setup.pipeline:
-    plan["token_read_slot"] = jax.ShapeDtypeStruct((num_seeds, setup.steps, setup.task.length),
-                                                   jnp.int32)
-  train = jax.jit(jax.vmap(make_train(setup, num_slots))).lower(params, keys, plan).compile()
+    plan["token_read_slot"] = jax.ShapeDtypeStruct((setup.steps, setup.task.length), jnp.int32)
+  train = jax.jit(make_train(setup, num_slots)).lower(params, key, plan).compile()
   return train, time.perf_counter() - t0
+
+
+def _compiled(cache, *args) -> tuple[Any, float]:
+  """`cache(*args)` without its seconds, and the compile seconds it cost now (0 on a hit)."""
+  misses = cache.cache_info().misses
+  *programs, seconds = cache(*args)
+  fresh = cache.cache_info().misses > misses
+  return (programs[0] if len(programs) == 1 else tuple(programs)), (seconds if fresh else 0.0)
 
 
 def simulate(setup: SimSetup, schedule: AsyncSchedule, seeds: Sequence[int],
              num_slots: int | None = None,
              ref_reset_every: Sequence[int] | None = None) -> SimResult:
-  """Runs one setting for every seed (vmapped; one compiled program per (setup, slots, seeds)).
+  """Runs one setting for every seed: one compiled program per (setup, slots), called per seed,
+  so a seed's numbers do not depend on the other seeds of the call.
 
   Seed s runs from `jax.random.key(s)` with `schedule` re-seeded by s (its lag draws). A fixed
   `num_slots` >= every schedule's `max_versions` lets settings that differ only in lag or sync
   interval share one compiled program; the results do not depend on it.
 
   `ref_reset_every` (one int per seed, needs rl.kl_coef > 0): steps between resets of the KL
-  reference to the current params (`scan.reset_plan`; 0 = fixed), a runtime input, so lanes with
-  and without resets share one program (a seed may repeat, one lane per period). None: the
+  reference to the current params (`scan.reset_plan`; 0 = fixed), a runtime input, so runs with
+  and without resets share one program (a seed may repeat, one run per period). None: the
   reference is fixed and the program is the plain one. With `setup.pass_eval_every`, the metrics
   add `eval/start/pass_correct` [S, eval_num_prompts] (the start params' `sampled_correct`).
   """
@@ -180,33 +191,29 @@ def simulate(setup: SimSetup, schedule: AsyncSchedule, seeds: Sequence[int],
   else:
     plans = [dataclasses.replace(schedule, seed=int(s)).ring_plan(setup.steps, num_slots)
              for s in seeds]
-  plan = {k: jnp.asarray(np.stack([p[k] for p in plans])) for k in keys_of_plan}
   resets = ref_reset_every is not None
   if resets:
-    plan["ref_reset"] = jnp.asarray(np.stack([reset_plan(setup.steps, e)
-                                              for e in ref_reset_every]))
-  keys = jnp.stack([jax.random.key(int(s)) for s in seeds])
-  compile_s = 0.0
-  misses = _init_eval.cache_info().misses
-  init, ev, seconds = _init_eval(_eval_view(setup), len(seeds))
-  compile_s += seconds if _init_eval.cache_info().misses > misses else 0.0
-  misses = _train.cache_info().misses
-  train, seconds = _train(setup, num_slots, len(seeds), resets)
-  compile_s += seconds if _train.cache_info().misses > misses else 0.0
-  if setup.pass_eval_every:
-    misses = _pass_eval.cache_info().misses
-    pe, seconds = _pass_eval(_eval_view(setup), len(seeds))  # reads pass_eval_samples only
-    compile_s += seconds if _pass_eval.cache_info().misses > misses else 0.0
+    for p, every in zip(plans, ref_reset_every):
+      p["ref_reset"] = reset_plan(setup.steps, every)
+    keys_of_plan += ("ref_reset",)
+  (init, ev), compile_s = _compiled(_init_eval, _eval_view(setup))
+  train, seconds = _compiled(_train, setup, num_slots, resets)
+  compile_s += seconds
+  if setup.pass_eval_every:  # reads pass_eval_samples only
+    pe, seconds = _compiled(_pass_eval, _eval_view(setup))
+    compile_s += seconds
   t0 = time.perf_counter()
-  params = init(keys)
-  ev_start = ev(params, keys)
-  if setup.pass_eval_every:
-    metrics_start = {"eval/start/pass_correct": pe(params, keys)}
-  params, metrics = train(params, keys, plan)
-  ev_end = ev(params, keys)
-  metrics.update({f"eval/start/{k}": v for k, v in ev_start.items()})
-  metrics.update({f"eval/end/{k}": v for k, v in ev_end.items()})
-  if setup.pass_eval_every:
-    metrics.update(metrics_start)
-  metrics = {k: np.asarray(v) for k, v in metrics.items()}  # waits for the device
+  runs = []
+  for s, p in zip(seeds, plans):  # dispatched without waiting: the device queues the seeds
+    key = jax.random.key(int(s))
+    params = init(key)
+    m = {f"eval/start/{k}": v for k, v in ev(params, key).items()}
+    if setup.pass_eval_every:
+      m["eval/start/pass_correct"] = pe(params, key)
+    params, metrics = train(params, key, {k: jnp.asarray(p[k]) for k in keys_of_plan})
+    m.update({f"eval/end/{k}": v for k, v in ev(params, key).items()})
+    runs.append((params, {**metrics, **m}))
+  params = jax.tree.map(lambda *x: jnp.stack(x), *(r[0] for r in runs))
+  # np.asarray waits for the device.
+  metrics = {k: np.stack([np.asarray(r[1][k]) for r in runs]) for k in runs[0][1]}
   return SimResult(params, metrics, compile_s, time.perf_counter() - t0)

@@ -1,7 +1,7 @@
 """A resumable grid sweep of the asynchronous-RL simulator (the engine of experiments/simulate.py).
 
 Config (configs/simulate.py): `sim` is one simulator setting (simulator.default_config()), `seeds`
-the seeds every setting runs (vmapped), `grid` one tuple of values per knob in GRID_KNOBS, and
+the seeds every setting runs (one program per seed), `grid` one tuple of values per knob in GRID_KNOBS, and
 optionally `phase_grid`, a second grid (the LR x lag x precision phase diagram) run after it.
 
 Outputs under the workdir:

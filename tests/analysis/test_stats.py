@@ -1,5 +1,6 @@
 """lowrl.analysis.stats against SciPy (ttest_rel, the t distribution, binomtest) and cases worked
 by hand from the definitions (Holm, the bootstrap of two or three points, claim verdicts)."""
+import functools
 import itertools
 import math
 
@@ -207,3 +208,97 @@ def test_paired_diffs_and_by_unit():
     stats.paired_diffs({0: 1.0}, {1: 1.0})
   with pytest.raises(ValueError, match="two results"):
     stats.by_unit(rows + [rows[0]], lambda r: r["v"])
+
+
+# ----------------------------------------------------------------------------- equivalence (TOST)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8, 30])
+@pytest.mark.parametrize("shift", [0.0, 0.3, -0.45, 1.2])
+def test_tost_matches_scipy_one_sided_tests(n, shift):
+  rng = np.random.default_rng(100 + n)
+  d = rng.normal(shift, 0.5, size=n)
+  for margin, (low, high) in ((0.5, (-0.5, 0.5)), ((-0.2, 0.8), (-0.2, 0.8))):
+    r = stats.tost(d, margin)
+    p_low = scipy.stats.ttest_1samp(d, low, alternative="greater").pvalue
+    p_high = scipy.stats.ttest_1samp(d, high, alternative="less").pvalue
+    assert r.n == n and r.mean == pytest.approx(np.mean(d), rel=1e-12)
+    assert r.p == pytest.approx(max(p_low, p_high), rel=RTOL, abs=1e-300)
+    ci = scipy.stats.ttest_1samp(d, 0.0).confidence_interval(0.90)
+    assert r.ci_low == pytest.approx(ci.low, rel=RTOL, abs=1e-12)
+    assert r.ci_high == pytest.approx(ci.high, rel=RTOL, abs=1e-12)
+    # The duality: equivalent at 0.05 iff the 90% interval lies inside the margin.
+    assert (r.p < 0.05) == (low < r.ci_low and r.ci_high < high)
+
+
+def test_tost_hand_cases_and_errors():
+  # d = (1, 2, 3), margin 4: t = (2 + 4) / (1/sqrt(3)) and (4 - 2) * sqrt(3) on 2 df; the
+  # 2-df cdf is 1/2 + t / (2 sqrt(2 + t^2)), so P(T >= t) = 1/2 - t / (2 sqrt(2 + t^2)).
+  r = stats.tost([1.0, 2.0, 3.0], 4.0)
+  t = 2 * math.sqrt(3)
+  assert r.p == pytest.approx(0.5 - t / (2 * math.sqrt(2 + t * t)), rel=1e-12)
+  assert stats.tost([0.125, 0.125, 0.125], 0.25).p == 0.0  # no spread, inside (exact binary)
+  assert stats.tost([0.375, 0.375], 0.25).p == 1.0  # no spread, outside
+  assert math.isnan(stats.tost([0.1], 0.2).p)
+  for bad in (0.0, -1.0, (0.3, 0.1), (math.nan, 1.0)):
+    with pytest.raises(ValueError, match="margin"):
+      stats.tost([1.0, 2.0], bad)
+
+
+def test_equivalence_claims_are_judged_by_their_own_verdicts():
+  eq = stats.Claim("eq", "recipe keeps BF16's end quality", "paired by seed",
+                   stats.tost([0.01, -0.02, 0.0, 0.015, -0.005], 0.05), margin=(-0.05, 0.05))
+  wide = stats.Claim("wide", "recipe keeps BF16's end quality", "paired by seed",
+                     stats.tost([0.1, -0.2, 0.0, 0.15, -0.05], 0.05), margin=(-0.05, 0.05))
+  out = stats.judge([eq, wide, _claim("a", -0.2, 0.001)])
+  assert [v.verdict for v in out] == ["equivalent", "not shown equivalent", "held"]
+  assert out[0].row()["margin"] == [-0.05, 0.05] and out[2].row()["margin"] is None
+  assert "90% CI; margin (-0.050, 0.050)" in stats.markdown_table(out)
+  with pytest.raises(ValueError, match="margin"):
+    stats.Claim("bad", "s", "d", eq.result, margin=(0.1, -0.1))
+
+
+# ----------------------------------------------------------------------------- coverage
+
+
+@functools.lru_cache
+def _t_factor(n):
+  return stats.t_quantile_two_sided(0.05, n - 1)
+
+
+def _t95(x):
+  # paired_t's interval (mean -+ q se, checked against scipy above) with q computed once per n.
+  half = _t_factor(x.size) * x.std(ddof=1) / math.sqrt(x.size)
+  return x.mean() - half, x.mean() + half
+
+
+def _boot95(x):
+  r = stats.bootstrap_mean_ci(x, rng_seed=0, n_boot=2000)
+  return r.ci_low, r.ci_high
+
+
+def test_percentile_bootstrap_over_three_units_is_their_range():
+  # At n = 3 the bootstrap mean takes its smallest value (every draw the minimum) with
+  # probability 1/27 = 3.7% > 2.5%, so both percentile ends are the sample's extremes: the
+  # "95%" interval is [min, max], which holds a symmetric distribution's mean with probability
+  # 1 - 2 (1/2)^3 = 0.75 exactly, whatever its spread.
+  rng = np.random.default_rng(3)
+  for x in rng.normal(size=(20, 3)):
+    assert _boot95(x) == pytest.approx((x.min(), x.max()), rel=1e-14)  # (3x)/3: an ulp
+  cover, se = stats.interval_coverage(_boot95, 3, trials=1000, rng_seed=1)
+  assert abs(cover - 0.75) < 4 * se
+  t_cover, t_se = stats.interval_coverage(_t95, 3, trials=2000, rng_seed=1)
+  assert abs(t_cover - 0.95) < 4 * t_se  # Student's interval is exact for normal units
+
+
+def test_t_interval_covers_95_percent_at_8_units():
+  # Exact for normal units (the t pivot); the bound is 4 binomial standard errors of the
+  # simulated fraction. Also for a skewed unit distribution (exponential, mean 1) at n = 8 it
+  # stays near 95% (a few points below: the t interval is not exact there).
+  cover, se = stats.interval_coverage(_t95, 8, trials=4000, rng_seed=2)
+  assert abs(cover - 0.95) < 4 * se
+  skew, _ = stats.interval_coverage(_t95, 8, trials=4000, rng_seed=3, mean=1.0,
+                                    draw=lambda rng, shape: rng.exponential(1.0, shape))
+  assert 0.85 < skew < 0.96
+  with pytest.raises(ValueError, match="trials"):
+    stats.interval_coverage(_t95, 8, trials=0, rng_seed=0)
