@@ -109,9 +109,9 @@ def test_adapted_logits_match_fp64_reference_of_the_peft_files(tmp_path, family)
 def test_peft_loads_the_directory_onto_transformers(tmp_path, family):
   """PEFT's own loader (PeftModel.from_pretrained) on the transformers model of the checkpoint:
   its state-dict names and shapes are the file's, and its logits lowrl's (FP32 both sides)."""
-  torch = pytest.importorskip("torch")
-  peft = pytest.importorskip("peft")
-  transformers = pytest.importorskip("transformers")
+  import peft  # noqa: PLC0415 - the reference (the `test` extra installs it)
+  import torch  # noqa: PLC0415
+  import transformers  # noqa: PLC0415
   path, _ = write_checkpoint(tmp_path, family)
   mc, _, cfg, params = _adapted(path)
   out = os.path.join(tmp_path, "adapter")
