@@ -273,7 +273,7 @@ class Trainer:
     act_amax = held.act_amax  # + a quantized KV cache's K/V amaxes
     out = self.sampler(held.weights, tokens_BP, mask_BP, k_sample, quant_key=sampler_qk,
                        trainer_params=sampler_params, trainer_quant_key=sampler_qk,
-                       act_amax=act_amax)
+                       act_amax=act_amax, group_size=self.setup.loop.group_size)
     routing_metrics = {}
     scored_sampler_params = sampler_params  # the weights the trainer's scores run on
     if self._cast is not None and cast_key is not None:
