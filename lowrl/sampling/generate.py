@@ -11,6 +11,11 @@ inputs on a `ShardingPlan` (one device is the trivial plan) and the program's ou
 the plan's layout; `generate_in_jit` traces the same program inside a caller's jit, unplaced. The
 policy's deterministic weight quantizers are applied once, at the top of the program
 (`weights.quantize_weights`), not in the prefill and again at every decode step.
+
+Compute only on tokens that count (docs/sampling.md, "Rollout compute"): rows in groups of one
+prompt share one prefill (`_prefill`, `prefill_group`), and the decode can shrink to halving
+buckets of the live rows as rows finish (`bucket_sizes`, `_compact`); every row draws the noise it
+draws otherwise and the outputs keep the row order.
 """
 from __future__ import annotations
 
