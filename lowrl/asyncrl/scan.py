@@ -29,11 +29,12 @@ from lowrl.training.step import Rollout, Step, make_step
 
 def _generate(setup: SimSetup, policy: precision.PrecisionPolicy, config: SamplingConfig,
               params, prompt_BP: jax.Array, key: jax.Array, quant_key,
-              act_amax=None) -> SampleOutput:
-  """The sampler's prefill + decode inside the scan (the host-side checks ran in `build`)."""
+              act_amax=None, group_size: int = 1) -> SampleOutput:
+  """The sampler's prefill + decode inside the scan (the host-side checks ran in `build`);
+  `group_size`: rows come in contiguous groups of one prompt (one shared prefill each)."""
   return generate_in_jit(params, prompt_BP, jnp.ones(prompt_BP.shape, bool), key,
                          model_cfg=setup.model_cfg, policy=policy, config=config,
-                         quant_key=quant_key, act_amax=act_amax)
+                         quant_key=quant_key, act_amax=act_amax, group_size=group_size)
 
 
 def calib_key(key: jax.Array) -> jax.Array:
@@ -90,7 +91,7 @@ def rollout(setup: SimSetup, sampler_params, key: jax.Array, act_amax=None
   prompt_BL = _train_prompts(setup, k_prompt)
   policy = setup.sampler_policy
   out = _generate(setup, policy, setup.sampling, sampler_params, prompt_BL, k_sample,
-                  policy.quant_key(k_quant), act_amax)
+                  policy.quant_key(k_quant), act_amax, setup.group_size)
   if setup.sampler_exact:
     out = sampler_score(setup, out, sampler_params, key, act_amax)
   reward_B, exact_B = setup.task.rewards(prompt_BL, out.tokens[:, out.prompt_width:])
@@ -139,14 +140,14 @@ def pipeline_rollout(setup: SimSetup, ring, token_slot_H: jax.Array, key: jax.Ar
 
 
 def _eval_decode(setup: SimSetup, params, prompt_BP: jax.Array, config: SamplingConfig,
-                 key: jax.Array) -> tuple[jax.Array, jax.Array]:
+                 key: jax.Array, group_size: int = 1) -> tuple[jax.Array, jax.Array]:
   """(reward_B, exact_B) of the trainer's policy (trainer precision) decoding `prompt_BP` under
   `config`, keyed by `key` (sampling, quantization and the calibration prompts)."""
   # A trainer recipe with per-tensor activation scales decodes as deployed: static scales
   # calibrated from the evaluated weights.
   act_amax = calibrate(setup, setup.trainer_policy, params, calib_key(key))
   out = _generate(setup, setup.trainer_policy, config, params, prompt_BP, key,
-                  setup.trainer_policy.quant_key(key), act_amax)
+                  setup.trainer_policy.quant_key(key), act_amax, group_size)
   return setup.task.rewards(prompt_BP, out.tokens[:, out.prompt_width:])
 
 
@@ -171,7 +172,7 @@ def sampled_correct(setup: SimSetup, params, key: jax.Array) -> jax.Array:
   prompt_BL = jnp.repeat(prompt_PL, n, axis=0)  # prompt-contiguous: row p * n + j
   # Its own sampling key (the greedy eval's is `key`); the same at every eval point of a run.
   _, exact_B = _eval_decode(setup, params, prompt_BL, setup.sampling,
-                            jax.random.fold_in(key, 1))
+                            jax.random.fold_in(key, 1), n)
   return jnp.sum(exact_B.reshape(setup.eval_num_prompts, n), axis=1).astype(jnp.int32)
 
 

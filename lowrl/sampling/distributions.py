@@ -105,14 +105,24 @@ def sampling_logprobs(logits_NV: jax.Array, tokens_N: jax.Array,
   return _logp_at(sampling_logits(logits_NV, config), tokens_N)
 
 
-def sample_token(key: jax.Array, logits_NV: jax.Array, config: SamplingConfig
+def sample_token(key: jax.Array, logits_NV: jax.Array, config: SamplingConfig,
+                 rows_N: jax.Array | None = None, batch: int | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(token_N, log q(token)_N, log p(token)_N) for one step; logits FP32 [..., V]."""
+  """(token_N, log q(token)_N, log p(token)_N) for one step; logits FP32 [N, V].
+
+  `rows_N` (with `batch`): logits_NV are rows `rows_N` of a [batch, V] step (a compacted decode
+  bucket); each row then draws the Gumbel noise `jax.random.categorical(key, ·)` gives that row
+  of the whole batch, so it samples the token the uncompacted step samples from the same logits.
+  """
   if config.greedy:
     token = jnp.argmax(logits_NV, axis=-1).astype(jnp.int32)
     logq = jnp.zeros(token.shape, jnp.float32)
   else:
     x = sampling_logits(logits_NV, config)
-    token = jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+    if rows_N is None:
+      token = jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+    else:  # categorical's own draw (argmax of logits + Gumbel noise), noise of rows_N
+      noise_NV = jax.random.gumbel(key, (batch, x.shape[-1]), x.dtype)[rows_N]
+      token = jnp.argmax(noise_NV + x, axis=-1).astype(jnp.int32)
     logq = _logp_at(x, token)
   return token, logq, _logp_at(logits_NV, token)

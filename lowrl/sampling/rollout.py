@@ -31,6 +31,9 @@ class Sampler:
   distribution sampled from up to KV-cache rounding, and the trainer's pi_old matches it bit
   for bit. It is offered only for row-local policies (`check_row_local`).
 
+  `decode_min_rows` > 0 compacts the decode into halving buckets of live rows (`generate`'s
+  `min_rows`).
+
   `record_routing` (MoE models, routing replay): the output also carries the sampler's expert
   choices per token and layer (`SampleOutput.routing`, lowrl/sampling/replay.py), recorded with
   the weights exact mode re-scores with.
@@ -42,8 +45,9 @@ class Sampler:
 
   def __init__(self, model_cfg: ModelConfig, policy: PrecisionPolicy, config: SamplingConfig,
                *, exact: bool = False, plan: ShardingPlan | None = None,
-               record_routing: bool = False):
+               record_routing: bool = False, decode_min_rows: int = 0):
     config.check(model_cfg)
+    self.decode_min_rows = decode_min_rows  # decode compaction's smallest bucket (`generate`)
     if record_routing and not model_cfg.is_moe:
       raise ValueError("record_routing needs a mixture-of-experts model (n_experts > 0).")
     self.record_routing = record_routing
@@ -58,10 +62,11 @@ class Sampler:
                rng: jax.Array, *, quant_key: jax.Array | None = None,
                trainer_params: Params | None = None,
                trainer_quant_key: jax.Array | None = None,
-               act_amax: blocks.ActAmax | None = None) -> SampleOutput:
+               act_amax: blocks.ActAmax | None = None, group_size: int = 1) -> SampleOutput:
     """Generates; in exact mode re-scores with (trainer_params or params) in the sampler's
     precision, with the same static `act_amax` (trainer_params: the master weights of packed
-    `params`, or the same weights)."""
+    `params`, or the same weights). `group_size`: rows come in contiguous groups of one prompt,
+    each prefilled once (`generate`)."""
     if ((self.exact or self.record_routing) and trainer_params is None
         and weights.is_packed(params)):
       raise ValueError("Exact mode and routing records run with the trainer's weights: pass "
@@ -74,7 +79,8 @@ class Sampler:
     out, self._cache = generate(params, prompt_tokens_BP, prompt_mask_BP, rng,
                                 model_cfg=self.model_cfg, policy=self.policy, config=self.config,
                                 quant_key=quant_key, cache=cache, plan=self.plan,
-                                act_amax=act_amax)
+                                act_amax=act_amax, group_size=group_size,
+                                min_rows=self.decode_min_rows)
     if self.exact:
       out = rescore(out, params if trainer_params is None else trainer_params,
                     model_cfg=self.model_cfg, policy=self.policy, config=self.config,

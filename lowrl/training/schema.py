@@ -392,7 +392,11 @@ TRAIN = Schema((
                       "(bit-identical when same recipe)"),
                  knob("refit_check_every", "weight syncs between refit checks (the sampler's "
                       "quantized weights and scales vs a fresh quantization of the trainer's, "
-                      "bit for bit; metric refit/mismatched_tensors); 0 = off", NON_NEGATIVE))),
+                      "bit for bit; metric refit/mismatched_tensors); 0 = off", NON_NEGATIVE),
+                 knob("sampler_decode_min_rows", "decode compaction: as rollout rows finish, "
+                      "the live ones move into buckets of half the rows, down to this many "
+                      "rows per data shard, so finished rows stop costing decode compute (the "
+                      "same tokens; docs/sampling.md); 0 = off", NON_NEGATIVE))),
     LORA,
     TRAIN_SFT,
     TRAIN_RL,

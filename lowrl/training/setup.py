@@ -59,6 +59,7 @@ class LoopConfig:
   code_churn: bool  # diagnostics.code_churn
   refit_check_every: int
   sampler_exact: bool
+  sampler_decode_min_rows: int
   routing_replay: bool  # rl.routing_replay (MoE)
   keep_reference: bool  # rl.kl_coef > 0 or rl.log_kl_ref: the run holds reference params
   ref_storage: str  # rl.ref_storage
@@ -87,6 +88,7 @@ class LoopConfig:
                diagnostics_every=cfg.diagnostics.every,
                code_churn=bool(cfg.diagnostics.code_churn),
                refit_check_every=cfg.refit_check_every, sampler_exact=bool(cfg.sampler_exact),
+               sampler_decode_min_rows=cfg.sampler_decode_min_rows,
                routing_replay=bool(rl.routing_replay),
                keep_reference=bool(rl.kl_coef > 0 or rl.log_kl_ref),
                ref_storage=rl.ref_storage, ref_reset_every=rl.ref_reset_every,

@@ -82,7 +82,8 @@ class Trainer:
     # Rollouts in the sampler's precision (exact mode: re-scored by the sampler's own policy).
     self.sampler = Sampler(setup.model_cfg, setup.sampler_policy, setup.sampling,
                            exact=knobs.sampler_exact, plan=plan,
-                           record_routing=setup.model_cfg.is_moe)
+                           record_routing=setup.model_cfg.is_moe,
+                           decode_min_rows=knobs.sampler_decode_min_rows)
     # Whether the exact-mode sampler's record can be the trainer's pi_old (sampler_scored_pi_old).
     self._exact_twin = (knobs.sampler_exact and setup.sampler_policy == setup.trainer_policy
                         and not setup.trainer_policy.act_paths(layout.matmuls(setup.model_cfg),
@@ -342,7 +343,7 @@ class Trainer:
     act_amax = held.act_amax  # + a quantized KV cache's K/V amaxes
     out = self.sampler(held.weights, tokens_BP, mask_BP, k_sample, quant_key=sampler_qk,
                        trainer_params=sampler_params, trainer_quant_key=sampler_qk,
-                       act_amax=act_amax)
+                       act_amax=act_amax, group_size=self.setup.loop.group_size)
     routing_metrics = {}
     scored_sampler_params = sampler_params  # the weights the trainer's scores run on
     if self._cast is not None and cast_key is not None:

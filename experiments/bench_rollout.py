@@ -1,0 +1,197 @@
+r"""Compute per useful token of an RL step: shared prefill + decode compaction vs per-row + full.
+
+  python -m experiments.bench_rollout                      # (a) the main job, (b) long tail
+  python -m experiments.bench_rollout --settings=tail --groups=1,4,8 --repeats=3
+
+One process; every setting builds the loop's own `Trainer` (`setup.build` of configs/base.py with
+the setting's overrides) and times, per interleaved round, for each path:
+  rollout = `Trainer.rollout` (sampling in the sampler's precision, exact-mode re-scoring, the
+            trainer's pi_old, rewards on the host): the rollout phase and the scoring;
+  update  = the jitted RL step on that rollout (`Trainer.step`: batch, drift, update);
+  step    = rollout + update.
+Paths: "before" = one prefill per row and one decode bucket (every row decodes until the last one
+stops), today's program before issue 42; "after" = the loop's default: one prefill per prompt group
+(`generate`'s group_size) and decode compaction (`sampler_decode_min_rows`). Both sample the same
+tokens from the same keys (tests/sampling/test_shared_prefill.py, test_decode_compaction.py);
+the benchmark checks it on every round.
+
+Reported per setting, medians over rounds with [min-max], ratios taken per round (after/before, < 1
+= less):
+  * process CPU seconds (the 2-core CPU is compute-bound: CPU time is compute) and wall seconds of
+    rollout, update and step, and their ratios;
+  * the model's row-token passes of the rollout per useful token (a count, no clock): prefill
+    rows x P + every decode step's bucket rows, over the completion tokens kept (the useful
+    tokens; prompts count once per group).
+Settings: (a) `main`: the main job (mid-trained base, 32 prompts x 8, 8 new tokens); (b) `tail`:
+long-tailed completions up to --tail_tokens (the main job's model, untied head, from random init
+on the sorting task: the stop token has probability ~1/V at every position, so lengths are
+geometric, median ~V ln 2, a few rows running far longer), --tail_rows rows at each group size of --groups.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs import base as base_config
+from lowrl import user_cache
+from lowrl.sampling import Sampler
+from lowrl.sampling.generate import bucket_sizes, prefill_group
+from lowrl.training import base_store
+from lowrl.training.setup import build
+from lowrl.training.trainer import Trainer
+
+_SETTINGS = flags.DEFINE_list("settings", ["main", "tail"], "main | tail.")
+_GROUPS = flags.DEFINE_list("groups", ["1", "8"], "Group sizes of the tail setting.")
+_TAIL_ROWS = flags.DEFINE_integer("tail_rows", 64, "Rollout rows of the tail setting.")
+_TAIL_TOKENS = flags.DEFINE_integer("tail_tokens", 256, "Completion budget of the tail setting.")
+_TAIL_MIN_ROWS = flags.DEFINE_integer("tail_min_rows", 4, "sampler_decode_min_rows of the tail "
+                                     "setting (the main setting runs the main job's default).")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Interleaved timed rounds (median and spread).")
+_COMPILE_CACHE = user_cache.define_compile_cache_flag()
+
+
+class _PerRowPrefill:
+  """The Sampler as before issue 42: every row prefilled on its own."""
+
+  def __init__(self, sampler: Sampler):
+    self.sampler = sampler
+
+  def __call__(self, *args, group_size: int = 1, **kw):
+    del group_size
+    return self.sampler(*args, group_size=1, **kw)
+
+
+def row_tokens(lengths_B: np.ndarray, prompt_width: int, group: int, sizes: tuple[int, ...],
+               shards: int = 1) -> int:
+  """Row-token passes of one rollout: the prefill's rows x P plus each decode step's bucket rows
+  (`generate`: step i writes column i for i >= 1; a segment runs while some shard's live rows
+  outnumber the next bucket's share; one shard here)."""
+  batch, n = len(lengths_B), int(lengths_B.max())
+  total = batch // group * prompt_width
+  k = 0
+  for i in range(1, n):  # the decode steps that run: until every row is done (or N)
+    live = int((lengths_B > i).sum())  # rows still live when column i is written
+    while k + 1 < len(sizes) and live <= sizes[k + 1] // shards:
+      k += 1
+    total += sizes[k]
+  return total
+
+
+def _config(setting: str, group: int):
+  c = base_config.get_config()
+  c.diagnostics.every = 0
+  if setting == "tail":
+    c.sft.steps = 0  # random init: the stop token is drawn with probability ~1/V per token
+    c.model.tie_embeddings = False  # (a tied random head favours repeating the last token)
+    c.sampler_decode_min_rows = _TAIL_MIN_ROWS.value
+    c.rl.max_new_tokens = _TAIL_TOKENS.value
+    c.rl.group_size = group
+    c.rl.num_prompts = _TAIL_ROWS.value // group
+  return c
+
+
+def _clock(fn):
+  wall, cpu = time.perf_counter(), time.process_time()
+  out = jax.block_until_ready(fn())
+  return time.perf_counter() - wall, time.process_time() - cpu, out
+
+
+def bench_setting(setting: str, group: int, repeats: int) -> dict:
+  c = _config(setting, group)
+  setup = build(c)
+  trainer = Trainer(setup, log=lambda s: None)
+  params = base_store.load_base(setup.base, setup.task, setup.model_cfg, setup.plan, "",
+                                lambda s: None)
+  params = trainer.place(params)
+  after = trainer.sampler
+  before = _PerRowPrefill(Sampler(setup.model_cfg, setup.sampler_policy, setup.sampling,
+                                  exact=setup.loop.sampler_exact, plan=setup.plan,
+                                  record_routing=setup.model_cfg.is_moe))
+  opt_state = trainer.init_opt_state(params)
+  ref = jax.tree.map(jnp.copy, params)
+  rows = setup.loop.batch_size
+  min_rows = setup.loop.sampler_decode_min_rows
+  shards = setup.plan.batch_shards
+  sizes = bucket_sizes(rows, shards, min_rows)
+  g = prefill_group(rows, setup.loop.group_size, shards, setup.sampler_policy)
+  times = {p: {k: [] for k in ("rollout", "update", "step")} for p in ("before", "after")}
+  counts = {}
+
+  def one(path, step, key):
+    trainer.sampler = before if path == "before" else after
+    w, c_, (rollout, info) = _clock(lambda: trainer.rollout(params, params, step, key,
+                                                            stale=False))
+    p_copy, o_copy = jax.tree.map(jnp.copy, (params, opt_state))
+    jax.block_until_ready((p_copy, o_copy))
+    wu, cu, _ = _clock(lambda: trainer.step(p_copy, o_copy, ref, rollout,
+                                            jax.random.fold_in(key, 1)))
+    return (w, c_), (wu, cu), rollout
+
+  for r in range(repeats + 1):  # round 0 compiles
+    key = jax.random.fold_in(jax.random.key(0), r)
+    got = {}
+    for path in ("before", "after"):
+      got[path] = one(path, r, key)
+    a, b = got["before"][2].out, got["after"][2].out
+    if not bool(jnp.all(a.tokens == b.tokens)):
+      print(f"  round {r}: the two paths sampled different tokens (a near-tie rounded apart)")
+    if r == 0:
+      continue
+    lengths = np.asarray(a.completion_lengths)
+    useful = int(lengths.sum())
+    p = a.prompt_width
+    counts.setdefault("before", []).append(row_tokens(lengths, p, 1, (rows,)) / useful)
+    counts.setdefault("after", []).append(row_tokens(lengths, p, g, sizes, shards) / useful)
+    counts.setdefault("lengths", []).append(lengths)
+    for path in ("before", "after"):
+      (w, cpu), (wu, cu), _ = got[path]
+      for k, v in (("rollout", (w, cpu)), ("update", (wu, cu)), ("step", (w + wu, cpu + cu))):
+        times[path][k].append(v)
+  return {"times": times, "counts": counts, "rows": rows, "group": setup.loop.group_size,
+          "prefill_group": g, "sizes": sizes, "new_tokens": setup.sampling.max_new_tokens}
+
+
+def _fmt(v):
+  return f"{np.median(v):.3f} [{min(v):.3f}-{max(v):.3f}]"
+
+
+def report(name: str, res: dict) -> None:
+  t, cnt = res["times"], res["counts"]
+  lengths = np.concatenate(cnt["lengths"])
+  print(f"\n== {name}: {res['rows']} rows, group {res['group']} (prefill shared by "
+        f"{res['prefill_group']}), buckets {res['sizes']}, N {res['new_tokens']}; completion "
+        f"length median {np.median(lengths):.0f}, mean {lengths.mean():.1f}, p90 "
+        f"{np.percentile(lengths, 90):.0f}, max {lengths.max()}")
+  ratio = [a / b for a, b in zip(cnt["after"], cnt["before"])]
+  print(f"row-token passes per useful token: before {_fmt(cnt['before'])}, after "
+        f"{_fmt(cnt['after'])}, ratio {_fmt(ratio)}")
+  for clock, i in (("cpu", 1), ("wall", 0)):
+    for phase in ("rollout", "update", "step"):
+      b = [x[i] for x in t["before"][phase]]
+      a = [x[i] for x in t["after"][phase]]
+      r = [x / y for x, y in zip(a, b)]
+      print(f"{clock:>4} {phase:<8} before {_fmt(b)} s  after {_fmt(a)} s  after/before "
+            f"{_fmt(r)}")
+
+
+def main(argv):
+  del argv
+  user_cache.enable_compile_cache()
+  print(f"backend {jax.default_backend()}, {os.cpu_count()} CPUs, load average at start "
+        f"{os.getloadavg()[0]:.1f}, {_REPEATS.value} interleaved rounds after a compile round")
+  for setting in _SETTINGS.value:
+    groups = [8] if setting == "main" else [int(g) for g in _GROUPS.value]
+    for group in groups:
+      res = bench_setting(setting, group, _REPEATS.value)
+      report(f"{setting} (group {group})", res)
+  print(f"load average at end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+  app.run(main)
