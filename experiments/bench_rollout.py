@@ -10,7 +10,7 @@ the setting's overrides) and times, per interleaved round, for each path:
   update  = the jitted RL step on that rollout (`Trainer.step`: batch, drift, update);
   step    = rollout + update.
 Paths: "before" = one prefill per row and one decode bucket (every row decodes until the last one
-stops), today's program before issue 42; "after" = the loop's default: one prefill per prompt group
+stops), the program before shared prefill and compaction; "after" = the loop's default: one prefill per prompt group
 (`generate`'s group_size) and decode compaction (`sampler_decode_min_rows`). Both sample the same
 tokens from the same keys (tests/sampling/test_shared_prefill.py, test_decode_compaction.py);
 the benchmark checks it on every round.
@@ -57,7 +57,7 @@ _COMPILE_CACHE = user_cache.define_compile_cache_flag()
 
 
 class _PerRowPrefill:
-  """The Sampler as before issue 42: every row prefilled on its own."""
+  """The Sampler before shared prefill and compaction: every row prefilled on its own."""
 
   def __init__(self, sampler: Sampler):
     self.sampler = sampler
