@@ -126,10 +126,12 @@ def test_kv_cache_calibration_is_checked_with_the_activation_scales():
   assert np.asarray(r.check(held._replace(act_amax=stale), params)).sum() == 1
 
 
-def test_evaluation_samples_on_the_rollouts_decode_program():
-  """With the sampler's recipe equal to the trainer's, evaluation's sampled chunks (a rollout's
-  rows) run the rollout's compiled decode program on the packed weights, and sample what the
-  master weights sample, bit for bit; only the greedy evaluation adds a decode program."""
+def test_evaluation_samples_on_the_packed_weights_in_two_decode_programs():
+  """With the sampler's recipe equal to the trainer's, evaluation samples from the packed weights
+  the rollout holds (the prequantized policy), and samples what the master weights sample, bit
+  for bit. It compiles two decode programs of its own, sampled and greedy: the rollout's program
+  has another shape (one prefill per group of group_size rows, compaction buckets), while an
+  evaluation chunk holds eval_samples rows per prompt, prefilled row by row in one bucket."""
   from lowrl.sampling import Sampler, weights
   from lowrl.sampling.generate import _decode_program
   c = tiny.loop_config("nvfp4_recipe")
@@ -143,13 +145,12 @@ def test_evaluation_samples_on_the_rollouts_decode_program():
   params = init.init_params(s.model_cfg, jax.random.key(0))
   assert weights.is_packed(trainer.refit.pack(params))  # NVFP4 kernels: another program
   trainer.rollout(params, params, 0, jax.random.key(1), stale=False, sampler_version=0)
-  program = _decode_program(s.model_cfg, weights.prequantized_policy(
-      s.sampler_policy, s.model_cfg), s.sampling, s.plan)
-  compiled, programs = program._cache_size(), _decode_program.cache_info().misses
-  assert compiled == 1
+  packed_policy = weights.prequantized_policy(s.sampler_policy, s.model_cfg)
+  programs = _decode_program.cache_info().misses
   trainer.evaluate(params, jax.random.key(2))
-  assert program._cache_size() == compiled  # no new executable for the sampled chunks
-  assert _decode_program.cache_info().misses == programs + 1  # the greedy one
+  assert _decode_program.cache_info().misses == programs + 2  # sampled chunks + greedy
+  sampled = _decode_program(s.model_cfg, packed_policy, s.sampling, s.plan, 1, 0)  # as generate calls it
+  assert sampled._cache_size() == 1  # the chunks ran on the packed weights' program
   key, qk = jax.random.key(3), s.trainer_policy.quant_key(jax.random.key(4))
   out, _ = trainer._eval_samples(params, key, quant_key=qk, act_amax=None)[1]
   _, tokens, mask = trainer._eval_prompts()
