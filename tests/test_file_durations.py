@@ -10,15 +10,18 @@ REPORT = """\
 12.00s call     tests/sampling/test_refit.py::test_mismatches_compare_bits[a::b]
 (2 durations < 0.005s hidden.  Use -vv to show these durations.)
 0.50s call     tests/sampling/test_refit.py::test_refitter_syncs_on_a_new_version
+0.00s call     tests/test_quick.py::test_quick
 =========================== 3 passed in 165.25s ===========================
 """
 
 
 def test_parse_sums_setup_call_and_teardown_per_file_longest_first():
   seconds = file_durations.parse(REPORT)
-  assert seconds == {"tests/experiments/test_paired.py": 151.8,
-                     "tests/sampling/test_refit.py": 12.5}
-  assert list(seconds) == ["tests/experiments/test_paired.py", "tests/sampling/test_refit.py"]
+  assert seconds == {"tests/experiments/test_paired.py": 151.75,
+                     "tests/sampling/test_refit.py": 12.5,
+                     "tests/test_quick.py": 0.01}  # ran, in less than pytest's 0.01 s
+  assert list(seconds) == ["tests/experiments/test_paired.py", "tests/sampling/test_refit.py",
+                           "tests/test_quick.py"]
 
 
 def test_the_table_names_existing_test_files():
