@@ -29,6 +29,16 @@ _PROBE_STREAM = 0x9B0BE  # fold_in of the step key for the probes: a stream no s
 _LORA_STREAM = 0x10A  # fold_in of the run's seed key for the adapters' init
 
 
+def _map_param_trees(state: dict[str, Any], f: Callable[[Any], Any]) -> dict[str, Any]:
+  """`state` with `f` applied to each of its param trees: params, ref_params, every version."""
+  out = dict(state, params=f(state["params"]))
+  if "ref_params" in state:
+    out["ref_params"] = f(state["ref_params"])
+  if "versions" in state:
+    out["versions"] = {v: f(p) for v, p in state["versions"].items()}
+  return out
+
+
 @jax.jit
 def _chunked_mismatch_metrics(logp: list, logp_other: list, mask: list) -> dict[str, jax.Array]:
   """mismatch_metrics of the concatenated per-chunk arrays, as one program. Op by op, on arrays
@@ -140,13 +150,7 @@ class Trainer:
     `restored` puts the run's base back); the state itself otherwise. Works on shape trees."""
     if self.setup.lora is None:
       return state
-    adapters = lambda p: lora.split(p)[1]  # noqa: E731
-    out = dict(state, params=adapters(state["params"]))
-    if "ref_params" in state:
-      out["ref_params"] = adapters(state["ref_params"])
-    if "versions" in state:
-      out["versions"] = {v: adapters(p) for v, p in state["versions"].items()}
-    return out
+    return _map_param_trees(state, lambda p: lora.split(p)[1])
 
   def restored(self, state: dict[str, Any], base: Any) -> dict[str, Any]:
     """Inverse of `checkpointed`: `base` (the run's base params, frozen) merged back into each
@@ -154,12 +158,7 @@ class Trainer:
     where the update's donation would reach them (lowrl.training.storage.keep)."""
     if self.setup.lora is None:
       return state
-    out = dict(state, params=lora.merge(base, state["params"]))
-    if "ref_params" in state:
-      out["ref_params"] = lora.merge(base, state["ref_params"])
-    if "versions" in state:
-      out["versions"] = {v: lora.merge(base, p) for v, p in state["versions"].items()}
-    return out
+    return _map_param_trees(state, lambda p: lora.merge(base, p))
 
   def state_shardings(self, state: Any) -> Any:
     """Shardings of a state tree: parameter-shaped leaves as the params, the rest replicated."""
@@ -245,11 +244,12 @@ class Trainer:
     k_greedy, k_sample = jax.random.split(key)
     qk = self.setup.trainer_policy.quant_key(key)
     act_amax = self.act_amax(params, self.setup.trainer_policy)
-    out = self.eval_sampler(self._eval_weights(params), jnp.asarray(tokens), jnp.asarray(mask),
+    weights = self._eval_weights(params)
+    out = self.eval_sampler(weights, jnp.asarray(tokens), jnp.asarray(mask),
                             k_greedy, quant_key=qk, act_amax=act_amax)
     greedy, _ = self.rewards(out, examples)
-    sampled = np.concatenate([self.rewards(out, chunk)[0] for out, chunk in self._eval_samples(
-        params, k_sample, quant_key=qk, act_amax=act_amax)])
+    sampled = np.concatenate([self.rewards(out, chunk)[0] for out, chunk in self._sample_chunks(
+        weights, k_sample, quant_key=qk, act_amax=act_amax)])
     m = eval_metrics(greedy, sampled)
     out = {}
     # "pass_at_1", not "pass@1": TensorBoard tag names cannot hold "@".
@@ -263,27 +263,33 @@ class Trainer:
                     act_amax: blocks.ActAmax | None) -> list[tuple[SampleOutput, list]]:
     """`eval_samples` completions of every held-out prompt at the rollout temperature, from the
     trainer's policy, as (SampleOutput, examples) chunks of a rollout's rows (the last one may be
-    smaller), chunk i sampled with fold_in(key, i).
+    smaller), chunk i sampled with fold_in(key, i): `_sample_chunks` of `_eval_weights(params)`.
+    """
+    return self._sample_chunks(self._eval_weights(params), key, quant_key=quant_key,
+                               act_amax=act_amax)
 
-    A chunk the size of a rollout makes evaluation (and `policy_kl`'s scoring) run the rollout's
-    own sampling and scoring programs when the sampler and the trainer share a recipe, instead
-    of compiling programs for the eval batch, and it needs no more device memory than a rollout.
+  def _sample_chunks(self, weights, key: jax.Array, *, quant_key: jax.Array | None,
+                     act_amax: blocks.ActAmax | None) -> list[tuple[SampleOutput, list]]:
+    """`_eval_samples` from weights already as `_eval_weights` gives them.
+
+    A chunk the size of a rollout needs no more device memory than a rollout, and every chunk
+    runs one compiled decode program (row by row prefill, one bucket: an eval chunk holds
+    `eval_samples` rows per prompt, not the rollout's groups).
     """
     examples, tokens, mask = self._eval_prompts()
     n = self.setup.loop.eval_samples
     examples = [e for e in examples for _ in range(n)]
     tokens, mask = np.repeat(tokens, n, 0), np.repeat(mask, n, 0)
     rows = self.setup.batch_size
-    params = self._eval_weights(params)
-    return [(self.eval_sampler_t(params, jnp.asarray(tokens[i:i + rows]),
+    return [(self.eval_sampler_t(weights, jnp.asarray(tokens[i:i + rows]),
                                  jnp.asarray(mask[i:i + rows]), jax.random.fold_in(key, i // rows),
                                  quant_key=quant_key, act_amax=act_amax), examples[i:i + rows])
             for i in range(0, len(examples), rows)]
 
   def _eval_weights(self, params):
     """`params` as the rollout's sampler holds them when it shares the trainer's recipe (its
-    packed kernels: `Refitter.pack`), so evaluation's decode runs the rollout's compiled program
-    (the sampler's prequantized policy on the same shapes); else `params` themselves.
+    packed kernels: `Refitter.pack`, whose program the syncs have compiled), so evaluation
+    decodes the sampler's prequantized policy; else `params` themselves.
 
     Exact either way: the packed kernels dequantize to the fake-quantized weights the decode
     program would compute from `params` (lowrl.sampling.weights), bit for bit.
