@@ -30,7 +30,7 @@ from configs import base
 _PT = {"precision": "nvfp4_naive", "precision.act_per_token": True}  # + per-token act scales
 _PT46 = {**_PT, "precision.four_over_six": True}  # + 4/6 block scaling
 _SCALE = {"optimizer.loss_scale": "$fp16_loss_scale"}  # every FP16-compute setting
-# Rows no claim of experiments/report.py reads (the settings table describes them): they run the
+# Rows no claim of experiments/report reads (the settings table describes them): they run the
 # first `descriptive_seeds` of `seeds` only.
 _DESCRIPTIVE = {"first_seeds": "$descriptive_seeds"}
 GRID = (
@@ -54,7 +54,7 @@ GRID = (
     *({"name": f"s={s}/t=bf16", "group": "sampler_only",
        "overrides": {"precision": "bf16", "sampler_precision.recipe": s}, **_DESCRIPTIVE}
       for s in ("mxfp8", "nvfp4_naive", "nvfp4_recipe")),
-    # Stochastic rounding at each learning rate. The seed's arm (experiments/report.py
+    # Stochastic rounding at each learning rate. The seed's arm (experiments/report/sr_cast.py
     # `sr_cast_claims`): FP32 master weights with the BF16 compute cast rounded to nearest
     # (fp32_master), the same cast rounded stochastically (bf16_sr_cast), and FP16 compute with
     # FP32 master weights and a static loss scale (fp16). The master-weight arm (pure-BF16

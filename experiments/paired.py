@@ -5,7 +5,7 @@ r"""Paired forward-only and backward measurements of the recipe's claims, on the
 
 W is an experiments.ablate workdir (its mid-trained base `<W>/base` is reused, or trained once);
 the results go to `<W>/paired.jsonl` (one line per measurement, resumable: lowrl.grid), which
-experiments/report.py turns into claims.
+experiments/report (a package: a module per question) turns into claims.
 
 Identical inputs for every arm (so each comparison is paired and the noise of sampling cancels):
 `batches` rollout batches are sampled once, from the base in BF16 (the `twin` setting's trainer,

@@ -2,7 +2,7 @@ r"""The regime probe: shows a grid config's outlier channels and times a few upd
 
   python -m experiments.regime --workdir=/tmp/lowrl_regime --config=configs/ablate_regime.py
 
-Writes `<workdir>/regime.json`, which experiments/report.py prints (docs/ablation.md, "A regime
+Writes `<workdir>/regime.json`, which experiments/report prints (docs/ablation.md, "A regime
 where the effects can appear"):
   outliers  lowrl.training.outliers.channel_stats of the timing base (below; with
             --config.timing.sft_steps=<run.sft.steps> the grid's own base, <workdir>/base, the

@@ -7,6 +7,8 @@ tests here answer whether the mean difference is nonzero:
   paired_t(diffs)           Student's paired t-test: two-sided p, confidence interval of the mean;
   sign_test(diffs)          exact two-sided sign test (zeros dropped), for few units / heavy tails;
   bootstrap_mean_ci(...)    seeded percentile bootstrap of the mean (difference) over units;
+  cluster_bootstrap_mean_ci(...)  the same, resampling whole clusters of units (prompts of one
+                            batch), for per-prompt numbers that are heavy-tailed and correlated;
   tost(diffs, margin)       two one-sided paired t-tests: is the mean difference inside a margin
                             stated before the run (an equivalence claim, not a difference claim);
   holm(pvalues)             Holm's step-down adjustment over one report's claims;
@@ -219,6 +221,39 @@ def bootstrap_mean_ci(values: Sequence[float], *, rng_seed: int, n_boot: int = 1
   rng = np.random.default_rng(rng_seed)
   idx = rng.integers(0, x.size, size=(n_boot, x.size))
   means = x[idx].mean(axis=1)
+  a = (1.0 - confidence) / 2
+  lo, hi = np.quantile(means, [a, 1.0 - a])
+  below, above = np.mean(means <= 0.0), np.mean(means >= 0.0)
+  p = min(1.0, max(2 * min(below, above), 1.0 / n_boot))
+  return PairedResult(int(x.size), float(x.mean()), float(lo), float(hi), float(p))
+
+
+def cluster_bootstrap_mean_ci(values: Sequence[float], clusters: Sequence[Hashable], *,
+                               rng_seed: int, n_boot: int = 10_000,
+                               confidence: float = 0.95) -> PairedResult:
+  """Percentile bootstrap of the mean over units that come in clusters, resampling whole
+  clusters with replacement (units of one cluster share what made them: e.g. prompts of one
+  rollout batch share its sampling key and its per-batch activation scales, so they are not
+  independent). A resample's statistic is the mean over the units of its clusters (sum of the
+  drawn clusters' sums over the sum of their sizes). p: twice the smaller fraction of resampled
+  means on either side of 0 (at least 1 / n_boot), as in `bootstrap_mean_ci`, which this equals
+  when every unit is its own cluster. Needs enough clusters for the percentile interval to cover
+  (check with `interval_coverage` at the report's cluster count)."""
+  x = _as_1d(values, "cluster_bootstrap_mean_ci")
+  labels = list(clusters)
+  if len(labels) != x.size:
+    raise ValueError(f"cluster_bootstrap_mean_ci: {len(labels)} cluster labels for {x.size} units")
+  if x.size == 0:
+    raise ValueError("cluster_bootstrap_mean_ci: no units")
+  if n_boot < 1:
+    raise ValueError(f"cluster_bootstrap_mean_ci: n_boot={n_boot} must be >= 1")
+  order = {c: i for i, c in enumerate(dict.fromkeys(labels))}  # first-seen order: deterministic
+  idx = np.array([order[c] for c in labels])
+  sums = np.bincount(idx, weights=x, minlength=len(order))
+  sizes = np.bincount(idx, minlength=len(order)).astype(np.float64)
+  rng = np.random.default_rng(rng_seed)
+  draw = rng.integers(0, len(order), size=(n_boot, len(order)))
+  means = sums[draw].sum(axis=1) / sizes[draw].sum(axis=1)
   a = (1.0 - confidence) / 2
   lo, hi = np.quantile(means, [a, 1.0 - a])
   below, above = np.mean(means <= 0.0), np.mean(means >= 0.0)

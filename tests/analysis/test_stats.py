@@ -136,6 +136,58 @@ def test_bootstrap_pairs_is_the_bootstrap_of_differences_and_seeded():
     stats.bootstrap_mean_ci(a, pairs=b[:-1], rng_seed=0)
 
 
+def test_cluster_bootstrap_of_singletons_is_the_unit_bootstrap():
+  x = np.random.default_rng(5).exponential(size=40)
+  unit = stats.bootstrap_mean_ci(x, rng_seed=11, n_boot=2000)
+  clustered = stats.cluster_bootstrap_mean_ci(x, range(40), rng_seed=11, n_boot=2000)
+  assert (clustered.n, clustered.mean, clustered.p) == (unit.n, unit.mean, unit.p)
+  # Same resamples; the mean as sum / n instead of numpy's mean: equal to rounding.
+  assert clustered.ci_low == pytest.approx(unit.ci_low, rel=1e-12)
+  assert clustered.ci_high == pytest.approx(unit.ci_high, rel=1e-12)
+
+
+def test_cluster_bootstrap_converges_to_the_exact_cluster_resampling():
+  # Clusters {0, 0}, {3}, {6, 6, 6}: 27 equally likely resamples of 3 clusters, each's mean the
+  # ratio of the drawn sums to the drawn sizes. Enumerated here from the definition; the extreme
+  # resamples (mean 0 and 6) have mass 1/27 each, more than 2.5%, so the percentile interval is
+  # [0, 6] (the same Monte Carlo margin as the unit bootstrap's case above).
+  values, labels = [0.0, 0.0, 3.0, 6.0, 6.0, 6.0], ["a", "a", "b", "c", "c", "c"]
+  cl = {"a": [0.0, 0.0], "b": [3.0], "c": [6.0, 6.0, 6.0]}
+  means = np.sort([sum(sum(cl[k]) for k in d) / sum(len(cl[k]) for k in d)
+                   for d in itertools.product(cl, repeat=3)])
+  cdf = np.arange(1, 28) / 27
+  assert (means[np.argmax(cdf >= 0.025)], means[np.argmax(cdf >= 0.975)]) == (0.0, 6.0)
+  r = stats.cluster_bootstrap_mean_ci(values, labels, rng_seed=3, n_boot=20_000)
+  assert (r.n, r.ci_low, r.ci_high) == (6, 0.0, 6.0)
+  assert r.mean == pytest.approx(21 / 6)
+  with pytest.raises(ValueError, match="5 cluster labels for 6 units"):
+    stats.cluster_bootstrap_mean_ci(values, labels[:-1], rng_seed=0)
+
+
+def test_cluster_bootstrap_covers_where_the_unit_bootstrap_does_not():
+  """20 clusters of 10 units sharing a cluster effect (sd 1; unit noise sd 0.3): the mean's sd is
+  sqrt((1 + 0.09 / 10) / 20) = 0.22, the unit bootstrap's about sqrt(1.09 / 200) = 0.074, so its
+  95% interval covers about P(|Z| < 1.96 x 0.33) = 0.48; the cluster bootstrap's about 0.93
+  (a percentile interval over 20 units). 300 trials: binomial sd 0.03 at most."""
+  labels = np.repeat(np.arange(20), 10)
+
+  def draw(rng, shape):
+    trials, n = shape
+    return np.repeat(rng.normal(size=(trials, 20)), 10, axis=1) + rng.normal(0, 0.3, (trials, n))
+
+  def clustered(x):
+    r = stats.cluster_bootstrap_mean_ci(x, labels, rng_seed=0, n_boot=1000)
+    return r.ci_low, r.ci_high
+
+  def unit(x):
+    r = stats.bootstrap_mean_ci(x, rng_seed=0, n_boot=1000)
+    return r.ci_low, r.ci_high
+
+  c, _ = stats.interval_coverage(clustered, 200, trials=300, rng_seed=4, draw=draw)
+  u, _ = stats.interval_coverage(unit, 200, trials=300, rng_seed=4, draw=draw)
+  assert 0.85 <= c <= 0.99 and u < 0.65, (c, u)
+
+
 def test_bootstrap_close_to_scipy_percentile_interval():
   # 200 units: scipy.stats.bootstrap's percentile interval with its own resamples; the two Monte
   # Carlo estimates of a 2.5% quantile of the mean's distribution differ by O(se / sqrt(n_boot))

@@ -9,7 +9,9 @@ import pytest
 import tiny
 
 from configs import ablate as ablate_config
-from experiments import ablate, paired, report
+from experiments import ablate, paired
+from experiments.report import backward, components, recipe_vs_bf16
+from experiments.report import claims as report_claims
 from lowrl.training import run_logs
 from lowrl.analysis import stats
 
@@ -75,12 +77,13 @@ def test_backward_modes_against_fp32_and_the_exact_quantized_gradient(measured):
   # ... and a different backward gives a different gradient of the same forward (2 layers: the
   # recipe keeps its last one in BF16, the first is NVFP4).
   assert max(modes["quantized"]["rel_err_exact"]) > 0
-  claims = report.paired_claims({r["measurement"]: r for r in lines})
+  claims = report_claims.paired_claims({r["measurement"]: r for r in lines})
   assert {c.name for c in claims} >= {"ladder_+per_token",
                                       "backward_cos_fp32_dequantized_vs_quantized",
                                       "outliers_raise_naive_kl",
                                       "outliers_per_token_46_remove_more"}
-  md = "\n".join(report._paired_section({r["measurement"]: r for r in lines}))  # noqa: SLF001
+  got = {r["measurement"]: r for r in lines}
+  md = "\n".join(components.ladder_section(got["forward_ladder"]) + backward.sections(got))
   assert "outliers not planted" in md and "### What one update changes" in md
   assert all(v.verdict in ("held", "contradicted", "not resolved") for v in stats.judge(claims))
 
@@ -127,10 +130,10 @@ def test_backward_design_mid_run_on_the_recipes_kept_checkpoint(distanced):
   for m in paired.BACKWARD:
     assert len(mid["modes"][m]["cos_fp32"]) == 2 and np.all(np.isfinite(mid["modes"][m]["cos_fp32"]))
   assert mid["modes"]["quantized"]["cos_fp32"] != at_base["modes"]["quantized"]["cos_fp32"]
-  names = {c.name for c in report.paired_claims(got)}
+  names = {c.name for c in report_claims.paired_claims(got)}
   assert {"backward_cos_fp32_dequantized_vs_quantized",
           "backward_cos_fp32_dequantized_vs_quantized_mid"} <= names
-  md = "\n".join(report._paired_section(got))  # noqa: SLF001
+  md = "\n".join(backward.sections(got))
   assert "### Backward modes on identical batches, mid-run (nvfp4_recipe seed 0 step 1 of 2)" in md
 
 
@@ -151,9 +154,9 @@ def test_distance_at_every_kept_checkpoint_paired_with_the_twin_at_the_same_step
   naive = by["nvfp4_naive"]["points"]
   assert min(np.mean(q["static"]) for q in naive) > 0  # NVFP4's forward differs from BF16's
   assert np.mean(naive[2]["trajectory"]) > 0  # training took the weights apart
-  pts = report.distance_points(by["nvfp4_naive"])
+  pts = recipe_vs_bf16.distance_points(by["nvfp4_naive"])
   assert list(pts) == [0.0, 0.5, 1.0] and pts[0.0]["trajectory"] == 0.0
-  md = "\n".join(report._distance_table(lines))  # noqa: SLF001
+  md = "\n".join(recipe_vs_bf16.distance_table(lines))
   assert "| setting | seeds | static 0% | static 50% | static 100% | trajectory 50% | " \
          "trajectory 100% |" in md
 

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from experiments import report
+from experiments.report import descriptive, recipe_vs_bf16
 from lowrl.analysis import stats
 
 SEEDS = range(5)
@@ -29,7 +29,7 @@ def _distance_lines(recipe_slope=0.05, naive_slope=0.10):
 
 
 def test_trajectory_claims_use_every_checkpoint_paired_by_seed():
-  v = {x.claim.name: x for x in stats.judge(report.distance_claims(_distance_lines()))}
+  v = {x.claim.name: x for x in stats.judge(recipe_vs_bf16.distance_claims(_distance_lines()))}
   assert set(v) == {"trajectory_recipe_vs_naive", "trajectory_growth_recipe_vs_naive"}
   mean = v["trajectory_recipe_vs_naive"]
   assert mean.verdict == "held" and mean.claim.result.n == 5
@@ -39,13 +39,13 @@ def test_trajectory_claims_use_every_checkpoint_paired_by_seed():
   growth = v["trajectory_growth_recipe_vs_naive"]
   assert growth.verdict == "held" and growth.claim.result.mean == pytest.approx(-0.05, rel=1e-3)
   # The recipe drifting faster instead: contradicted.
-  flipped = {x.claim.name: x for x in stats.judge(report.distance_claims(
+  flipped = {x.claim.name: x for x in stats.judge(recipe_vs_bf16.distance_claims(
       _distance_lines(recipe_slope=0.2)))}
   assert flipped["trajectory_growth_recipe_vs_naive"].verdict == "contradicted"
 
 
 def test_distance_table_per_checkpoint_with_paired_differences():
-  md = "\n".join(report._distance_table(_distance_lines()))  # noqa: SLF001
+  md = "\n".join(recipe_vs_bf16.distance_table(_distance_lines()))
   assert ("| setting | seeds | static 0% | static 25% | static 50% | static 100% | "
           "trajectory 25% | trajectory 50% | trajectory 100% |") in md
   row = next(line for line in md.splitlines() if line.startswith("| nvfp4_recipe - nvfp4_naive"))
@@ -66,7 +66,7 @@ def test_code_churn_and_regime_sections(tmp_path):
                             "code_churn/values": 0.02, "code_churn/scales": 0.0}) + "\n")
     runs.append({"setting": "nvfp4_naive", "group": "recipe", "seed": s, "run_dir": d})
   agg = {"nvfp4_naive": {"group": "recipe", "runs": runs}}
-  md = "\n".join(report._churn_section(work, agg))  # noqa: SLF001
+  md = "\n".join(descriptive.churn_section(work, agg))
   assert "| nvfp4_naive | 5 | 0.0150 ± 0.0000 | 0.0200 ± 0.0000 | 0.0000 ± 0.0000 |" in md
   norm = {"max_over_median": 18.0, "kurtosis": 40.0, "top": 32}
   plain = {"max_over_median": 1.5, "kurtosis": 3.0, "top": 7}
@@ -78,6 +78,6 @@ def test_code_churn_and_regime_sections(tmp_path):
            "estimate": {"settings": ["bf16", "nvfp4_naive"], "seeds": 5, "rl_steps": 300,
                         "hours": 8.4, "per_run_hours": 0.9}, "machine": "2 CPU cores",
            "load": 4.0}
-  md = "\n".join(report.regime_section(probe))
+  md = "\n".join(descriptive.regime_probe_section(probe))
   assert "| layers_0/attn_norm | 18.0 | 32 | 40.0 | 1.5 | 3.0 |" in md and "**8.4 h**" in md
-  assert report.regime_section(None) == []
+  assert descriptive.regime_probe_section(None) == []

@@ -3,7 +3,8 @@ for experiments.paired's measurements), Holm over the report, verdicts. No JAX p
 import numpy as np
 import pytest
 
-from experiments import report
+from experiments.report import backward, components, recipe_vs_bf16, sr_cast
+from experiments.report import claims as report_claims
 from lowrl.analysis import stats
 
 SEEDS = range(5)
@@ -38,7 +39,7 @@ def _by_name(verdicts):
 
 def test_seed_paired_claims_resolve_what_the_seed_spread_hides():
   results = _results()
-  v = _by_name(stats.judge(report.grid_claims(results)))
+  v = _by_name(stats.judge(report_claims.grid_claims(results)))
   # RL gain at BF16: end - start of the same runs, 0.05 + 0.001 s: held.
   assert v["rl_gain"].verdict == "held" and v["rl_gain"].claim.result.n == 5
   assert v["rl_gain"].claim.result.mean == pytest.approx(0.052)
@@ -62,7 +63,7 @@ def test_a_claim_the_other_way_is_contradicted_and_holm_spans_the_report():
   for r in results:  # the recipe now ends *farther* from the twin, on every seed
     if r["setting"] == "nvfp4_recipe":
       r["twin_kl_k3_end"] += 0.04
-  claims = report.grid_claims(results)
+  claims = report_claims.grid_claims(results)
   v = _by_name(stats.judge(claims))
   assert v["tracks_twin"].verdict == "contradicted"
   raw = [c.result.p for c in claims]
@@ -84,7 +85,7 @@ def test_paired_measurement_claims():
                               ("quantized", 0.79, 0.90, -9e-5))}
   paired = {"forward_ladder": {"kl": {k: list(x) for k, x in lad.items()}},
             "backward": {"modes": modes, "heldout_base": 0.1}}
-  v = _by_name(stats.judge(report.paired_claims(paired)))
+  v = _by_name(stats.judge(report_claims.paired_claims(paired)))
   assert v["ladder_+per_token"].verdict == "held"
   assert v["ladder_+4/6"].verdict == "not resolved"
   assert v["ladder_+bf16_tail"].verdict == "held"
@@ -94,7 +95,7 @@ def test_paired_measurement_claims():
   assert v["backward_cos_exact_quantized_vs_high_precision"].verdict == "contradicted"
   assert v["backward_heldout_delta_dequantized_vs_quantized"].verdict == "held"
   assert v["backward_heldout_delta_dequantized_vs_high_precision"].verdict == "not resolved"
-  md = "\n".join(report._paired_section(paired))  # noqa: SLF001
+  md = "\n".join(components.ladder_section(paired["forward_ladder"]) + backward.sections(paired))
   assert "| dequantized | 20 |" in md and "| +bf16_tail | 200 |" in md
 
 
@@ -108,7 +109,7 @@ def test_outlier_claims_pair_the_planted_factor_by_prompt():
   on_46 = off_46 + 0.1 - 0.08 + rng.normal(0, 1e-3, 50)
   ladder = {"kl": {"nvfp4_naive": list(on_naive), "+4/6": list(on_46)},
             "kl_unplanted": {"nvfp4_naive": list(off_naive), "+4/6": list(off_46)}}
-  claims = {c.name: c for c in report.outlier_claims(ladder)}
+  claims = {c.name: c for c in components.outlier_claims(ladder)}
   raised = claims["outliers_raise_naive_kl"].result
   assert raised.n == 50 and raised.mean == pytest.approx(0.1, abs=1e-12)
   removed = claims["outliers_per_token_46_remove_more"].result
@@ -120,10 +121,10 @@ def test_outlier_claims_pair_the_planted_factor_by_prompt():
   assert v["outliers_per_token_46_remove_more"].verdict == "held"
   # The other way round (outliers that lower the KL) is contradicted, not "held".
   flipped = {"kl": ladder["kl_unplanted"], "kl_unplanted": ladder["kl"]}
-  v = _by_name(stats.judge(report.outlier_claims(flipped)))
+  v = _by_name(stats.judge(components.outlier_claims(flipped)))
   assert v["outliers_raise_naive_kl"].verdict == "contradicted"
   # A ladder without the unplanted arm has no outlier claim.
-  assert report.outlier_claims({"kl": ladder["kl"]}) == []
+  assert components.outlier_claims({"kl": ladder["kl"]}) == []
 
 
 def test_distance_claims_pair_the_trajectory_part_by_seed():
@@ -135,12 +136,12 @@ def test_distance_claims_pair_the_trajectory_part_by_seed():
       per_prompt = lvl + shift + rng.normal(0, 1e-4, 16)
       lines.append({"setting": name, "seed": s, "static_start": list(per_prompt * 0 + 0.2),
                     "static_end": list(per_prompt * 0 + 0.2), "trajectory_end": list(per_prompt)})
-  v = _by_name(stats.judge(report.distance_claims(lines)))
+  v = _by_name(stats.judge(recipe_vs_bf16.distance_claims(lines)))
   assert set(v) == {"trajectory_recipe_vs_naive"}
   r = v["trajectory_recipe_vs_naive"]
   assert r.verdict == "held" and r.claim.result.n == 5
   assert r.claim.result.mean == pytest.approx(-0.01, abs=2e-4)
-  md = "\n".join(report._distance_table(lines))  # noqa: SLF001
+  md = "\n".join(recipe_vs_bf16.distance_table(lines))
   assert "| nvfp4_recipe | 5 | 0.2000 | 0.2000 |" in md
 
 
@@ -178,9 +179,9 @@ def test_sr_cast_claims_find_the_lagging_lr_from_data_and_test_the_gap():
   kls = {a: {lr: (0.02 if a != "fp32_master" and lr == "2e-6" else 0.01) + 1e-4 * noise()
              for lr in LRS} for a in gains}
   results = _cast_lines(gains, kls)
-  lr, lags = report.lag_lr(results)
+  lr, lags = sr_cast.lag_lr(results)
   assert lr == "2e-6" and list(lags) == list(LRS) and lags["2e-4"] < 0 < lags["2e-5"]
-  v = _by_name(stats.judge(report.grid_claims(results)))
+  v = _by_name(stats.judge(report_claims.grid_claims(results)))
   assert {f"cast_lag@{t}" for t in LRS} <= set(v)  # the lag at every lr: none chosen by data
   assert v["cast_lag@2e-6"].verdict == "held" and v["cast_lag@2e-4"].verdict != "held"
   g = v["cast_sr_closes_gap_gain"]
@@ -190,9 +191,9 @@ def test_sr_cast_claims_find_the_lagging_lr_from_data_and_test_the_gap():
   # SR no better than RTN: contradicted (it is below the midpoint on every seed).
   for lr_ in LRS:
     gains["bf16_sr_cast"][lr_] = gains["fp32_master"][lr_] + noise()
-  v = _by_name(stats.judge(report.sr_cast_claims(_cast_lines(gains, kls))))
+  v = _by_name(stats.judge(sr_cast.sr_cast_claims(_cast_lines(gains, kls))))
   assert v["cast_sr_closes_gap_gain"].verdict == "contradicted"
-  md = "\n".join(report._sr_cast_section(_cast_lines(gains, kls)))  # noqa: SLF001
+  md = "\n".join(sr_cast.section(_cast_lines(gains, kls)))
   assert "**2e-6**" in md and "| 2e-6 |" in md
 
 
@@ -200,8 +201,8 @@ def test_sr_cast_claim_without_a_lag_is_not_tested():
   same = {a: {lr: 0.02 + 0.0 * np.arange(5) for lr in LRS}
           for a in ("fp32_master", "bf16_sr_cast", "fp16")}
   same["fp16"] = {lr: 0.01 + 1e-3 * np.arange(5) for lr in LRS}  # FP16 below RTN everywhere
-  v = _by_name(stats.judge(report.sr_cast_claims(_cast_lines(same))))
-  assert report.lag_lr(_cast_lines(same))[0] is None
+  v = _by_name(stats.judge(sr_cast.sr_cast_claims(_cast_lines(same))))
+  assert sr_cast.lag_lr(_cast_lines(same))[0] is None
   assert v["cast_sr_closes_gap_gain"].verdict == "not tested"
   assert v["cast_sr_closes_gap_ref_kl"].verdict == "not tested"
 
@@ -216,7 +217,7 @@ def test_choosing_the_lr_by_the_lag_does_not_make_the_gap_claim_pass():
   for _ in range(200):
     gains = {a: {lr: rng.normal(0.02, 0.01, 5) for lr in LRS}
              for a in ("fp32_master", "bf16_sr_cast", "fp16")}
-    claims = [c for c in report.sr_cast_claims(_cast_lines(gains))
+    claims = [c for c in sr_cast.sr_cast_claims(_cast_lines(gains))
               if c.name == "cast_sr_closes_gap_gain"]
     if claims and not np.isnan(claims[0].result.p):
       held += stats.verdict_of(claims[0].result.mean, claims[0].result.p, +1) == "held"

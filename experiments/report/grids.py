@@ -1,0 +1,156 @@
+"""One grid of the report: an experiments.ablate workdir's results, paired measurements and
+meta, with its header and its sections; and where each claim of the experiment is tested."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from experiments import ablate, paired as paired_exp, regime
+from experiments.report import (backward, claims, common, components, descriptive,
+                                recipe_vs_bf16, sr_cast)
+from lowrl import grid as lowrl_grid
+from lowrl.analysis import stats
+from lowrl.training import run_logs
+
+REGIME = "ablate_regime"  # the label of configs/ablate_regime.py's grid
+
+
+def _fewer_seeds(meta: dict[str, Any]) -> str:
+  """', but <settings> on seeds [..]' for the grid's settings that run fewer seeds (a row's
+  first_seeds: description no claim reads), grouped by their seeds."""
+  by: dict[tuple[int, ...], list[str]] = {}
+  for name, seeds in meta.get("setting_seeds", {}).items():
+    if list(seeds) != list(meta.get("seeds", [])):
+      by.setdefault(tuple(seeds), []).append(name)
+  return "".join(f"; {', '.join(names)} on seeds {list(seeds)}" for seeds, names in by.items())
+
+
+def grid_label(meta: dict[str, Any]) -> str:
+  """The grid's config module ("ablate", "ablate_regime", ...) from its recorded command."""
+  for word in meta.get("command", "").split():
+    if word.startswith("--config="):
+      return os.path.splitext(os.path.basename(word.split("=", 1)[1].split(":")[0]))[0]
+  return "ablate"
+
+
+def regime_line(workdir: str, agg: dict) -> str:
+  """The grid's regime, read from its twin's first run: model, task, completions, updates,
+  outlier channels."""
+  twin = common.twin(agg)
+  if twin is None:
+    return ""
+  run = agg[twin]["runs"][0]
+  path = os.path.join(workdir, run["run_dir"], "config.json")
+  if not os.path.exists(path):
+    return ""
+  with open(path) as f:
+    c = json.load(f)["config"]  # lowrl.training.run_config's record of the run's config
+  m, rl, task, sft = c["model"], c["rl"], c["task"], c["sft"]
+  lengths = [r.get("response_length") for r in run_logs.read_metrics(
+      os.path.join(workdir, run["run_dir"])) if r.get("response_length") is not None]
+  kwargs = ", ".join(f"{k}={v}" for k, v in sorted(task.get("kwargs", {}).items()))
+  out = (f"Regime: {m['n_layers']} layers at d = {m['d_model']} (d_ff {m['d_ff']}); task "
+         f"{task['name']}({kwargs}); completions of at most {rl['max_new_tokens']} tokens"
+         + (f" ({np.mean(lengths):.1f} on average in the twin's first run)" if lengths else "")
+         + f"; {rl['steps']} RL updates of {rl['num_prompts']} prompts x {rl['group_size']}; "
+         f"a base of {sft['steps']} SFT steps")
+  if int(sft.get("outlier_channels", 0)):
+    out += (f", {sft['outlier_channels']} outlier channels planted at gain "
+            f"{sft['outlier_gain']:g}")
+  return out + "."
+
+
+@dataclasses.dataclass
+class Grid:
+  """One experiments.ablate workdir's results, as the report reads them."""
+
+  workdir: str
+  label: str
+  meta: dict[str, Any]
+  results: list[dict[str, Any]]
+  agg: dict[str, dict[str, Any]]
+  paired: dict[str, Any]
+
+  @classmethod
+  def load(cls, workdir: str) -> "Grid":
+    results = ablate.read_results(workdir)
+    if not results:
+      raise lowrl_grid.ResultsFileError(f"{workdir}/{ablate.RESULTS} has no results; run "
+                                        "experiments.ablate first.")
+    meta_path = os.path.join(workdir, ablate.GRID)
+    meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
+    return cls(workdir, grid_label(meta), meta, results, common.aggregate(results),
+               paired_exp.read_results(workdir))
+
+  def claims(self) -> list[stats.Claim]:
+    return claims.grid_claims(self.results) + claims.paired_claims(self.paired)
+
+  def header(self) -> list[str]:
+    w, meta, agg = self.workdir, self.meta, self.agg
+    wall = sum(r["wall_s"] for r in self.results)
+    quick = " --config.quick=True" if meta.get("quick") else ""
+    config = "" if self.label == "ablate" else f" --config=configs/{self.label}.py"
+    md = [f"Reproduce: `{meta.get('command', 'python -m experiments.ablate --workdir=W')}`, "
+          f"`python -m experiments.paired --workdir={w}{config}{quick}` (paired measurements: "
+          f"{'present' if os.path.exists(os.path.join(w, paired_exp.RESULTS)) else 'not run'}"
+          f"), then `python -m experiments.report --workdir={w}`.", "",
+          f"{len(self.results)} runs ({len(agg)} settings x seeds {meta.get('seeds', '?')}"
+          f"{_fewer_seeds(meta)}); wall time of the runs {wall / 60:.1f} min in all "
+          f"({meta.get('machine', 'this machine')}). " + regime_line(w, agg), ""]
+    if meta.get("quick"):
+      md += ["**This is the quick grid** (`--config.quick=True`: 8 RL steps of 8 prompts x 4, "
+             "16 held-out prompts): it checks that every part of the experiment runs; its "
+             "numbers are too small and short to test the claims.", ""]
+    missing = [s for s in meta.get("settings", []) if s not in agg]
+    if missing:
+      md += [f"Not finished (no results yet): {', '.join(missing)}.", ""]
+    return md
+
+  def body(self, out_md: str, suffix: str) -> list[str]:
+    """The grid's sections after the claims; its PNGs are `<out stem><suffix>_*.png`."""
+    stem = os.path.splitext(out_md)[0] + suffix
+    md = sr_cast.section(self.results)
+    md += components.ladder_section(self.paired.get("forward_ladder", {}))
+    md += backward.sections(self.paired)
+    md += recipe_vs_bf16.distance_table(self.paired.get("distance", []))
+    md += descriptive.churn_section(self.workdir, self.agg)
+    md += descriptive.regime_probe_section(regime.read_results(self.workdir))
+    md += ["## All settings", "", descriptive.settings_table(self.agg), ""]
+    return md + [f"![{p}]({p})" for p in descriptive.plots(self.workdir, self.agg, stem)] + [""]
+
+
+def where_tested(labels: Sequence[str]) -> list[str]:
+  """Where each claim of the experiment is tested, given the grids this report holds."""
+  regime = REGIME in labels
+  return [
+      "## Where each claim is tested", "",
+      "- **Forward components** (naive -> + per-token -> + 4/6 -> + BF16 tail): the static ladder, "
+      "forward-only and paired by prompt, on each grid's base (the regime's with and without its "
+      "outlier channels), and the trajectory part paired by seed in the build-up of "
+      "configs/ablate.py's grid (`component_*`, `trajectory_*`).",
+      "- **Backward modes**: identical batches and weights, at the base and mid-run (the "
+      "first seed's nvfp4_recipe run at its kept checkpoint nearest half the run), paired by "
+      "batch (`backward_*`, `backward_*_mid`), and the training probes' gradient cosine paired "
+      "by seed (`backward_probe`).",
+      "- **Stochastic rounding** (the seed's arm: FP32 master weights, the BF16 compute cast "
+      "rounded to nearest or stochastically, FP16): configs/ablate.py's `sr` group at every lr "
+      "of `lrs` (`cast_lag@*`, `cast_sr_closes_gap_*`). The master-weight rows (pure BF16 "
+      "training) are described only: their erasure rates differ by construction.",
+      "- **The recipe tracks BF16, naive NVFP4 does not**: the twin KL, its growth, the outcome "
+      "and the trajectory part at the checkpoints, paired by seed (`tracks_*`, "
+      "`trajectory_recipe_vs_naive`, `trajectory_growth_recipe_vs_naive`)"
+      + (", in both grids; the regime's (d = 256 with outlier channels, 64-token completions, "
+         "300 updates) is where dynamic effects can appear." if regime else
+         "; at this size the static forward error dominates. The regime where dynamic effects "
+         "can appear is configs/ablate_regime.py (`python -m experiments.ablate "
+         "--config=configs/ablate_regime.py --workdir=W2`, paired, then this report with "
+         "`--workdir` given twice)."),
+      "- **KL reference reset** (the odds of optimal answers collapsing under a fixed "
+      "reference): 300 updates, 10 seeds, fixed vs reset vs no KL, in the simulator, "
+      "[kl_reset.md](kl_reset.md) (its own report and Holm family). The loop's 30-step `kl` rows "
+      "(`--config.groups` adds `kl_reset`) could only test a proxy, and the KL to a reference "
+      "just reset is 0 by construction.", ""]
