@@ -127,7 +127,8 @@ def sample_batches(trainer: Trainer, params, n: int, first_step: int = 0) -> lis
 
 def forward_ladder(cfg, setups: dict[str, Setup], twin: Setup, params, rollouts,
                    log: Log, unplanted=None) -> dict[str, Any]:
-  """{"units": "prompts", "kl": {rung: [per-prompt KL(rung || twin)]}} (module docstring);
+  """{"units": "prompts", "kl": {rung: [per-prompt KL(rung || twin)]}, "prompts_per_batch"}
+  (module docstring; the prompts in batch order);
   with `unplanted` (the base without the grid's planted outlier channels, run.sft.outlier_channels:
   the same function in exact arithmetic) also "kl_unplanted", the same rungs on those weights
   and the same tokens: outliers as a factor paired by prompt."""
@@ -149,7 +150,9 @@ def forward_ladder(cfg, setups: dict[str, Setup], twin: Setup, params, rollouts,
           f"{len(out[name])} prompts")
     return out
 
-  result = {"units": "prompts", "kl": ladder(params, "")}
+  # Prompts of one batch share its sampling key and activation scales: the report clusters by it.
+  result = {"units": "prompts", "kl": ladder(params, ""),
+            "prompts_per_batch": int(rollouts[0].out.tokens.shape[0]) // group}
   if unplanted is not None:
     result["kl_unplanted"] = ladder(unplanted, " (outliers not planted)")
   return result

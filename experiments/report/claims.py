@@ -1,4 +1,5 @@
-"""The report's claims, gathered from each question's module in the report's order."""
+"""Every claim of one grid, gathered from each question's module; their roles and families are
+the registry's (experiments/report/registry.py)."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,14 +8,11 @@ from experiments.report import backward, common, components, recipe_vs_bf16, sr_
 from lowrl.analysis import stats
 
 
-def grid_claims(results: list[dict[str, Any]]) -> list[stats.Claim]:
-  """The seed-paired claims of the grid's results lines (those whose settings ran)."""
-  c = [common.seed_claim(results, "rl_gain", "RL at BF16 raises held-out pass@1 over the base",
-                         "bf16", "bf16", common.get("eval_end", "pass_at_1"), +1,
-                         "held-out pass@1 end - start",
-                         baseline_value=common.get("eval_start", "pass_at_1"))]
-  c += recipe_vs_bf16.tracking_claims(results)
-  c += components.twin_kl_claims(results)
+def grid_claims(results: list[dict[str, Any]], grid: str = "ablate") -> list[stats.Claim]:
+  """The seed-paired claims of the grid's results lines (those whose settings ran); `grid` (the
+  config's label) picks the registered equivalence margins."""
+  c = [recipe_vs_bf16.design_check(results)]
+  c += recipe_vs_bf16.outcome_claims(results, grid)
   c.append(backward.probe_claim(results))
   c += sr_cast.sr_cast_claims(results)
   c.append(common.seed_claim(results, "kl_reset_pass_k", "Resetting the KL reference keeps more "
@@ -24,10 +22,10 @@ def grid_claims(results: list[dict[str, Any]]) -> list[stats.Claim]:
   return [x for x in c if x is not None]
 
 
-def paired_claims(paired: dict[str, Any]) -> list[stats.Claim]:
+def paired_claims(paired: dict[str, Any], grid: str = "ablate") -> list[stats.Claim]:
   """The claims of experiments/paired.py's measurements (prompts / batches / seeds as units)."""
   lines = paired.get("distance", [])
-  out = recipe_vs_bf16.distance_claims(lines) + components.trajectory_claims(lines)
+  out = recipe_vs_bf16.distance_claims(lines, grid) + components.trajectory_claims(lines)
   ladder = paired.get("forward_ladder", {})
   out += components.ladder_claims(ladder) + components.outlier_claims(ladder)
   return out + backward.paired_claims(paired)

@@ -36,7 +36,8 @@ def churn_section(workdir: str, agg: dict) -> list[str]:
     per_run = [c for c in (churn_per_run(workdir, r) for r in s["runs"]) if c]
     if per_run:
       rows.append(f"| {name} | {len(per_run)} | " + " | ".join(
-          common.fmt_described(common.describe([c.get(k) for c in per_run]), 4) for k, _ in CHURN) + " |")
+          common.fmt_described(common.describe([c.get(k) for c in per_run]), 4)
+          for k, _ in CHURN) + " |")
   if not rows:
     return []
   return ["## Code churn: how much of the quantized policy an update changes", "",

@@ -6,49 +6,83 @@ import json
 import os
 from typing import Sequence
 
-from experiments.report import grids as grid_report
+from experiments.report import grids as grid_report, registry
 from lowrl.analysis import stats
 from lowrl.training import run_config
 
+def claims_section(judged: Sequence[registry.Judged], many: bool) -> list[str]:
+  """The claims, by question: the design checks first (apart), then per question its primary
+  family (Holm within the question and grid) and its exploratory claims (raw p)."""
+  label = lambda j: (f"[{j.grid}] " if many else "")  # noqa: E731
+  def table(rows: Sequence[registry.Judged]) -> str:
+    return stats.markdown_table([dataclasses.replace(j.verdict, claim=dataclasses.replace(
+        j.verdict.claim, statement=label(j) + j.verdict.claim.statement)) for j in rows],
+        digits=4)
+  md = ["## Claims", "",
+        "Registered by question before the runs (experiments/report/registry.py). Each claim is "
+        "a paired difference (treatment - baseline on the same unit) with the sign it states; "
+        "effect = its mean with the 95% interval (seeds: paired t; per-prompt KLs: batch-clustered "
+        "bootstrap; an equivalence claim: TOST, its 90% interval against the registered margin). "
+        "**Primary** claims: Holm-adjusted within their question's family (one per question and "
+        "grid); **design checks**: the grid's own family, read before the claims they support; "
+        "**exploratory** claims: raw p, no adjustment (their verdict says unadjusted). Verdict "
+        "at 0.05: **held** (the stated sign), **contradicted** (the other sign), **not resolved**; "
+        "**equivalent** / **not shown equivalent** for a TOST.", ""]
+  design = [j for j in judged if j.role == registry.DESIGN]
+  if design:
+    md += ["### Design checks", "", table(design), ""]
+  for q in registry.QUESTIONS:
+    mine = [j for j in judged if j.question is q and j.role != registry.DESIGN]
+    if not mine:
+      continue
+    md += [f"### {q.title}", "", f"Source: {q.source}.", ""]
+    margins = sorted({(j.grid, j.verdict.claim.name) for j in mine if j.verdict.claim.margin})
+    if margins:
+      md += ["| grid | claim | margin | why this size |", "|---|---|---|---|"]
+      for grid, name in margins:
+        m = registry.margin(grid, name)
+        md.append(f"| {grid} | {name} | ±{stats.fmt_num(m.delta, 4)} | {m.reason} |")
+      md.append("")
+    for role, head in ((registry.PRIMARY, "Primary (Holm within the question)"),
+                       (registry.EXPLORATORY, "Exploratory (raw p, not adjusted)")):
+      rows = [j for j in mine if j.role == role]
+      if rows:
+        md += [f"{head}:", "", table(rows), ""]
+  notes = [f"- {label(j)}{j.verdict.claim.statement}: {j.verdict.claim.note}" for j in judged
+           if j.verdict.claim.note]
+  if notes:
+    md += ["Also (not adjusted):", "", *notes, ""]
+  return md
+
+
 def write_report(workdirs: str | Sequence[str], out_md: str) -> str:
   """Writes `out_md` and its PNGs from the results of one or more grid workdirs (their claims
-  judged as one Holm family); returns the markdown."""
-  grids = [grid_report.Grid.load(w) for w in ([workdirs] if isinstance(workdirs, str) else workdirs)]
+  judged in the registry's families); returns the markdown."""
+  grids = [grid_report.Grid.load(w)
+           for w in ([workdirs] if isinstance(workdirs, str) else workdirs)]
   labels = [g.label for g in grids]
   if len(set(labels)) != len(labels):
     raise run_config.ConfigError(f"two workdirs of the same grid config ({labels}); give each "
                                  "grid once.")
   os.makedirs(os.path.dirname(os.path.abspath(out_md)), exist_ok=True)
   many = len(grids) > 1
-  claims = [dataclasses.replace(c, name=f"{g.label}/{c.name}", statement=f"[{g.label}] "
-                                f"{c.statement}") if many else c
-            for g in grids for c in g.claims()]
-  verdicts = stats.judge(claims)
+  judged = registry.judge([(g.label, g.claims()) for g in grids])
   md = ["# Recipe ablation in the real training loop", ""]
   for g in grids:
     md += ([f"**[{g.label}]** configs/{g.label}.py."] if many else []) + g.header()
   md += ["Numbers in the settings tables are mean ± population std over seeds (description; the "
          "claims are tested paired, below). Twin KL: KL(run || BF16 twin of the same seed) per "
          "completion token on the held-out prompts, k3 estimate on the run's samples (start: the "
-         "base under both precisions).", "",
-         "## Claims", "",
-         "Each claim is a paired difference (treatment - baseline on the same unit) with the sign "
-         "the claim states; effect = its mean with the 95% confidence interval of a paired t-test; "
-         "Holm p = the t-test's p adjusted over all the claims below (one family"
-         + (f", the {len(grids)} grids' together" if many else "") + "); verdict at 0.05: "
-         "**held** (significant, the stated sign), **contradicted** (significant, the other "
-         "sign), **not resolved** (not significant: the design cannot tell).", "",
-         stats.markdown_table(verdicts, digits=4), ""]
-  notes = [f"- {v.claim.statement}: {v.claim.note}" for v in verdicts if v.claim.note]
-  if notes:
-    md += ["Also (not Holm-adjusted):", "", *notes, ""]
+         "base under both precisions); described only, no claim reads it (the exact static and "
+         "trajectory distances carry the distance claims).", ""]
+  md += claims_section(judged, many)
   md += grid_report.where_tested(labels)
   for g in grids:
     if many:
       md += [f"# The {g.label} grid (configs/{g.label}.py)", ""]
     md += g.body(out_md, "" if g.label == "ablate" or not many else f"_{g.label}")
   with open(os.path.splitext(out_md)[0] + "_claims.json", "w") as f:
-    json.dump([v.row() for v in verdicts], f, indent=1)
+    json.dump([j.row() for j in judged], f, indent=1)
   text = "\n".join(md) + "\n"
   with open(out_md, "w") as f:
     f.write(text)

@@ -12,25 +12,59 @@ from typing import Any
 
 import numpy as np
 
-from experiments.report import common
+from experiments.report import common, registry
 from lowrl.analysis import stats
 
 
-def tracking_claims(results: list[dict[str, Any]]) -> list[stats.Claim | None]:
-  """Recipe vs naive NVFP4 on the twin KL (k3) and on the pass@1 gain's gap to the twin's."""
-  twin_end = common.get("twin_kl_k3_end")
-  growth = lambda r: (None if r.get("twin_kl_k3_end") is None  # noqa: E731
-                      else r["twin_kl_k3_end"] - r["twin_kl_k3_start"])
-  return [
-      common.seed_claim(results, "tracks_twin", "The 4-bitter recipe ends closer to its BF16 "
-                        "twin than naive NVFP4 does", "nvfp4_recipe", "nvfp4_naive", twin_end, -1,
-                        "KL(run ‖ BF16 twin) at the end (k3)"),
-      common.seed_claim(results, "tracks_twin_growth", "... and the twin KL grows less along the "
-                        "run (end - start: the part training adds)", "nvfp4_recipe",
-                        "nvfp4_naive", growth, -1, "twin KL end - start"),
-      common.seed_claim(results, "tracks_outcome", "The recipe's pass@1 gain is closer to the "
-                        "BF16 twin's than naive NVFP4's", "nvfp4_recipe", "nvfp4_naive",
-                        gap_to_twin(results), -1, "|gain - BF16 twin's gain|")]
+RECIPE, NAIVE, TWIN = "nvfp4_recipe", "nvfp4_naive", "bf16"
+
+
+def design_check(results: list[dict[str, Any]]) -> stats.Claim | None:
+  """BF16's RL raises held-out pass@1 over the base: the dynamics the recipe must keep exist."""
+  return common.seed_claim(results, "rl_gain", "RL at BF16 raises held-out pass@1 over the base",
+                           TWIN, TWIN, common.get("eval_end", "pass_at_1"), +1,
+                           "held-out pass@1 end - start",
+                           baseline_value=common.get("eval_start", "pass_at_1"))
+
+
+def equivalence_claim(name: str, statement: str, design: str, diffs: np.ndarray,
+                      margin: registry.Margin) -> stats.Claim:
+  """A TOST claim on per-seed differences with its registered margin (result: the TOST's p and
+  its 90% interval)."""
+  return stats.Claim(name, statement, design, stats.tost(diffs, margin.delta), +1,
+                     note=f"paired t p {stats.fmt_p(stats.paired_t(diffs).p)} (difference from 0)",
+                     margin=margin.bounds)
+
+
+def _seed_diffs(results, value: common.Value, a: str, b: str) -> np.ndarray | None:
+  t, u = common.per_seed(results, a, value), common.per_seed(results, b, value)
+  try:
+    return stats.paired_diffs(t, u)[1]
+  except ValueError:
+    return None
+
+
+def outcome_claims(results: list[dict[str, Any]], grid: str) -> list[stats.Claim]:
+  """The recipe's outcome is equivalent to its BF16 twin's (TOST, paired by seed): the end
+  held-out pass@1 in deployment precision (the run's own: sampler = trainer = the recipe) and the
+  pass@1 gain (end - start: the dynamics, without the static error the base starts with). And
+  the secondary: the recipe's gain is closer to the twin's than naive NVFP4's."""
+  out = []
+  for name, value, what in (
+      ("recipe_equiv_end_pass_at_1", common.get("eval_end", "pass_at_1"),
+       "held-out pass@1 at the end, each run in its own (deployment) precision"),
+      ("recipe_equiv_gain", common.gain, "held-out pass@1 gain (end - start), each run in its "
+       "own precision")):
+    d = _seed_diffs(results, value, RECIPE, TWIN)
+    if d is None:
+      continue
+    out.append(equivalence_claim(
+        name, f"The recipe's {what.split(',')[0]} is equivalent to its BF16 twin's",
+        f"{what}: {RECIPE} - {TWIN}, paired by seed; TOST", d, registry.margin(grid, name)))
+  c = common.seed_claim(results, "recipe_vs_naive_outcome", "The recipe's pass@1 gain is closer "
+                        "to the BF16 twin's than naive NVFP4's", RECIPE, NAIVE,
+                        gap_to_twin(results), -1, "|gain - BF16 twin's gain|")
+  return out + ([c] if c is not None else [])
 
 
 def gap_to_twin(results: list[dict[str, Any]], twin: str = "bf16") -> common.Value:
@@ -91,14 +125,23 @@ def trajectory_what(rows: list[dict[str, Any]]) -> tuple[str, str]:
               f"over the checkpoints ({at})")
 
 
-def distance_claims(lines: list[dict[str, Any]]) -> list[stats.Claim]:
-  """Seed-paired claims on the trajectory part of the distance to BF16, recipe vs naive NVFP4:
-  its mean over the checkpoints after step 0 (25%, 50%, 100% of the run in configs/ablate.py; the
-  end alone for a run that kept none) and its growth (the slope; only with a checkpoint besides
-  the end)."""
+def distance_claims(lines: list[dict[str, Any]], grid: str = "ablate") -> list[stats.Claim]:
+  """Seed-paired claims on the trajectory part of the distance to BF16 (its mean over the
+  checkpoints after step 0: 25%, 50%, 100% of the run in configs/ablate.py; the end alone for a
+  run that kept none): the recipe's is inside the registered margin (TOST; the twin's own is 0 by
+  construction, so the recipe's value is the paired difference); and, secondary, recipe vs naive
+  NVFP4 on it and on its growth (the slope; only with a checkpoint besides the end)."""
   rows = distance_rows(lines)
   at, what = trajectory_what(rows)
-  c = [common.seed_claim(rows, "trajectory_recipe_vs_naive", "The recipe's weights stay closer "
+  traj = common.per_seed(rows, RECIPE, common.get("trajectory_mean"))
+  c = []
+  if traj:
+    name = "recipe_equiv_trajectory"
+    c.append(equivalence_claim(
+        name, "The recipe's weights stay within the margin of its BF16 twin's (trajectory part, "
+        "both in BF16)", f"{what}: {RECIPE} (its twin: 0 by construction), paired by seed; TOST",
+        np.array([traj[k] for k in sorted(traj)]), registry.margin(grid, name)))
+  c += [common.seed_claim(rows, "trajectory_recipe_vs_naive", "The recipe's weights stay closer "
                          "to its BF16 twin's than naive NVFP4's (trajectory part, both in BF16)",
                          "nvfp4_recipe", "nvfp4_naive", common.get("trajectory_mean"), -1, what),
        common.seed_claim(rows, "trajectory_growth_recipe_vs_naive", "The recipe's trajectory "

@@ -220,11 +220,16 @@ def bootstrap_mean_ci(values: Sequence[float], *, rng_seed: int, n_boot: int = 1
     raise ValueError(f"bootstrap_mean_ci: n_boot={n_boot} must be >= 1")
   rng = np.random.default_rng(rng_seed)
   idx = rng.integers(0, x.size, size=(n_boot, x.size))
-  means = x[idx].mean(axis=1)
+  return _percentile_result(x, x[idx].mean(axis=1), confidence)
+
+
+def _percentile_result(x: np.ndarray, means: np.ndarray, confidence: float) -> PairedResult:
+  """The percentile interval of the resampled `means` and the bootstrap p of mean 0: twice the
+  smaller fraction of them on either side of 0, at least 1 / their number."""
   a = (1.0 - confidence) / 2
   lo, hi = np.quantile(means, [a, 1.0 - a])
   below, above = np.mean(means <= 0.0), np.mean(means >= 0.0)
-  p = min(1.0, max(2 * min(below, above), 1.0 / n_boot))
+  p = min(1.0, max(2 * min(below, above), 1.0 / means.size))
   return PairedResult(int(x.size), float(x.mean()), float(lo), float(hi), float(p))
 
 
@@ -253,12 +258,7 @@ def cluster_bootstrap_mean_ci(values: Sequence[float], clusters: Sequence[Hashab
   sizes = np.bincount(idx, minlength=len(order)).astype(np.float64)
   rng = np.random.default_rng(rng_seed)
   draw = rng.integers(0, len(order), size=(n_boot, len(order)))
-  means = sums[draw].sum(axis=1) / sizes[draw].sum(axis=1)
-  a = (1.0 - confidence) / 2
-  lo, hi = np.quantile(means, [a, 1.0 - a])
-  below, above = np.mean(means <= 0.0), np.mean(means >= 0.0)
-  p = min(1.0, max(2 * min(below, above), 1.0 / n_boot))
-  return PairedResult(int(x.size), float(x.mean()), float(lo), float(hi), float(p))
+  return _percentile_result(x, sums[draw].sum(axis=1) / sizes[draw].sum(axis=1), confidence)
 
 
 def interval_coverage(interval: Callable[[np.ndarray], tuple[float, float]], n: int, *,

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from experiments.report import descriptive, recipe_vs_bf16
+from experiments.report import descriptive, recipe_vs_bf16, registry
 from lowrl.analysis import stats
 
 SEEDS = range(5)
@@ -30,7 +30,15 @@ def _distance_lines(recipe_slope=0.05, naive_slope=0.10):
 
 def test_trajectory_claims_use_every_checkpoint_paired_by_seed():
   v = {x.claim.name: x for x in stats.judge(recipe_vs_bf16.distance_claims(_distance_lines()))}
-  assert set(v) == {"trajectory_recipe_vs_naive", "trajectory_growth_recipe_vs_naive"}
+  assert set(v) == {"recipe_equiv_trajectory", "trajectory_recipe_vs_naive",
+                    "trajectory_growth_recipe_vs_naive"}
+  # The recipe's own trajectory part (its twin's is 0 by construction), TOST against the toy's
+  # registered margin: lvl x 0.05 x 7/12 per seed, 0.029 on average, outside ±0.018.
+  equiv = v["recipe_equiv_trajectory"]
+  levels = np.array([1 + 0.5 * (s - 2) / 2 for s in SEEDS])
+  assert equiv.claim.result.mean == pytest.approx(0.05 * 7 / 12 * levels.mean(), rel=1e-3)
+  assert equiv.claim.margin == registry.margin("ablate", "recipe_equiv_trajectory").bounds
+  assert equiv.verdict == "not shown equivalent"
   mean = v["trajectory_recipe_vs_naive"]
   assert mean.verdict == "held" and mean.claim.result.n == 5
   # Mean over 25%, 50%, 100% of lvl x slope x f: (0.05 - 0.10) x 7/12 on average over seeds.

@@ -1,0 +1,99 @@
+"""experiments.report.registry: every claim the report computes is registered by question, the
+primary claims are Holm-adjusted within their question (per grid), the design checks apart, the
+exploratory claims not at all. Synthetic lines, no JAX programs."""
+import math
+
+import numpy as np
+import pytest
+
+from experiments.report import claims as report_claims
+from experiments.report import components, registry
+from lowrl.analysis import stats
+
+SEEDS = range(6)
+SETTINGS = ("bf16", "nvfp4_naive", "+per_token", "+4/6", "+bf16_tail", "nvfp4_recipe",
+            "nvfp4_recipe_qbwd", "kl", "kl+reset",
+            *(f"{a}@{lr}" for a in ("fp32_master", "bf16_sr_cast", "fp16")
+              for lr in ("2e-4", "2e-6")))
+
+
+def _every_claim(shift=0.0):
+  """Results and paired lines of every setting and measurement the report reads."""
+  rng = np.random.default_rng(0)
+  results, distance = [], []
+  for name in SETTINGS:
+    for s in SEEDS:
+      end = 0.35 + rng.normal(0, 0.01) + (shift if name == "nvfp4_recipe" else 0.0)
+      results.append({"setting": name, "group": "g", "seed": s, "wall_s": 1.0,
+                      "eval_start": {"pass_at_1": 0.3, "greedy": 0.5},
+                      "eval_end": {"pass_at_1": end, "greedy": 0.5}, "grad_cos": 0.8 + 0.01 * s,
+                      "ref_kl_k3_end": 0.01 + rng.normal(0, 1e-3),
+                      "pass_at_k_start": {"1": 0.3, "4": 0.5},
+                      "pass_at_k_end": {"1": end, "4": end + 0.2}})
+      if "@" not in name and not name.startswith("kl"):
+        distance.append({"setting": name, "seed": s, "points": [
+            {"fraction": f, "static": list(rng.uniform(0, .1, 4)),
+             "trajectory": list(f * rng.uniform(0, .05, 4))} for f in (0.0, 0.5, 1.0)]})
+  lad = {k: list(rng.exponential(0.1, 32)) for k in components.LADDER}
+  modes = {m: {k: list(rng.normal(0.8, 0.01, 10)) for k in ("cos_fp32", "cos_exact",
+                                                           "heldout_delta")}
+           for m in ("high_precision", "dequantized", "quantized")}
+  paired = {"distance": distance,
+            "forward_ladder": {"kl": lad, "kl_unplanted": lad, "prompts_per_batch": 4},
+            "backward": {"modes": modes}, "backward_mid": {"modes": modes, "weights": "w"}}
+  return report_claims.grid_claims(results) + report_claims.paired_claims(paired)
+
+
+def test_every_claim_is_registered_and_every_primary_computed():
+  claims = _every_claim()
+  names = [c.name for c in claims]
+  assert len(set(names)) == len(names)
+  roles = {c.name: registry.classify(c.name) for c in claims}  # raises for an unregistered one
+  for q in registry.QUESTIONS:
+    assert len(q.primary) <= 3
+    assert set(q.primary) <= set(names), q.key  # every registered primary claim is computed
+    for p in q.primary:
+      assert roles[p] == (q, registry.PRIMARY)
+  # No claim belongs to two questions, and none carries the twin KL (k3).
+  for n in names:
+    assert sum(q.role(n) is not None for q in registry.QUESTIONS) == 1, n
+  assert not any("twin" in c.design and "k3" in c.design for c in claims)
+  with pytest.raises(KeyError, match="not registered"):
+    registry.classify("tracks_twin")
+
+
+def test_families_are_per_question_and_grid():
+  claims = _every_claim()
+  judged = registry.judge([("ablate", claims), ("ablate_regime", _every_claim(shift=0.05))])
+  assert len(judged) == 2 * len(claims)
+  families = {}
+  for j in judged:
+    if j.role == registry.EXPLORATORY:
+      assert math.isnan(j.verdict.p_holm) and j.row()["family"] is None
+      raw = stats.verdict_of(j.verdict.claim.result.mean, j.verdict.claim.result.p,
+                             j.verdict.claim.direction,
+                             equivalence=j.verdict.claim.margin is not None)
+      assert j.verdict.verdict in (raw, f"{raw} (unadjusted)")
+    else:
+      families.setdefault(j.family, []).append(j)
+  assert set(families) == {f"{g}/{k}" for g in ("ablate", "ablate_regime")
+                           for k in ("design check", "recipe_vs_bf16", "forward_components",
+                                     "backward", "sr_cast")}
+  for name, members in families.items():
+    raw = [j.verdict.claim.result.p for j in members]
+    assert [j.verdict.p_holm for j in members] == pytest.approx(list(stats.holm(raw)),
+                                                                nan_ok=True), name
+  recipe = [j for j in families["ablate/recipe_vs_bf16"]]
+  assert {j.verdict.claim.name for j in recipe} == set(registry.QUESTIONS[0].primary)
+
+
+def test_per_prompt_claims_use_the_batch_clustered_bootstrap():
+  rng = np.random.default_rng(3)
+  naive = rng.exponential(0.2, 40)
+  ladder = {"kl": {"nvfp4_naive": list(naive), "+per_token": list(naive * 0.8)},
+            "prompts_per_batch": 8}
+  (c,) = components.ladder_claims(ladder)
+  want = stats.cluster_bootstrap_mean_ci(naive * 0.8 - naive, np.arange(40) // 8, rng_seed=0,
+                                         n_boot=10_000)
+  assert c.result == want and "over 5 batches" in c.design
+  assert c.note == f"sign test p {stats.fmt_p(stats.sign_test(naive * 0.8 - naive))}"
