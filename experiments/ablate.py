@@ -64,6 +64,7 @@ Log = Callable[[str], None]
 RESULTS = "results.jsonl"
 GRID = "grid.json"  # the grid's command, seeds and settings (for the report)
 TAIL = 0.2  # "final" training reward = mean over the last 20% of the steps
+QUICK_SFT_STEPS = 100  # the quick grid's base: configs/ablate.py's own SFT length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,22 +193,26 @@ def settings(cfg: ml_collections.ConfigDict) -> list[Setting]:
 
 
 def quick(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """The small grid of `--config.quick=True`: one setting of every group, 2 seeds, the
-  grid's model and base, 8 RL steps of 8 prompts x 4. Its eval has as many rows as a rollout
+  """The small grid of `--config.quick=True`: one setting of every group (the sr group at the
+  lowest of `lrs`), 2 seeds, the grid's model, a base of at most QUICK_SFT_STEPS SFT steps,
+  8 RL steps of 8 prompts x 4. Its eval has as many rows as a rollout
   (16 prompts x 2 samples = 8 x 4), so evaluation and the twin KL run the rollout's sampling and
   scoring programs instead of compiling their own."""
   c = ml_collections.ConfigDict(cfg.to_dict())
   c.seeds = (0, 1)
-  c.lrs = (2e-6,)
-  # One setting of every group the grid runs, besides the twin: each setting's first seed is mostly compiling
-  # (75-140 s), so the quick grid's length is its number of settings.
+  c.lrs = (min(cfg.lrs),)
+  # One setting of every group the grid runs, besides the twin: each setting's first seed is
+  # mostly compiling (75-140 s), so the quick grid's length is its number of settings.
   picks = {"recipe": "nvfp4_recipe", "sampler_only": "s=nvfp4_recipe/t=bf16",
-           "sr": "bf16_sr_cast@2e-6", "kl_reset": "kl+reset"}
+           "sr": f"bf16_sr_cast@{_lr_tag(min(cfg.lrs))}", "kl_reset": "kl+reset"}
   c.only = tuple(n for g, n in picks.items() if g in c.groups)
   c.sr_travel = 0.0  # every run 8 steps
   c.ref_reset_every = 4
   r = c.run
   r.rl.update(steps=8, num_prompts=8, group_size=4)
+  # A base of at most QUICK_SFT_STEPS (the regime's 1000 SFT steps at d = 256 alone take longer
+  # than the quick grid may): the same code path, a weaker base.
+  r.sft.steps = min(int(r.sft.steps), QUICK_SFT_STEPS)
   r.eval_num_prompts = 16
   r.eval_samples = 2
   r.diagnostics.every = 4

@@ -34,5 +34,6 @@ def test_estimate_counts_settings_seeds_and_updates():
             "nvfp4_recipe": {"rl_step_s": 20.0, "sft_step_s": None}}
   e = regime.estimate(cfg, timing)
   n = len(ablate.settings(cfg))
-  assert e["rl_hours"] == pytest.approx(5 * 300 * (10.0 + (n - 1) * 25.0) / 3600)
+  runs_s = len(cfg.seeds) * 300 * (10.0 + (n - 1) * 25.0)
+  assert e["rl_hours"] == pytest.approx(runs_s / 3600)
   assert e["sft_hours"] == pytest.approx(cfg.run.sft.steps * 2.0 / 3600)
