@@ -113,6 +113,10 @@ def get_config() -> ml_collections.ConfigDict:
   # move the BF16 cast. 2e-4 keeps run.rl.steps (30); 5e-6 runs 49 steps. 0 = off.
   c.sr_travel = 2.44e-4
   c.fp16_loss_scale = 1024.0  # static loss scale of every FP16-compute setting
+  # Held-out measurements after each run (experiments/ablate.py AFTER_RUN), each a held-out
+  # sampling pass at the start and the end: "twin_kl" (KL to the BF16 twin, k1/k3; described in
+  # the settings table, no claim reads it) and "pass_at_k" (the kl_reset rows' claim).
+  c.after_run = ("twin_kl", "pass_at_k")
   c.grid = GRID  # the settings (see GRID)
   c.kl_coef = 0.05  # KL reference reset group: beta of the KL penalty
   c.ref_reset_every = 10  # KL reference reset group: steps between pi_ref resets

@@ -62,6 +62,10 @@ def get_config() -> ml_collections.ConfigDict:
   # seeds); 256 x 8 cuts the held-out sampling noise 2.8x (prompt noise 2x).
   r.eval_num_prompts = 256
   r.eval_samples = 8
+  # Each held-out pass of 256 x 8 completions is 128 chunks of a rollout's 16 rows: the twin KL
+  # (no claim reads it) and pass@k (no claim here) would add four per run, more sampling than the
+  # run's 300 updates; the evaluations at the start and the end are what the claims read.
+  c.after_run = ()
   r.diagnostics.every = 50
   r.checkpoint_every = 50
   # experiments/regime.py: the timed RL steps per setting (the first is mostly compiling) and the

@@ -226,6 +226,10 @@ def validate(cfg: ml_collections.ConfigDict) -> list[tuple[Setting, ml_collectio
   seeds = tuple(int(s) for s in cfg.seeds)
   if not seeds or len(set(seeds)) != len(seeds):
     raise run_config.ConfigError(f"--config.seeds={cfg.seeds!r}: distinct ints, at least one.")
+  unknown = set(cfg.after_run) - set(AFTER_RUN)
+  if unknown:
+    raise run_config.ConfigError(f"--config.after_run={tuple(cfg.after_run)!r}: unknown "
+                                 f"{sorted(unknown)}; choose from {AFTER_RUN}.")
   out = []
   for s in settings(cfg):
     c = s.config(cfg.run, seeds[0])
@@ -271,25 +275,33 @@ def _pass_at_k(trainer: Trainer, params, key: jax.Array) -> dict[str, float]:
   return {str(k): eval_tasks.pass_at_k_from_rewards(rewards, k) for k in ks}
 
 
+AFTER_RUN = ("twin_kl", "pass_at_k")  # the after-run measurements a grid may ask for
+
+
 def _after_run(cfg: ml_collections.ConfigDict, workdir: str, twin_cfg: ml_collections.ConfigDict,
-               twin_dir: str, base, ref_kl: bool = False) -> dict[str, Any]:
-  """KL(run || twin) of the final policies and of the base under both precisions, and pass@k of
-  the base and the final policy (held-out). `ref_kl`: also KL(final policy || base), both under
-  the run's trainer precision (`ref_kl_end`, k1 and k3: how far training moved the policy from
-  the reference, measured as the twin KL is)."""
+               twin_dir: str, base, ref_kl: bool = False,
+               measure: tuple[str, ...] = AFTER_RUN) -> dict[str, Any]:
+  """The `measure`d of: "twin_kl", KL(run || twin) of the final policies and of the base under
+  both precisions; "pass_at_k", held-out pass@k of the base and the final policy. `ref_kl`: also
+  KL(final policy || base), both under the run's trainer precision (`ref_kl_end`, k1 and k3: how
+  far training moved the policy from the reference, measured as the twin KL is). Each held-out
+  pass costs as much sampling as eval_num_prompts x eval_samples / batch rows RL steps."""
   trainer = Trainer(build(cfg), log=lambda _: None)
-  twin = Trainer(build(twin_cfg), log=lambda _: None)
   key = jax.random.key(cfg.seed)
   start_params = trainer.place(optimizer.to_master(base, cfg.optimizer.master_dtype))
   end_params = final_params(cfg, workdir, trainer)
-  start = trainer.policy_kl(start_params, trainer.place(base), twin.setup.trainer_policy, key)
-  end = trainer.policy_kl(end_params, final_params(twin_cfg, twin_dir, twin),
-                          twin.setup.trainer_policy, key)
-  k_pass = jax.random.fold_in(key, 7)
-  out = {"twin_kl_start": start["kl"], "twin_kl_k3_start": start["kl_k3"],
-         "twin_kl_end": end["kl"], "twin_kl_k3_end": end["kl_k3"],
-         "pass_at_k_start": _pass_at_k(trainer, start_params, k_pass),
-         "pass_at_k_end": _pass_at_k(trainer, end_params, k_pass)}
+  out = {}
+  if "twin_kl" in measure:
+    twin = Trainer(build(twin_cfg), log=lambda _: None)
+    start = trainer.policy_kl(start_params, trainer.place(base), twin.setup.trainer_policy, key)
+    end = trainer.policy_kl(end_params, final_params(twin_cfg, twin_dir, twin),
+                            twin.setup.trainer_policy, key)
+    out.update(twin_kl_start=start["kl"], twin_kl_k3_start=start["kl_k3"],
+               twin_kl_end=end["kl"], twin_kl_k3_end=end["kl_k3"])
+  if "pass_at_k" in measure:
+    k_pass = jax.random.fold_in(key, 7)
+    out.update(pass_at_k_start=_pass_at_k(trainer, start_params, k_pass),
+               pass_at_k_end=_pass_at_k(trainer, end_params, k_pass))
   if ref_kl:
     ref = trainer.policy_kl(end_params, start_params, trainer.setup.trainer_policy, key)
     out.update(ref_kl_end=ref["kl"], ref_kl_k3_end=ref["kl_k3"])
@@ -341,7 +353,8 @@ def run_grid(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print,
       base.append(loop.load_base(c, run_dir, log=lambda s: None))
     twin_c = seed_config(twin_setting, seed)
     twin_dir = os.path.join(workdir, "runs", run_config.fingerprint(twin_c))
-    kl = _after_run(c, run_dir, twin_c, twin_dir, base[0], ref_kl=setting.group == "sr")
+    kl = _after_run(c, run_dir, twin_c, twin_dir, base[0], ref_kl=setting.group == "sr",
+                    measure=tuple(cfg.after_run))
     line = {"group": setting.group, "run_dir": os.path.relpath(run_dir, workdir),
             "precision": dict(setting.precision)["name"], "sampler": setting.sampler,
             "overrides": dict(setting.overrides),
@@ -349,7 +362,8 @@ def run_grid(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print,
             **summarize_metrics(run_logs.read_metrics(run_dir)), **kl,
             "wall_s": time.time() - t0}
     log(f"[ablate] {setting.name} seed {seed}: pass@1 {line['eval_start']['pass_at_1']:.3f} -> "
-        f"{line['eval_end']['pass_at_1']:.3f}, twin KL {kl['twin_kl_end']:.2e}, "
+        f"{line['eval_end']['pass_at_1']:.3f}, twin KL "
+        f"{kl.get('twin_kl_end', float('nan')):.2e}, "
         f"{line['wall_s']:.0f}s")
     return line
 

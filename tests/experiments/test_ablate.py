@@ -136,6 +136,10 @@ def test_bad_grid_is_rejected_before_any_run(tmp_path):
   cfg.run.rl.num_minibatches = 3
   with pytest.raises(run_config.ConfigError, match="--config.run.rl.num_minibatches"):
     ablate.run_grid(cfg, str(tmp_path / "w"))
+  cfg = _grid_cfg(str(tmp_path / "b"))
+  cfg.after_run = ("twin_kl", "nope")
+  with pytest.raises(run_config.ConfigError, match=r"--config.after_run=.*unknown \['nope'\]"):
+    ablate.run_grid(cfg, str(tmp_path / "w"))
   assert not os.path.exists(tmp_path / "w" / ablate.RESULTS)
 
 
