@@ -281,8 +281,8 @@ AFTER_RUN = ("twin_kl", "pass_at_k")  # the after-run measurements a grid may as
 def _after_run(cfg: ml_collections.ConfigDict, workdir: str, twin_cfg: ml_collections.ConfigDict,
                twin_dir: str, base, ref_kl: bool = False,
                measure: tuple[str, ...] = AFTER_RUN) -> dict[str, Any]:
-  """The `measure`d of: "twin_kl", KL(run || twin) of the final policies and of the base under
-  both precisions; "pass_at_k", held-out pass@k of the base and the final policy. `ref_kl`: also
+  """The held-out measurements `measure` names: "twin_kl", KL(run || twin) of the final policies
+  and of the base under both precisions; "pass_at_k", pass@k of the base and the final policy. `ref_kl`: also
   KL(final policy || base), both under the run's trainer precision (`ref_kl_end`, k1 and k3: how
   far training moved the policy from the reference, measured as the twin KL is). Each held-out
   pass costs as much sampling as eval_num_prompts x eval_samples / batch rows RL steps."""
