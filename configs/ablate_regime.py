@@ -31,13 +31,15 @@ grid shows; measured at 5 seeds and 64 held-out prompts x 4: 1 h 30 min end to e
 cores (ablate 4746 s, paired 570 s).
 
 Size (issue 40): 8 seeds, 256 held-out prompts x 8 samples, no after-run twin KL or pass@k.
-Estimated 2.4 h end to end on 2 idle cores, from the committed probe's idle timings (s per RL
-update 0.5 / 1.0 / 0.7 for bf16 / naive / recipe; 0.2 s to sample 16 completions in BF16,
-scaled by the same ratios for the quantized ones): updates 8 x 300 x 2.2 s = 5280 s; held-out
-sampling 2 passes x 128 chunks of 16 rows per run = 24 runs x 75 s = 1800 s; the base, compiles
-and checkpoints as in the committed grid (4746 s - 3300 s of updates - 15 x 40 s of the old
-held-out passes = 850 s); experiments.paired ~800 s (570 s at 15 runs' distances). 10 seeds
-would be 3.0 h: over the budget. Not run here (no CPU for it).
+Estimated 2.5 h end to end on 2 idle cores, from the committed probe's idle timings (s per RL
+update 0.5 / 1.0 / 0.7 for bf16 / naive / recipe) and a measured ratio: one held-out pass at
+256 x 8 costs as much as 59 BF16 updates (bf16 run of this config with a 4-step base, `nice -n
+10` at load 12: 86 CPU-s per pass after compiling, 1.46 CPU-s per update, steps 2-8), so 29 s
+idle for BF16, scaled by the update ratios for the quantized settings: updates 8 x 300 x 2.2 s
+= 5280 s; held-out passes 24 runs x 2 x 43 s on average = 2040 s; the base, compiles and
+checkpoints as in the committed grid (4746 s - 3300 s of updates - 15 x 40 s of its held-out
+passes = 850 s); experiments.paired ~800 s (570 s at 15 runs' distances). 10 seeds would be
+3.1 h: over the budget. Not run in full here (no CPU for it).
 """
 from __future__ import annotations
 
