@@ -37,3 +37,16 @@ def test_estimate_counts_settings_seeds_and_updates():
   runs_s = len(cfg.seeds) * 300 * (10.0 + (n - 1) * 25.0)
   assert e["rl_hours"] == pytest.approx(runs_s / 3600)
   assert e["sft_hours"] == pytest.approx(cfg.run.sft.steps * 2.0 / 3600)
+
+
+def test_quick_regime_is_the_same_grid_small():
+  """`--config.quick=True` on the regime: the twin and the recipe on 2 seeds, the regime's model
+  and task, a base of at most QUICK_SFT_STEPS (1000 at d = 256 alone exceeds the quick budget),
+  no after-run held-out passes (as the full regime); every setting builds."""
+  full = ablate_regime.get_config()
+  q = ablate.quick(full)
+  pairs = ablate.validate(q)
+  assert [s.name for s, _ in pairs] == ["bf16", "nvfp4_recipe"] and tuple(q.seeds) == (0, 1)
+  assert q.run.sft.steps == ablate.QUICK_SFT_STEPS < full.run.sft.steps
+  assert q.run.model.d_model == full.run.model.d_model and q.run.task.name == full.run.task.name
+  assert tuple(q.after_run) == tuple(full.after_run) == ()
