@@ -175,8 +175,7 @@ def capacity_sections(rows: list[dict], cfgs: dict[str, ml_collections.ConfigDic
                 "seeds). Only settings whose context's BF16 run resolvably learns enter the fit "
                 "(retained is a ratio to that gain).\n")
   text.append(_time_sections(rows, cfgs, base, g_base))
-  if caps:
-    _drift_figure(pool, caps, os.path.join(workdir, "reward_vs_drift.png"))
+  _drift_figure(pool, caps, os.path.join(workdir, "reward_vs_drift.png"))
   _pareto_figure(rows, cfgs, os.path.join(workdir, "pareto.png"))
   return "\n".join(text)
 
@@ -313,11 +312,14 @@ def _drift_figure(pool, caps, path: str) -> None:
   the quantization part dominates, hollow = staleness; on the shared settings (`fit_pool`): the
   hinge fit (solid) with D* and its interval, the isotonic fit (dotted)."""
   plt = _plt()
-  corrections = list(caps)
+  corrections = list(caps) or ["none"]  # no fit pool: one empty panel that says so
   fig, axes = plt.subplots(1, len(corrections), figsize=(4.2 * len(corrections), 4.2),
                            sharey=True, squeeze=False)
   for ax, c in zip(axes[0], corrections):
-    ps = pool[c]
+    ps = pool.get(c, [])
+    if not ps:
+      ax.text(0.5, 0.5, "no shared drifted settings\nwith a resolved BF16 gain",
+              ha="center", va="center", transform=ax.transAxes)
     for p in ps:
       x = max(float(np.mean(p.drift["total_k1"])), cap.DRIFT_FLOOR)
       y, e = float(np.mean(p.retained)), float(np.std(p.retained))
@@ -327,8 +329,8 @@ def _drift_figure(pool, caps, path: str) -> None:
                   mfc=color if quant else "white", capsize=2)
       ax.annotate(str(p.row["lag_used"]), (x, y), textcoords="offset points", xytext=(5, 4),
                   fontsize=7)
-    k = caps[c]["hinge"]
-    iso = caps[c]["isotonic"]
+    k = caps.get(c, {}).get("hinge")
+    iso = caps.get(c, {}).get("isotonic")
     if iso is not None:
       ax.plot(10 ** iso.fit[0], iso.fit[1], color="k", ls=":", lw=1)
     if k is not None:
