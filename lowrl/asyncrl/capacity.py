@@ -225,7 +225,7 @@ class Capacity:
   kind: str = "hinge"
   rss: float = math.nan  # residual sum of squares over the pooled points
   cv_mse: float = math.nan  # leave-one-seed-out mean squared prediction error
-  # Per setting (name): the fit's residual, mean over seeds with its t interval.
+  # Per setting ("<sampler> lag <lag>"): the fit's residual, mean over seeds with its t interval.
   residuals: tuple[tuple[str, stats.PairedResult], ...] = ()
 
   def text(self) -> str:
@@ -290,7 +290,7 @@ def _residuals(kind: str, fit, ps: Sequence[Paired], n_seeds: int):
   out = []
   for p in ps[1:]:  # the base's retained is 1 by definition
     x, y = _points([p], range(n_seeds))
-    out.append((p.row["name"], stats.paired_t(y - _predict(kind, fit, x))))
+    out.append((_situation_label(p.row), stats.paired_t(y - _predict(kind, fit, x))))
   return tuple(out)
 
 
