@@ -32,6 +32,9 @@ PRECISION_COLORS = {"bf16": "tab:blue", "mxfp8": "tab:green", "nvfp4_naive": "ta
                     "nvfp4_recipe": "tab:purple", "fp16": "tab:gray", "nvfp4_w4a16": "tab:orange"}
 LAG_STYLES = ("-", "--", ":", "-.", (0, (1, 4)), (0, (5, 1)))
 CORRECTION_MARKERS = {"none": "o", "tis": "s", "mis": "P", "icepop": "^", "vcpo": "D"}
+# The capacity interval's coverage check (lowrl.asyncrl.capacity.coverage): simulated sweeps,
+# bootstrap resamples in each, and the coverage a D* interval needs to be read as an estimand.
+COVERAGE_TRIALS, COVERAGE_BOOT, COVERAGE_NEEDED = 200, 400, 0.90
 
 
 def precision_label(r: dict) -> str:
@@ -108,7 +111,9 @@ def capacity_sections(rows: list[dict], cfgs: dict[str, ml_collections.ConfigDic
   corrections = sorted({p.row.get("correction", "none") for p in paired},
                        key=lambda c: list(CORRECTION_MARKERS).index(c)
                        if c in CORRECTION_MARKERS else 99)
-  caps = {c: cap.capacity(paired, c) for c in corrections}
+  pool, _ = cap.fit_pool(paired)
+  caps = {c: {k: cap.capacity(paired, c, kind=k, settings=pool[c]) for k in cap.FITS}
+          for c in corrections if c in pool}
   gamma = cap.interchangeability(paired, "none")
   verdicts = {v.claim.name: v for v in cap.claims(paired, gamma)}
   sim_layers = {name: c.model.n_layers for name, c in cfgs.items()}
@@ -151,19 +156,8 @@ def capacity_sections(rows: list[dict], cfgs: dict[str, ml_collections.ConfigDic
   text.append("context: the knobs where a setting leaves the main grid's (np = prompts, g = "
               "group size, h = horizon, sync = weight-sync interval, lr); each context has its own "
               "BF16 lag-0 base.\n")
-  text.append(f"\n### Correction capacity: total k1 where retained falls to "
-              f"{cap.RETAINED_AT_CAPACITY}\n\nSegmented fit (flat, then linear in log10 k1) "
-              "pooled over seeds; 95% percentile bootstrap over seeds (whole seeds resampled).\n")
-  cl = []
-  for c in corrections:
-    k = caps[c]
-    if k is None:
-      cl.append([c, "–", "too few settings", "–"])
-      continue
-    a, b, knee = k.fit[:3]
-    cl.append([c, k.n_settings, k.text(),
-               f"plateau {a:.2f}, knee {10 ** knee:.2g}, slope {-b:.2f} per decade"])
-  text.append(_table(["correction", "settings", "capacity D* [95% CI]", "fit"], cl))
+  text.append(_capacity_section(pool, caps))
+  text.append(_format_section(cap.format_rows(paired)))
   text.append("\n### Do quantization and staleness drift cost alike at equal total drift?\n")
   if gamma is None:
     text.append("Not testable on this grid: fewer than 4 uncorrected settings with drift, or "
@@ -181,9 +175,94 @@ def capacity_sections(rows: list[dict], cfgs: dict[str, ml_collections.ConfigDic
                 "seeds). Only settings whose context's BF16 run resolvably learns enter the fit "
                 "(retained is a ratio to that gain).\n")
   text.append(_time_sections(rows, cfgs, base, g_base))
-  _drift_figure(paired, caps, os.path.join(workdir, "reward_vs_drift.png"))
+  _drift_figure(pool, caps, os.path.join(workdir, "reward_vs_drift.png"))
   _pareto_figure(rows, cfgs, os.path.join(workdir, "pareto.png"))
   return "\n".join(text)
+
+
+def _ci(r: stats.PairedResult, sign: bool = False) -> str:
+  f = "+.3f" if sign else ".3f"
+  if r.n < 2:
+    return format(r.mean, f)
+  return f"{r.mean:{f}} [{r.ci_low:{f}}, {r.ci_high:{f}}]"
+
+
+def _capacity_section(pool: dict, caps: dict) -> str:
+  """The capacity per correction on the shared settings, both fits, their residuals, the
+  interval's simulated coverage, and the paired retained-gain table."""
+  text = [f"\n### Correction capacity: total k1 where retained falls to "
+          f"{cap.RETAINED_AT_CAPACITY}\n"]
+  if not pool:
+    return text[0] + "\nNo BF16 lag-0 base with a resolved gain: no capacity.\n"
+  n_seeds = len(next(iter(pool.values()))[0].gain)
+  shared = sorted({cap._situation_label(p.row) for ps in pool.values() for p in ps[1:]})
+  text.append(
+      f"Every correction on the same {len(shared)} drifted settings ({', '.join(shared)}; "
+      "BF16 trainer, main context), with the BF16 lag-0 run as the zero-drift anchor; corrected "
+      "runs with zero drift by construction and runs trained in the format are not in the "
+      f"fits. {n_seeds} seeds. Two fits of retained against log10 total k1 pooled over seeds: "
+      "the hinge (flat, then linear) and the decreasing isotonic fit (assumes only that more "
+      "drift does not help). RSS = residual sum of squares; CV = leave-one-seed-out mean "
+      "squared prediction error (the fit that predicts a held-out seed better describes the "
+      "data); misfit = settings whose mean residual's 95% t interval over seeds excludes 0. "
+      "D* interval: 95% percentile bootstrap over seeds; coverage = how often that interval "
+      f"holds the true D* when data are drawn from the fit with each setting's seed spread "
+      f"({n_seeds} seeds, {COVERAGE_TRIALS} simulated sweeps; ± its SE).\n")
+  lines, covered = [], {}
+  for c, by_kind in caps.items():
+    for kind, k in by_kind.items():
+      if k is None:
+        lines.append([c, kind, "–", "too few settings", "–", "–", "–", "–", "–"])
+        continue
+      cov = cap.coverage(pool[c], kind, trials=COVERAGE_TRIALS, n_boot=COVERAGE_BOOT)
+      covered[(c, kind)] = cov is not None and cov[0] >= COVERAGE_NEEDED
+      if kind == "hinge":
+        a, b, knee = k.fit[:3]
+        shape = f"plateau {a:.2f}, knee {10 ** knee:.2g}, slope {-b:.2f}/decade"
+      else:
+        shape = f"{len(set(np.round(k.fit[1], 12)))} levels"
+      lines.append([c, kind, k.n_settings - 1, k.text(),
+                    "censored: none" if cov is None else f"{cov[0]:.2f} ± {cov[1]:.2f}",
+                    f"{k.rss:.3f}", f"{k.cv_mse:.4f}", f"{k.misfit}/{len(k.residuals)}", shape])
+  text.append(_table(["correction", "fit", "settings", "D* [95% CI]", "coverage", "RSS", "CV",
+                      "misfit", "shape"], lines))
+  ok = [c for c in caps if covered.get((c, "hinge")) and covered.get((c, "isotonic"))]
+  text.append(
+      f"\nA D* is read as an estimand only where both fits' intervals cover at least "
+      f"{COVERAGE_NEEDED:.0%} in simulation: {', '.join(ok) if ok else 'none'}. "
+      + ("" if len(ok) == len(caps) else
+         "Where it does not, the capacity is not reported as a number and the corrections "
+         "are compared by the paired retained-gain table below.") + "\n")
+  resid = []
+  for c, by_kind in caps.items():
+    k = by_kind.get("hinge")
+    if k is not None:
+      resid += [[c, name, _ci(r, sign=True)] for name, r in k.residuals]
+  text.append("\n**Hinge residuals per setting** (retained - fit, mean over seeds [95% t "
+              "interval]):\n\n" + _table(["correction", "setting", "residual"], resid))
+  text.append("\n**Paired retained-gain table** (shared settings; retained mean over seeds "
+              "[95% t interval]; difference to the uncorrected run of the same setting, paired "
+              "by seed; 'mean over the shared settings' = per seed the mean over the settings, "
+              "then t over seeds):\n")
+  text.append(_table(["setting", "correction", "retained", "vs none (paired)"],
+                     [[s, c, _ci(r), "–" if d is None else _ci(d, sign=True)]
+                      for s, c, r, d in cap.retained_table(pool)]))
+  return "\n".join(text)
+
+
+def _format_section(rows) -> str:
+  """Runs trained in the format, their own rows: what the format costs apart from drift."""
+  if not rows:
+    return ""
+  lines = [[precision_label(p.row), p.row.get("correction", "none"), p.row["lag_used"],
+            f"{np.mean(p.drift['total_k1']):.2e}", _ci(p.test, sign=True),
+            _ci(stats.paired_t(p.retained)) if np.all(np.isfinite(p.retained)) else "–"]
+           for p in rows]
+  return ("\n### Trained in the format (own rows, not in the capacity fits)\n\nSampler = "
+          "trainer in the format: at lag 0 the drift is only the sampler's static scales' (0 "
+          "for row-scaled recipes), so the gap to BF16 there is the format's own cost.\n\n"
+          + _table(["precision", "correction", "lag", "total k1", "gain vs BF16 lag 0 [95% CI]",
+                    "retained [95% CI]"], lines))
 
 
 def _time_sections(rows, cfgs, base, g_base) -> str:
@@ -228,16 +307,19 @@ def _lag_style(lag: int, lags: list[int]):
   return LAG_STYLES[lags.index(lag) % len(LAG_STYLES)]
 
 
-def _drift_figure(paired, caps, path: str) -> None:
+def _drift_figure(pool, caps, path: str) -> None:
   """One panel per correction: retained vs total k1 (log), colour = precision, filled marker =
-  the quantization part dominates, hollow = staleness; the fit and D* with its interval."""
+  the quantization part dominates, hollow = staleness; on the shared settings (`fit_pool`): the
+  hinge fit (solid) with D* and its interval, the isotonic fit (dotted)."""
   plt = _plt()
-  corrections = list(caps)
+  corrections = list(caps) or ["none"]  # no fit pool: one empty panel that says so
   fig, axes = plt.subplots(1, len(corrections), figsize=(4.2 * len(corrections), 4.2),
                            sharey=True, squeeze=False)
   for ax, c in zip(axes[0], corrections):
-    ps = [p for p in paired if (p.row.get("correction", "none") == c or cap._is_base(p.row))
-          and np.all(np.isfinite(p.retained))]  # NaN: the base has no resolved gain to retain
+    ps = pool.get(c, [])
+    if not ps:
+      ax.text(0.5, 0.5, "no shared drifted settings\nwith a resolved BF16 gain",
+              ha="center", va="center", transform=ax.transAxes)
     for p in ps:
       x = max(float(np.mean(p.drift["total_k1"])), cap.DRIFT_FLOOR)
       y, e = float(np.mean(p.retained)), float(np.std(p.retained))
@@ -247,7 +329,10 @@ def _drift_figure(paired, caps, path: str) -> None:
                   mfc=color if quant else "white", capsize=2)
       ax.annotate(str(p.row["lag_used"]), (x, y), textcoords="offset points", xytext=(5, 4),
                   fontsize=7)
-    k = caps[c]
+    k = caps.get(c, {}).get("hinge")
+    iso = caps.get(c, {}).get("isotonic")
+    if iso is not None:
+      ax.plot(10 ** iso.fit[0], iso.fit[1], color="k", ls=":", lw=1)
     if k is not None:
       xs = np.linspace(math.log10(cap.DRIFT_FLOOR), k.max_log_drift, 200)
       a, b, knee = k.fit[:3]
@@ -268,7 +353,8 @@ def _drift_figure(paired, caps, path: str) -> None:
   axes[0][0].set_ylabel("fraction of BF16's RL gain retained (greedy, paired by seed)")
   handles = [plt.Line2D([], [], marker="o", ls="", color=col, label=name)
              for name, col in PRECISION_COLORS.items()
-             if any(p.row.get("sampler_recipe", "bf16") == name for p in paired)]
+             if any(p.row.get("sampler_recipe", "bf16") == name
+                    for ps in pool.values() for p in ps)]
   handles += [plt.Line2D([], [], marker="o", ls="", color="k", label="quantization part > half"),
               plt.Line2D([], [], marker="o", ls="", color="k", mfc="white",
                          label="staleness part >= half (numbers: lag)")]

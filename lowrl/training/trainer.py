@@ -169,15 +169,17 @@ class Trainer:
     return self.plan.put(state, self.state_shardings(state))
 
   def score(self, params, policy: precision.PrecisionPolicy, out: SampleOutput,
-            key: jax.Array) -> jax.Array:
+            key: jax.Array, act_amax: blocks.ActAmax | None = None) -> jax.Array:
     """Logprobs of the sampled tokens under (params, policy): the exact-mode scoring program.
 
     The trainer's pi_old, the drift parts and the exact-mode sampler all go through this one
-    jitted program, so equal inputs give bit-identical logprobs.
+    jitted program, so equal inputs give bit-identical logprobs. `act_amax` None: tensor-scaled
+    activations take the batch's amax (the trainer's forward); static scales: the distribution a
+    sampler with those scales draws from (`policy_kl`).
     """
     return rescore(out, params, model_cfg=self.setup.model_cfg, policy=policy,
                    config=self.setup.sampling, quant_key=policy.quant_key(key),
-                   plan=self.plan).logprobs  # log q: the sampled distribution (temperature etc.)
+                   plan=self.plan, act_amax=act_amax).logprobs  # log q: the sampled distribution
 
   def act_amax(self, params, policy: precision.PrecisionPolicy) -> dict[str, jax.Array] | None:
     """Static activation scales for sampling `params` under `policy` (None if it needs none).
@@ -310,18 +312,29 @@ class Trainer:
     """KL(pi || pi_other) per completion token on the held-out prompts.
 
     pi = `params` under this run's trainer policy, pi_other = `other_params` under
-    `other_policy` (e.g. a BF16 twin run's final params); both the distribution sampled at the
-    rollout temperature. `eval_samples` completions per held-out prompt are sampled from pi
-    (as `evaluate` samples), and both policies score them with the exact-mode scoring program;
-    returns {"kl": k1 mean, "kl_k3": k3 mean, "abs_dlogp_mean": ...} (`mismatch_metrics` of
-    logp_pi - logp_other: unbiased estimates of KL(pi || pi_other) on pi's samples).
+    `other_policy` (e.g. a BF16 twin run's final params); each the distribution its sampler draws
+    from at the rollout temperature: a policy with tensor-scaled activations (naive NVFP4) with
+    its static calibrated scales (`act_amax`), as `evaluate` samples it. `eval_samples`
+    completions per held-out prompt are sampled from pi and both policies score them with the
+    exact-mode scoring program, pi with the scales it sampled with (with the batch's amax, the
+    trainer's forward, the samples would not come from the scored distribution and k3 would not
+    estimate the KL); returns {"kl": k1 mean, "kl_k3": k3 mean, "abs_dlogp_mean": ...}
+    (`mismatch_metrics` of logp_pi - logp_other: unbiased estimates of KL(pi || pi_other) on
+    pi's samples).
     """
     tp = self.setup.trainer_policy
+    model_cfg = self.setup.model_cfg
+    if other_policy != tp and calibration_paths(other_policy, model_cfg):
+      raise ValueError(f"policy_kl: other_policy {other_policy.name!r} reads static activation "
+                       "scales calibrated in the trainer's precision only; compare with a policy "
+                       "without tensor-scaled activations (e.g. bf16) or the trainer's own")
+    act_amax = self.act_amax(params, tp)
+    other_amax = self.act_amax(other_params, other_policy)
     logp, logp_other, mask = [], [], []
     for out, _ in self._eval_samples(params, key, quant_key=tp.quant_key(key),
-                                     act_amax=self.act_amax(params, tp)):
-      logp.append(self.score(params, tp, out, key))
-      logp_other.append(self.score(other_params, other_policy, out, key))
+                                     act_amax=act_amax):
+      logp.append(self.score(params, tp, out, key, act_amax=act_amax))
+      logp_other.append(self.score(other_params, other_policy, out, key, act_amax=other_amax))
       mask.append(out.completion_mask)
     m = _chunked_mismatch_metrics(logp, logp_other, mask)
     return {"kl": float(m["mismatch_kl"]), "kl_k3": float(m["mismatch_kl_k3"]),

@@ -343,23 +343,32 @@ def test_summary_numbers_come_from_the_metrics():
   assert s["finite"]
 
 
-def test_default_sweep_configs_hold_the_issue_grid():
+def test_default_sweep_configs_hold_the_question_grid():
   from configs import simulate as simulate_config
-  reduced = sweep.expand_grid(simulate_config.get_config())
-  # BF16 / naive NVFP4 samplers x none / TIS x 3 lags, MXFP8 x 3 lags, IcePop / VCPO on NVFP4.
-  assert len(reduced) == 12 + 3 + 6
-  assert {s.knobs["correction"] for s in reduced} == {"none", "tis", "icepop", "vcpo"}
-  assert all(s.cfg.trainer_recipe == "bf16" and s.cfg.eval_every > 0 for s in reduced)
-  full = sweep.expand_grid(simulate_config.get_config("full"))
-  main = [s for s in full if "grid" in s.grids]
-  # 4 samplers x (BF16 trainer | the sampler's: bf16/bf16 once) x 4 corrections x 3 lags.
-  assert len(main) == 7 * 4 * 3
-  pairs = {(s.cfg.sampler_recipe, s.cfg.trainer_recipe) for s in main}
-  assert ("mxfp8", "mxfp8") in pairs and ("nvfp4_recipe", "bf16") in pairs
-  swept = {k for s in full for k in s.knobs if len({str(t.knobs.get(k)) for t in full}) > 1}
-  assert {"lag", "sync_every", "num_prompts", "group_size", "horizon", "lr", "correction",
-          "sampler_recipe", "trainer_recipe"} <= swept
-  assert len({s.name for s in full}) == len({s.fingerprint for s in full}) == len(full)
+  for variant, n_settings, n_programs, n_seeds in (("quick", 13, 5, 8), ("full", 42, 15, 10)):
+    settings = sweep.expand_grid(simulate_config.get_config(variant))
+    assert len(settings) == n_settings and len(settings[0].seeds) == n_seeds
+    programs = {tuple((k, str(v)) for k, v in s.knobs.items() if k not in ("lag", "sync_every"))
+                for s in settings}
+    assert len(programs) == n_programs
+    assert len({s.name for s in settings}) == len({s.fingerprint for s in settings}) == n_settings
+    # No zero-drift copy: BF16 at lag 0 runs once, uncorrected (the shared anchor).
+    assert [s.knobs["correction"] for s in settings
+            if s.cfg.sampler_recipe == "bf16" and s.knobs["lag"] == 0] == ["none"]
+    # Every correction on the same drifted settings (BF16 trainer).
+    drifted = {}
+    for s in settings:
+      if s.cfg.trainer_recipe == "bf16" and not (s.cfg.sampler_recipe == "bf16"
+                                                 and s.knobs["lag"] == 0):
+        drifted.setdefault(s.knobs["correction"], set()).add((s.cfg.sampler_recipe,
+                                                              s.knobs["lag"]))
+    assert len(drifted) == (2 if variant == "quick" else 4)
+    assert len({frozenset(v) for v in drifted.values()}) == 1
+    # Trained in the format: sampler = trainer, their own grid.
+    fmt = [s for s in settings if s.cfg.trainer_recipe != "bf16"]
+    assert fmt and all(s.cfg.trainer_recipe == s.cfg.sampler_recipe and s.grids == ("format_grid",)
+                       for s in fmt)
+    assert all(s.cfg.eval_every > 0 for s in settings)
 
 
 def test_pipeline_tokens_come_from_their_versions():
