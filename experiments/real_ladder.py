@@ -1,16 +1,30 @@
-r"""The recipe's forward ladder (experiments/paired.py) on a real checkpoint.
+r"""The recipe's paired designs (experiments/paired.py) on a real checkpoint: the forward ladder,
+then the backward modes and the code churn of one update.
 
   python -m experiments.real_ladder --config=configs/smollm2.py --batches=2 --out=/tmp/ladder.json
+  python -m experiments.real_ladder --config=configs/smollm2.py --config.rl.num_prompts=4 \
+      --batches=20 --grad_batches=20 --heldout=2 --out=/tmp/paired.json
 
 `--batches` rollout batches (the config's rl.num_prompts x rl.group_size, training prompts of
 steps 0, 1, ...) are sampled once from the checkpoint in BF16 (the ablation grid's `bf16`
-setting, configs/ablate.py, applied to this config); then every rung of paired.LADDER
-(nvfp4_naive -> +per_token -> +4/6 -> +bf16_tail, configs/ablate.py's precisions) scores the same
-tokens with the same weights, and `paired.forward_ladder` gives per prompt the exact
-full-vocabulary KL(rung || BF16) averaged over its completions' positions. Printed: each rung's
-mean, and each step of the ladder as a paired difference over prompts (lowrl.analysis: mean with
-its t interval, sign-test p; prompts of one batch share nothing but the weights, so the prompt is
-the unit). Runs on the host CPU (JAX_PLATFORMS=cpu unless set).
+setting, configs/ablate.py, applied to this config).
+
+forward ladder  every rung of paired.LADDER (nvfp4_naive -> +per_token -> +4/6 -> +bf16_tail,
+                configs/ablate.py's precisions) scores the same tokens with the same weights;
+                `paired.forward_ladder` gives per prompt the exact full-vocabulary KL(rung || BF16)
+                averaged over its completions' positions. Printed: each rung's mean, and each step
+                of the ladder as a paired difference over prompts (lowrl.analysis: mean with its t
+                interval, sign-test p), and the same difference with the batch as the unit (the
+                mean over a batch's prompts, a t interval over batches: prompts sampled in one
+                batch share its key and compile, so this interval allows them to be correlated).
+backward        on the first `--grad_batches` of those batches, `paired.backward` unchanged (the
+                recipe's forward with each backward mode against the FP32 gradient and against
+                the dequantized backward's; one AdamW step per mode and the held-out surrogate's
+                change on `--heldout` batches sampled in BF16 from training steps 10000, ...;
+                the code churn of that step under the recipe and every ladder rung), run in
+                chunks of `--chunk` batches so that each chunk's numbers reach `--out` as it ends.
+
+Runs on the host CPU (JAX_PLATFORMS=cpu unless set).
 """
 import os
 
@@ -26,45 +40,108 @@ from ml_collections import config_flags  # noqa: E402
 
 from configs import ablate as ablate_config  # noqa: E402
 from experiments import paired  # noqa: E402
+from lowrl import user_cache  # noqa: E402
 from lowrl.analysis import stats  # noqa: E402
 from lowrl.checkpoints import hf  # noqa: E402
 from lowrl.training.setup import build  # noqa: E402
 from lowrl.training.trainer import Trainer  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2.py")
-_BATCHES = flags.DEFINE_integer("batches", 2, "rollout batches sampled in BF16")
-_OUT = flags.DEFINE_string("out", "", "JSON file for the per-prompt KLs ('' = print only)")
+
+def step_summary(kl: dict[str, list[float]], batches: int) -> dict[str, dict[str, float]]:
+  """Each step of the ladder as a paired difference: by prompt (t interval, sign test) and by
+  batch (the mean over each batch's prompts, consecutive and equal in number; t interval)."""
+  n = len(kl[paired.LADDER[0]])
+  if batches < 2 or n % batches:
+    raise ValueError(f"step_summary: {n} prompts do not split into {batches} equal batches (>= 2)")
+  out = {}
+  for a, b in zip(paired.LADDER[:-1], paired.LADDER[1:]):
+    diffs = np.asarray(kl[b]) - np.asarray(kl[a])
+    t = stats.paired_t(diffs)
+    tb = stats.paired_t(diffs.reshape(batches, -1).mean(1))
+    out[f"{a} -> {b}"] = {
+        "mean": t.mean, "ci_low": t.ci_low, "ci_high": t.ci_high, "p_t": t.p,
+        "p_sign": stats.sign_test(diffs), "lower": int((diffs < 0).sum()),
+        "prompts": int(diffs.size), "batches": batches, "batch_ci_low": tb.ci_low,
+        "batch_ci_high": tb.ci_high, "batch_p_t": tb.p}
+  return out
 
 
 def main(argv):
   del argv
   start = time.time()
+  if not 0 <= _GRAD_BATCHES.value <= _BATCHES.value or _HELDOUT.value < 1 or _CHUNK.value < 1:
+    raise app.UsageError("need 0 <= --grad_batches <= --batches, --heldout >= 1, --chunk >= 1")
+  user_cache.enable_compile_cache()
   grid = ablate_config.get_config()
   grid.run = _CONFIG.value
   settings = paired.all_settings(grid)
   seed = int(grid.seeds[0])
   setups = {name: build(settings[name].config(grid.run, seed))
             for name in ("bf16", *paired.LADDER)}
+  bwd = paired._backward_setups(grid, settings, "") if _GRAD_BATCHES.value else {}  # noqa: SLF001
   twin = setups["bf16"]
   params = hf.load_hf_params(twin.base.hf_checkpoint, twin.model_cfg, dtype=jnp.float32)
   trainer = Trainer(twin, log=lambda _: None)
   rollouts = paired.sample_batches(trainer, params, _BATCHES.value)
+  result = {"seconds": {"sample": time.time() - start}}
   print(f"[ladder] sampled {_BATCHES.value} batches in BF16 ({time.time() - start:.0f}s)")
-  result = paired.forward_ladder(grid, setups, twin, params, rollouts, log=print)
-  kl = result["kl"]
-  steps = list(zip(paired.LADDER[:-1], paired.LADDER[1:]))
-  for a, b in steps:
-    diffs = np.asarray(kl[b]) - np.asarray(kl[a])
-    t = stats.paired_t(diffs)
-    print(f"[ladder] {a} -> {b}: mean change {t.mean:+.4f} (95% CI {t.ci_low:+.4f} .. "
-          f"{t.ci_high:+.4f}), sign test p {stats.sign_test(diffs):.3g}, "
-          f"{int((diffs < 0).sum())}/{len(diffs)} prompts lower")
+
+  def save():
+    if _OUT.value:
+      with open(_OUT.value, "w") as fh:
+        json.dump({**result, "total_seconds": time.time() - start}, fh, indent=1)
+
+  t0 = time.time()
+  ladder = paired.forward_ladder(grid, setups, twin, params, rollouts, log=print)
+  kl = ladder["kl"]
+  result.update(ladder, prompts=len(kl[paired.LADDER[0]]), batches=_BATCHES.value,
+                steps=step_summary(kl, _BATCHES.value))
+  result["seconds"]["ladder"] = time.time() - t0
+  for name, s in result["steps"].items():
+    print(f"[ladder] {name}: mean change {s['mean']:+.4f} (95% CI by prompt {s['ci_low']:+.4f} "
+          f".. {s['ci_high']:+.4f}, by batch {s['batch_ci_low']:+.4f} .. "
+          f"{s['batch_ci_high']:+.4f}), sign test p {s['p_sign']:.3g}, "
+          f"{s['lower']}/{s['prompts']} prompts lower")
+  save()
+  if _GRAD_BATCHES.value:
+    t0 = time.time()
+    heldout = paired.sample_batches(trainer, params, _HELDOUT.value, first_step=10_000)
+    forwards = {**{n: setups[n] for n in paired.LADDER}, "nvfp4_recipe": bwd["dequantized"]}
+    grad_rollouts = rollouts[:_GRAD_BATCHES.value]
+    parts = []
+    for i in range(0, len(grad_rollouts), _CHUNK.value):
+      parts.append(paired.backward(grid, bwd, params, grad_rollouts[i:i + _CHUNK.value],
+                                   heldout, print, forwards=forwards))
+      result["backward"] = merge_backward(parts)
+      result["seconds"]["backward"] = time.time() - t0
+      save()
   print(f"[ladder] done in {time.time() - start:.0f}s")
-  if _OUT.value:
-    with open(_OUT.value, "w") as fh:
-      json.dump({**result, "prompts": len(kl[paired.LADDER[0]]),
-                 "seconds": time.time() - start}, fh, indent=1)
+  result["total_seconds"] = time.time() - start
+  save()
 
 
+def merge_backward(parts: list[dict]) -> dict:
+  """`paired.backward`'s per-batch lists of several chunks, concatenated in batch order (every
+  chunk starts from the same weights and held-out batches, so their base loss is one number)."""
+  first = parts[0]
+  modes = {m: {k: [x for p in parts for x in p["modes"][m][k]] for k in rows}
+           for m, rows in first["modes"].items()}
+  out = {"units": "batches", "heldout_base": first["heldout_base"], "modes": modes}
+  if "churn_by_forward" in first:
+    out["churn_by_forward"] = {
+        f: {k: [x for p in parts for x in p["churn_by_forward"][f][k]] for k in v}
+        for f, v in first["churn_by_forward"].items()}
+  return out
+
+
+# Flags only when run as a binary: the tests import step_summary and merge_backward beside other
+# experiments whose flags share these names.
 if __name__ == "__main__":
+  _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2.py")
+  _BATCHES = flags.DEFINE_integer("batches", 2, "rollout batches sampled in BF16")
+  _GRAD_BATCHES = flags.DEFINE_integer("grad_batches", 0,
+                                       "of those, how many the backward design uses (0 = none)")
+  _HELDOUT = flags.DEFINE_integer("heldout", 2, "held-out batches of the backward design")
+  _CHUNK = flags.DEFINE_integer("chunk", 5, "backward batches per chunk (a JSON write after each)")
+  _OUT = flags.DEFINE_string("out", "", "JSON file for the results ('' = print only)")
   app.run(main)
