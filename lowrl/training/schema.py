@@ -163,6 +163,10 @@ _DAPO_KNOBS = (
 TRAIN_RL = RL.extended(
     knob("max_new_tokens", "completion budget in tokens"),
     *_SAMPLING_KNOBS,
+    knob("pack_tokens", "packed update: sequences (no padding) packed into rows of the "
+         "batch's width, attention and positions per sequence; micro-batches of this many "
+         "tokens per data shard, gradients accumulated (lowrl/training/packing.py); needs "
+         "num_minibatches = micro_batches = 1; 0 = padded rows", NON_NEGATIVE),
     knob("routing_replay", "MoE routing replay (R3): the trainer's forwards (pi_old and "
          "the update) send each token to the experts the sampler chose, combine weights from "
          "the trainer's own router (lowrl/models/routing.py)"),

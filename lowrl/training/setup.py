@@ -186,6 +186,10 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
                            lag_distribution=a.lag_distribution, seed=cfg.seed)
   loop = LoopConfig.from_config(cfg)
   seq_len = task.max_prompt_len + rl.max_new_tokens
+  if 0 < rl.pack_tokens < seq_len:
+    raise ValueError(f"--config.rl.pack_tokens={rl.pack_tokens} is smaller than the longest "
+                     f"sequence (prompt width {task.max_prompt_len} + rl.max_new_tokens "
+                     f"{rl.max_new_tokens} = {seq_len}); raise it to >= {seq_len}, or 0 (off).")
   plan = _mesh_plan(cfg, model_cfg, trainer_policy, sampler_policy, seq_len=seq_len)
   est = memory_estimate(cfg, model_cfg, trainer_policy, sampler_policy, plan, schedule, seq_len,
                         keep_reference=loop.keep_reference,
