@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from lowrl.models import logprobs, routing
+from lowrl.models import logprobs, packing, routing
 from lowrl.models.config import ModelConfig
 from lowrl.models.row_sharding import constrain_rows_tree
 from lowrl.precision import PrecisionPolicy
@@ -47,7 +47,7 @@ from lowrl.rl.masked import masked_count, masked_mean, safe_divide
 from lowrl.rl.mismatch import OUTSIDE_SUPPORT_LOGP, in_support, mismatch_metrics
 from lowrl.sampling import SamplingConfig, sampling_logits
 from lowrl.sharding import ShardingPlan
-from lowrl.training import compute_cast, packing
+from lowrl.training import compute_cast
 from lowrl.training.batch import RLBatch
 from lowrl.training.optimizer import apply_update, tree_all_finite
 
@@ -75,9 +75,9 @@ class UpdateConfig:
   # optimizer.compute_cast_rounding=stochastic: the param keys whose FP32 -> BF16 compute cast is
   # rounded stochastically, fresh per update (lowrl.training.compute_cast); () = to nearest.
   compute_cast: tuple[tuple[str, ...], ...] = ()
-  # rl.pack_tokens: the forwards run on packed rows (lowrl.training.packing), micro-batches of
-  # this many tokens per data shard (whole rows of the batch's width T); 0 = padded rows.
-  pack_tokens: int = 0
+  # rl.pack_tokens / rl.pack_rows: the forwards run on packed rows (lowrl.models.packing);
+  # None = padded rows.
+  pack: packing.PackConfig | None = None
 
   def __post_init__(self):
     if self.mu < 1:
@@ -86,11 +86,9 @@ class UpdateConfig:
       raise ValueError(f"rl.num_minibatches must be >= 1, got {self.num_minibatches}.")
     if self.micro_batches < 1:
       raise ValueError(f"rl.micro_batches must be >= 1, got {self.micro_batches}.")
-    if self.pack_tokens < 0:
-      raise ValueError(f"rl.pack_tokens must be >= 0 (0 = off), got {self.pack_tokens}.")
-    if self.pack_tokens and (self.num_minibatches > 1 or self.micro_batches > 1):
-      raise ValueError("rl.pack_tokens makes its own micro-batches (by token budget); set "
-                       "rl.num_minibatches=1 and rl.micro_batches=1, or rl.pack_tokens=0.")
+    if self.pack is not None and (self.num_minibatches > 1 or self.micro_batches > 1):
+      raise ValueError("rl.pack_tokens makes its own micro-batches (rl.pack_rows packed rows); "
+                       "set rl.num_minibatches=1 and rl.micro_batches=1, or rl.pack_tokens=0.")
     if self.old_logp_source not in OLD_LOGP_SOURCES:
       raise ValueError(f"rl.old_logp_source={self.old_logp_source!r}; use one of "
                        f"{OLD_LOGP_SOURCES}.")
@@ -117,7 +115,14 @@ def update_config_from(rl: ml_collections.ConfigDict, master_rounding: str,
   return UpdateConfig(loss=loss, correction=correction, mu=rl.mu,
                       num_minibatches=rl.num_minibatches, old_logp_source=rl.old_logp_source,
                       master_rounding=master_rounding, micro_batches=rl.micro_batches,
-                      pack_tokens=rl.get("pack_tokens", 0))
+                      pack=pack_config_from(rl))
+
+
+def pack_config_from(rl: ml_collections.ConfigDict) -> packing.PackConfig | None:
+  """rl.pack_tokens / rl.pack_rows as a PackConfig (None: off, or a section without them)."""
+  if not rl.get("pack_tokens", 0):
+    return None
+  return packing.PackConfig(row_tokens=rl.pack_tokens, rows=rl.pack_rows)
 
 
 def make_logprob_fn(model_cfg: ModelConfig, policy: PrecisionPolicy,
@@ -145,7 +150,7 @@ def make_logprob_fn(model_cfg: ModelConfig, policy: PrecisionPolicy,
 
   def logprob_fn(params, batch, quant_key):
     tokens_BT, mask_BT = batch.tokens_BT, batch.input_mask_BT
-    # Packed rows (lowrl.training.packing.PackedTokens): segment ids in place of the mask.
+    # Packed rows (lowrl.models.packing.PackedTokens): segment ids in place of the mask.
     segment_ids_BT = getattr(batch, "segment_ids_BT", None)
     quant_key = policy.quant_key(quant_key)
     replay_ids = getattr(batch, "routing", None) if replay else None
@@ -223,13 +228,9 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
       return compute_cast.stochastic_cast(p, cfg.compute_cast, compute_cast.update_key(key, i))
 
     pack = None
-    if cfg.pack_tokens:  # packed rows: one plan for the batch, reused by every forward
-      width = batch.tokens_BT.shape[1]
+    if cfg.pack is not None:  # packed rows: one plan for the batch, reused by every forward
       shards = 1 if plan is None else plan.batch_shards
-      if cfg.pack_tokens < width:
-        raise ValueError(f"rl.pack_tokens={cfg.pack_tokens} is smaller than the longest sequence "
-                         f"({width} tokens); raise it to >= {width} or set 0 (off).")
-      rows = min(cfg.pack_tokens // width, batch_size // shards)
+      width, rows = cfg.pack.layout(*batch.tokens_BT.shape, shards)
       pk = packing.plan(batch.input_mask_BT, width, shards)
       pack = (pk, rows, width, packing.micro_batches(pk, rows))
 

@@ -1,4 +1,4 @@
-"""Packed update and scoring (`rl.pack_tokens`, lowrl.training.packing) against the padded path."""
+"""Packed update and scoring (`rl.pack_tokens`, lowrl.models.packing) against the padded path."""
 import dataclasses
 import functools
 
@@ -10,7 +10,8 @@ import pytest
 
 import tiny
 from lowrl.models import init, logprobs
-from lowrl.training import packing, schema
+from lowrl.models import packing
+from lowrl.training import schema
 from lowrl.training.batch import RLBatch
 from lowrl.training.rl_update import make_logprob_fn, make_rl_update
 from lowrl.training.setup import build
@@ -124,7 +125,8 @@ def test_segments_do_not_attend_across_sequences():
 @functools.lru_cache(maxsize=None)
 def _update(aggregation: str, pack_tokens: int):
   setup = _setup(aggregation=aggregation)
-  cfg = dataclasses.replace(setup.update_cfg, pack_tokens=pack_tokens)
+  cfg = dataclasses.replace(setup.update_cfg, pack=packing.PackConfig(pack_tokens, rows=2)
+                            if pack_tokens else None)
   return setup, jax.jit(make_rl_update(make_logprob_fn(setup.model_cfg, setup.trainer_policy),
                                        optax.sgd(1.0), cfg))
 
@@ -151,7 +153,7 @@ def test_packed_update_matches_the_padded_update(aggregation):
   batch = _batch(setup)
   t = batch.tokens_BT.shape[1]
   g_pad, m_pad = _grad(aggregation, 0, params, batch)
-  g_pack, m_pack = _grad(aggregation, 2 * t, params, batch)  # 2 rows per micro-batch
+  g_pack, m_pack = _grad(aggregation, t + 4, params, batch)  # 2 rows per micro-batch
   assert m_pack["pack/micro_batches"] >= 2  # really accumulated over micro-batches
   assert m_pack["pack/padding_frac"] < m_pad["pack/padding_frac"]
   assert max(np.abs(x).max() for x in g_pad) > 1e-3
@@ -175,3 +177,103 @@ def test_pack_tokens_checks():
   cfg.rl.update(pack_tokens=-1, micro_batches=1)
   with pytest.raises(ValueError, match="pack_tokens"):
     schema.TRAIN.validate(cfg)
+
+
+def test_micro_batch_gathers_routing_ids_with_their_tokens():
+  """MoE routing replay: a packed slot's recorded expert ids are its source token's (exact)."""
+  mask = jnp.asarray(np.tri(8, 6, 2, dtype=np.float32)[::-1].copy())  # varied lengths
+  tokens = jnp.arange(48, dtype=jnp.int32).reshape(8, 6)
+  ids = {"layers_0": jnp.stack([tokens, tokens + 100], -1)}  # [B, T, k]
+  pk = packing.plan(mask, 6, shards=2)
+  for j in range(int(packing.micro_batches(pk, 1))):
+    mb = packing.micro_batch(pk, tokens, jnp.asarray(j), 1, 6, ids)
+    real = np.asarray(mb.segment_ids_BT) > 0
+    got = np.asarray(mb.routing["layers_0"])
+    np.testing.assert_array_equal(got[..., 0][real], np.asarray(mb.tokens_BT)[real])
+    np.testing.assert_array_equal(got[..., 1][real], np.asarray(mb.tokens_BT)[real] + 100)
+
+
+def _trainers(model=None, **rl):
+  """A padded and a packed Trainer of one config (fp32; 8 fake devices, data parallel); the
+  packed one's rows are 2 T wide, 1 row per shard in a micro-batch."""
+  from lowrl.training.trainer import Trainer
+  out = []
+  for rows in (0, 1):
+    cfg = tiny.loop_config("fp32")
+    cfg.model.update(**(model or {}))
+    cfg.rl.update(**{"num_prompts": 4, "group_size": 4, "max_new_tokens": 6, **rl})
+    setup = build(cfg)
+    if rows:
+      cfg.rl.update(pack_tokens=2 * (setup.task.max_prompt_len + cfg.rl.max_new_tokens),
+                    pack_rows=rows)
+      setup = build(cfg)
+    out.append(Trainer(setup, log=lambda _: None))
+  return out
+
+
+def _shortened(out, seed: int = 4):
+  """`out` with completions cut to random lengths (0 to all): an untrained model rarely stops,
+  and rows that all run to the horizon leave nothing to pack."""
+  rows, width = out.tokens.shape
+  keep = jax.random.randint(jax.random.key(seed), (rows, 1), 0, width - out.prompt_width + 1)
+  cm = out.completion_mask * (jnp.arange(width) < out.prompt_width + keep)
+  return out.replace(completion_mask=cm, logprobs=out.logprobs * cm,
+                     model_logprobs=out.model_logprobs * cm,
+                     completion_lengths=jnp.sum(cm, -1).astype(jnp.int32))
+
+
+def test_trainer_scores_and_step_on_8_devices_match_the_padded_path():
+  """On the 8-device data-parallel mesh: exact mode's record = the packed trainer's pi_old bit
+  for bit (one program); the packed score (rescore) within ATOL of the padded one's; the packed
+  step's metrics (the reference's KL included: scored packed) = the padded step's (the update
+  test's bound)."""
+  padded, packed = _trainers(num_prompts=8)
+  assert packed.plan.batch_shards == 8
+  setup = padded.setup
+  sampler_params = init.init_params(setup.model_cfg, jax.random.key(0))
+  params = init.init_params(setup.model_cfg, jax.random.key(5))
+  roll, _ = packed.rollout(sampler_params, params, 0, jax.random.key(1), stale=True)
+  # Exact mode: the sampler's record is the packed scoring program's, as is the trainer's score.
+  k_quant = jax.random.split(jax.random.key(1))[1]
+  again = packed.score(sampler_params, setup.trainer_policy, roll.out, k_quant)
+  np.testing.assert_array_equal(np.asarray(again), np.asarray(roll.out.logprobs))
+  out = _shortened(roll.out)
+  mask = np.asarray(out.completion_mask) > 0
+  assert 0 < mask.sum() < 0.8 * np.asarray(roll.out.completion_mask).sum()
+  for p in (sampler_params, params):
+    want, got = (np.asarray(tr.score(p, setup.trainer_policy, out, k_quant))
+                 for tr in (padded, packed))
+    assert np.abs(want[mask]).max() > 1.0
+    np.testing.assert_allclose(got[mask], want[mask], rtol=0, atol=ATOL)
+  rollout = roll._replace(out=out, logp_now_BT=roll.logp_now_BT * out.completion_mask,
+                          logp_stale_BT=roll.logp_stale_BT * out.completion_mask)
+  metrics = {}
+  for name, tr in (("padded", padded), ("packed", packed)):
+    p, ref = jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, sampler_params)
+    _, _, m = tr.step(p, tr.init_opt_state(p), ref, rollout, jax.random.key(2))
+    metrics[name] = {k: float(v) for k, v in m.items()}
+  # Rows hold several sequences (4 per shard, in fewer packed rows).
+  assert metrics["packed"]["pack/micro_batches"] < 4
+  assert metrics["padded"]["kl_ref"] > 1e-3  # a real reference score
+  for key, v in metrics["padded"].items():
+    if not key.startswith("pack/"):
+      assert metrics["packed"][key] == pytest.approx(v, rel=1e-4, abs=1e-5), key
+
+
+def test_moe_routing_replay_packed_step_matches_the_padded_step():
+  """MoE with routing replay: the recorded expert ids travel with their tokens into the packed
+  rows (a misplaced id would change the logprobs by O(1)); the step's metrics as above."""
+  padded, packed = _trainers(dict(n_experts=4, n_experts_per_tok=2, moe_d_ff=32,
+                                  norm_topk_prob=True), routing_replay=True, log_kl_ref=False)
+  params = init.init_params(padded.setup.model_cfg, jax.random.key(0))
+  rollout, _ = padded.rollout(params, params, 0, jax.random.key(1), stale=False)
+  assert rollout.out.routing is not None
+  rollout = rollout._replace(out=_shortened(rollout.out))
+  metrics = {}
+  for name, tr in (("padded", padded), ("packed", packed)):
+    p = jax.tree.map(jnp.copy, params)
+    _, _, m = tr.step(p, tr.init_opt_state(p), None, rollout, jax.random.key(2))
+    metrics[name] = {k: float(v) for k, v in m.items()}
+  for key, v in metrics["padded"].items():
+    if not key.startswith("pack/"):
+      assert metrics["packed"][key] == pytest.approx(v, rel=1e-4, abs=1e-5), key

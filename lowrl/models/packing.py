@@ -3,7 +3,8 @@ rows of a fixed width by first fit, inside the jitted program (static shapes, no
 
 A batch [B, T] (left-padded prompt + completion + right padding, `RLBatch`) is split into S data
 shards of b = B / S rows (the blocks the mesh gives each device). Each shard packs its own
-sequences into b rows of L >= T columns (b rows always suffice: every sequence fits a row), in
+sequences into b rows of L >= T columns (`PackConfig.row_tokens`; b rows always suffice: every
+sequence fits a row), in
 row order, each into the first row with room (`plan`). A packed row holds several sequences
 one after another, told apart by segment ids (1 + the sequence's row within its shard; 0 =
 padding); attention stays within a segment and positions restart at 0 per segment
@@ -18,10 +19,31 @@ micro-batch); only the first `PackPlan.micro_batches` (a traced count: the fulle
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class PackConfig:
+  """Static packing settings (hashable): rows of `row_tokens` columns (>= the batch's width T),
+  micro-batches of `rows` packed rows per data shard (rl.pack_tokens, rl.pack_rows)."""
+
+  row_tokens: int
+  rows: int = 1
+
+  def __post_init__(self):
+    if self.row_tokens < 1 or self.rows < 1:
+      raise ValueError(f"packing needs row_tokens >= 1 and rows >= 1, got {self}.")
+
+  def layout(self, batch: int, width: int, shards: int) -> tuple[int, int]:
+    """(row width, rows per shard per micro-batch) for a [batch, width] batch on `shards`."""
+    if self.row_tokens < width:
+      raise ValueError(f"rl.pack_tokens={self.row_tokens} is smaller than the longest sequence "
+                       f"({width} tokens); raise it to >= {width}, or 0 (padded rows).")
+    return self.row_tokens, min(self.rows, batch // shards)
 
 
 class PackPlan(NamedTuple):
@@ -146,6 +168,13 @@ def packed_scores(score_fn: Callable[[PackedTokens], jax.Array], pk: PackPlan,
 
   return jax.lax.fori_loop(0, micro_batches(pk, rows), body,
                            jnp.zeros(tokens_BT.shape, jnp.float32))
+
+
+def scores(score_fn: Callable[[PackedTokens], jax.Array], cfg: PackConfig, tokens_BT: jax.Array,
+           mask_BT: jax.Array, shards: int, routing: Any = None) -> jax.Array:
+  """`packed_scores` of a batch packed by `cfg` (its own `plan`)."""
+  width, rows = cfg.layout(*tokens_BT.shape, shards)
+  return packed_scores(score_fn, plan(mask_BT, width, shards), tokens_BT, rows, width, routing)
 
 
 def padding_fraction(mask_BT: jax.Array, slots: jax.Array) -> jax.Array:
