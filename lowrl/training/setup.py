@@ -409,7 +409,12 @@ def _mesh_plan(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
                    "a micro-batch (a minibatch / rl.micro_batches)")
   plan.check_batch(cfg.eval_num_prompts, "eval_num_prompts")
   plan.param_specs(init.param_shapes(model_cfg))  # rule/shape mismatches raise here
+  # A packed update's forwards run on micro-batches of rl.pack_rows rows of rl.pack_tokens per
+  # data shard.
+  micro = ((rows // cfg.rl.num_minibatches // cfg.rl.micro_batches, seq_len)
+           if not cfg.rl.pack_tokens else
+           (min(cfg.rl.pack_rows * plan.batch_shards, rows), cfg.rl.pack_tokens))
   for what, policy in (("precision", trainer_policy), ("sampler precision", sampler_policy)):
-    quant_blocks.check_quant_blocks(policy, model_cfg, plan, seq_len=seq_len, what=what,
-                                rows=rows // cfg.rl.num_minibatches // cfg.rl.micro_batches)
+    quant_blocks.check_quant_blocks(policy, model_cfg, plan, seq_len=micro[1], what=what,
+                                    rows=micro[0])
   return plan
