@@ -100,6 +100,8 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.rl.mu = 1  # inner updates per batch against pi_old
   c.rl.num_minibatches = 1  # PPO minibatches per pass over the batch
   c.rl.micro_batches = 1  # gradient accumulation per minibatch; 1 = off
+  c.rl.pack_tokens = 0  # packed update/scoring: tokens per packed row; 0 = padded rows
+  c.rl.pack_rows = 1  # packed rows per data shard in one micro-batch
   c.rl.old_logp_source = "trainer"  # pi_old: trainer (recomputed) | sampler (recorded)
   c.rl.kl_coef = 0.0  # beta of the KL-to-reference penalty; 0 = none
   c.rl.kl_estimator = "k3"  # KL estimator

@@ -53,6 +53,11 @@ _TAIL_TOKENS = flags.DEFINE_integer("tail_tokens", 256, "Completion budget of th
 _TAIL_MIN_ROWS = flags.DEFINE_integer("tail_min_rows", 4, "sampler_decode_min_rows of the tail "
                                      "setting (the main setting runs the main job's default).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Interleaved timed rounds (median and spread).")
+_PACK_WIDTH = flags.DEFINE_list("pack_width", ["main:2", "tail:1"],
+                                "setting:k = the packed path's rl.pack_tokens = k x the batch's "
+                                "width (prompt width + max_new_tokens).")
+_PACK_ROWS = flags.DEFINE_list("pack_rows", ["main:16", "tail:4"],
+                               "setting:rows = the packed path's rl.pack_rows.")
 _COMPILE_CACHE = user_cache.define_compile_cache_flag()
 
 
@@ -96,6 +101,10 @@ def _config(setting: str, group: int):
   return c
 
 
+def _per_setting(values: list[str], setting: str) -> int:
+  return int(dict(v.split(":") for v in values)[setting])
+
+
 def _clock(fn):
   wall, cpu = time.perf_counter(), time.process_time()
   out = jax.block_until_ready(fn())
@@ -113,6 +122,11 @@ def bench_setting(setting: str, group: int, repeats: int) -> dict:
   before = _PerRowPrefill(Sampler(setup.model_cfg, setup.sampler_policy, setup.sampling,
                                   exact=setup.loop.sampler_exact, plan=setup.plan,
                                   record_routing=setup.model_cfg.is_moe))
+  # "packed": the default path + packed scoring and update (rl.pack_tokens, rl.pack_rows).
+  width = setup.task.max_prompt_len + setup.sampling.max_new_tokens
+  c.rl.pack_tokens = _per_setting(_PACK_WIDTH.value, setting) * width
+  c.rl.pack_rows = _per_setting(_PACK_ROWS.value, setting)
+  packed = Trainer(build(c), log=lambda s: None)
   opt_state = trainer.init_opt_state(params)
   ref = jax.tree.map(jnp.copy, params)
   rows = setup.loop.batch_size
@@ -120,41 +134,49 @@ def bench_setting(setting: str, group: int, repeats: int) -> dict:
   shards = setup.plan.batch_shards
   sizes = bucket_sizes(rows, shards, min_rows)
   g = prefill_group(rows, setup.loop.group_size, shards, setup.sampler_policy)
-  times = {p: {k: [] for k in ("rollout", "update", "step")} for p in ("before", "after")}
+  paths = ("before", "after", "packed")
+  times = {p: {k: [] for k in ("rollout", "score", "update", "step")} for p in paths}
   counts = {}
 
   def one(path, step, key):
+    tr = packed if path == "packed" else trainer
     trainer.sampler = before if path == "before" else after
-    w, c_, (rollout, info) = _clock(lambda: trainer.rollout(params, params, step, key,
-                                                            stale=False))
+    w, c_, (rollout, info) = _clock(lambda: tr.rollout(params, params, step, key, stale=False))
+    # The trainer's scoring program alone (pi_old of a stale sampler, the drift's stale score):
+    # one pass over the rollout, padded or packed.
+    ws, cs, _ = _clock(lambda: tr.score(params, setup.trainer_policy, rollout.out, key))
     p_copy, o_copy = jax.tree.map(jnp.copy, (params, opt_state))
     jax.block_until_ready((p_copy, o_copy))
-    wu, cu, _ = _clock(lambda: trainer.step(p_copy, o_copy, ref, rollout,
-                                            jax.random.fold_in(key, 1)))
-    return (w, c_), (wu, cu), rollout
+    wu, cu, (_, _, m) = _clock(lambda: tr.step(p_copy, o_copy, ref, rollout,
+                                               jax.random.fold_in(key, 1)))
+    return (w, c_), (ws, cs), (wu, cu), rollout, float(m["pack/padding_frac"])
 
   for r in range(repeats + 1):  # round 0 compiles
     key = jax.random.fold_in(jax.random.key(0), r)
     got = {}
-    for path in ("before", "after"):
+    for path in paths:
       got[path] = one(path, r, key)
-    a, b = got["before"][2].out, got["after"][2].out
-    if not bool(jnp.all(a.tokens == b.tokens)):
-      print(f"  round {r}: the two paths sampled different tokens (a near-tie rounded apart)")
+    a, b, c_out = (got[p][3].out for p in paths)
+    if not (bool(jnp.all(a.tokens == b.tokens)) and bool(jnp.all(a.tokens == c_out.tokens))):
+      print(f"  round {r}: the paths sampled different tokens (a near-tie rounded apart)")
     if r == 0:
       continue
+    for path in ("after", "packed"):
+      counts.setdefault(f"padding_{path}", []).append(got[path][4])
     lengths = np.asarray(a.completion_lengths)
     useful = int(lengths.sum())
     p = a.prompt_width
     counts.setdefault("before", []).append(row_tokens(lengths, p, 1, (rows,)) / useful)
     counts.setdefault("after", []).append(row_tokens(lengths, p, g, sizes, shards) / useful)
     counts.setdefault("lengths", []).append(lengths)
-    for path in ("before", "after"):
-      (w, cpu), (wu, cu), _ = got[path]
-      for k, v in (("rollout", (w, cpu)), ("update", (wu, cu)), ("step", (w + wu, cpu + cu))):
+    for path in paths:
+      (w, cpu), score, (wu, cu), _, _ = got[path]
+      for k, v in (("rollout", (w, cpu)), ("score", score), ("update", (wu, cu)),
+                   ("step", (w + wu, cpu + cu))):
         times[path][k].append(v)
   return {"times": times, "counts": counts, "rows": rows, "group": setup.loop.group_size,
-          "prefill_group": g, "sizes": sizes, "new_tokens": setup.sampling.max_new_tokens}
+          "prefill_group": g, "sizes": sizes, "new_tokens": setup.sampling.max_new_tokens,
+          "pack": (c.rl.pack_tokens, c.rl.pack_rows, width)}
 
 
 def _fmt(v):
@@ -171,13 +193,17 @@ def report(name: str, res: dict) -> None:
   ratio = [a / b for a, b in zip(cnt["after"], cnt["before"])]
   print(f"row-token passes per useful token: before {_fmt(cnt['before'])}, after "
         f"{_fmt(cnt['after'])}, ratio {_fmt(ratio)}")
+  tokens, rows, width = res["pack"]
+  print(f"packed: rows of {tokens} tokens (batch width {width}), {rows} rows per shard per "
+        f"micro-batch; update padding fraction padded {_fmt(cnt['padding_after'])}, packed "
+        f"{_fmt(cnt['padding_packed'])}")
   for clock, i in (("cpu", 1), ("wall", 0)):
-    for phase in ("rollout", "update", "step"):
-      b = [x[i] for x in t["before"][phase]]
-      a = [x[i] for x in t["after"][phase]]
-      r = [x / y for x, y in zip(a, b)]
-      print(f"{clock:>4} {phase:<8} before {_fmt(b)} s  after {_fmt(a)} s  after/before "
-            f"{_fmt(r)}")
+    for phase in ("rollout", "score", "update", "step"):
+      b, a, p = ([x[i] for x in t[path][phase]] for path in ("before", "after", "packed"))
+      ratio = lambda u, v: _fmt([x / y for x, y in zip(u, v)])  # noqa: E731
+      print(f"{clock:>4} {phase:<8} before {_fmt(b)} s  after {_fmt(a)} s  packed {_fmt(p)} s"
+            f"  after/before {ratio(a, b)}  packed/after {ratio(p, a)}  packed/before "
+            f"{ratio(p, b)}")
 
 
 def main(argv):

@@ -184,11 +184,19 @@ def attend(q_BTKGH: jax.Array, keys_BSKH: jax.Array, values_BSKH: jax.Array,
   """Grouped-query softmax attention of T query rows over S key columns; FP32 [B, T, K, G, hd].
 
   The query in column q_col_T[t] sees key columns <= it whose key_mask is set (causal over
-  columns). Scores and softmax in FP32 (one [B, K, G, T, S] tensor), the products in `dtype`.
+  columns). An integer key_mask holds segment ids (packed rows: 0 = padding, sequences 1, 2,
+  ...): a query then sees only keys of its own column's segment. Scores and softmax in FP32 (one
+  [B, K, G, T, S] tensor), the products in `dtype`.
   """
   hd = q_BTKGH.shape[-1]
   k_col_S = jnp.arange(keys_BSKH.shape[1])
-  allowed_BTS = (k_col_S[None, None, :] <= q_col_T[None, :, None]) & key_mask_BS[:, None, :]
+  allowed_BTS = k_col_S[None, None, :] <= q_col_T[None, :, None]
+  if jnp.issubdtype(key_mask_BS.dtype, jnp.integer):
+    q_seg_BT = jnp.take(key_mask_BS, jnp.clip(q_col_T, 0, key_mask_BS.shape[1] - 1), axis=1)
+    allowed_BTS = allowed_BTS & ((key_mask_BS[:, None, :] == q_seg_BT[:, :, None])
+                                 & (key_mask_BS > 0)[:, None, :])
+  else:
+    allowed_BTS = allowed_BTS & key_mask_BS[:, None, :]
   scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, keys_BSKH.astype(dtype),
                             preferred_element_type=jnp.float32) * (hd ** -0.5)
   scores_BKGTS = jnp.where(allowed_BTS[:, None, None], scores_BKGTS, NEG_INF)

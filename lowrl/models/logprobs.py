@@ -24,9 +24,14 @@ _PATH_IDS = layout.PATH_IDS
 
 def _align(logp_BT: jax.Array, entropy_BT: jax.Array, tokens_BT: jax.Array,
            mask_BT: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-  """Predictions made at t - 1 ([B, T - 1]) moved to the predicted token t, 0 where invalid."""
+  """Predictions made at t - 1 ([B, T - 1]) moved to the predicted token t, 0 where invalid.
+
+  An integer `mask_BT` holds segment ids (packed rows, 0 = padding): a prediction is valid only
+  within one segment (the first token of a sequence has no context, as in its own row)."""
   valid = jnp.ones(tokens_BT.shape, bool) if mask_BT is None else mask_BT.astype(bool)
   valid_BT = valid[:, 1:] & valid[:, :-1]
+  if mask_BT is not None and jnp.issubdtype(mask_BT.dtype, jnp.integer):
+    valid_BT = valid_BT & (mask_BT[:, 1:] == mask_BT[:, :-1])
   pad = lambda x: jnp.pad(jnp.where(valid_BT, x, 0.0), ((0, 0), (1, 0)))  # noqa: E731
   return pad(logp_BT), pad(entropy_BT)
 
@@ -44,7 +49,8 @@ def logprobs_from_logits(logits_BTV: jax.Array, tokens_BT: jax.Array,
 
   logp[:, t] = log p(tokens[:, t] | tokens[:, :t]) from logits[:, t - 1]; entropy[:, t] is the
   entropy of that same distribution. Both are 0 at t = 0 and wherever mask[:, t] or
-  mask[:, t - 1] is 0 (no real context to predict from, or not a real token). FP32.
+  mask[:, t - 1] is 0 (no real context to predict from, or not a real token); an integer mask
+  holds packed rows' segment ids (`_align`). FP32.
   """
   logits = logits_BTV[:, :-1].astype(jnp.float32)
   logz_BT, entropy_BT = _logz_and_entropy(logits)
@@ -128,21 +134,28 @@ def token_logprobs_and_entropy(params: Params, tokens_BT: jax.Array, model_cfg: 
                                policy: PrecisionPolicy, *, mask_BT: jax.Array | None = None,
                                positions_BT: jax.Array | None = None,
                                quant_key: jax.Array | None = None,
-                               act_amax: ActAmax | None = None
+                               act_amax: ActAmax | None = None,
+                               segment_ids_BT: jax.Array | None = None
                                ) -> tuple[jax.Array, jax.Array]:
   """(logp_BT, entropy_BT): see `logprobs_from_logits` for the alignment.
+
+  `segment_ids_BT`: packed rows (int ids, 0 = padding; `transformer.model_inputs`), in place of
+  `mask_BT`: attention and predictions stay within a segment, positions restart per segment.
 
   With `model_cfg.logprob_chunk` > 0 the LM head and log-softmax run over V in chunks of that
   many columns (`_chunked_logz_entropy_picked`): no [B, T, V] FP32 array; the same numbers up to
   the online logsumexp's reassociation (tests/models/test_logprobs.py states the bound).
   """
+  mask_in, positions_in = model_inputs(tokens_BT, mask_BT, positions_BT, segment_ids_BT)
+  if segment_ids_BT is not None:
+    mask_BT = mask_in  # the segment ids: `_align` keeps predictions within a segment
   if not model_cfg.logprob_chunk:
     logits_BTV = forward(params, tokens_BT, model_cfg, policy, mask_BT=mask_BT,
-                         positions_BT=positions_BT, quant_key=quant_key, act_amax=act_amax)
+                         positions_BT=positions_BT, quant_key=quant_key, act_amax=act_amax,
+                         segment_ids_BT=segment_ids_BT)
     return logprobs_from_logits(logits_BTV, tokens_BT, mask_BT)
   qcfg = _check_chunked_head(model_cfg, policy)
   check_key(policy, quant_key)
-  mask_in, positions_in = model_inputs(tokens_BT, mask_BT, positions_BT)
   h_BTD, _ = Transformer(model_cfg, policy).apply(
       {"params": params}, tokens_BT, positions_in, mask_in, quant_key=quant_key,
       act_amax=act_amax, head=False)
@@ -163,8 +176,10 @@ def token_logprobs(params: Params, tokens_BT: jax.Array, model_cfg: ModelConfig,
                    policy: PrecisionPolicy, *, mask_BT: jax.Array | None = None,
                    positions_BT: jax.Array | None = None,
                    quant_key: jax.Array | None = None,
-                   act_amax: ActAmax | None = None) -> jax.Array:
-  """logp_BT[:, t] = log p(tokens[:, t] | tokens[:, :t]) in FP32; 0 at t = 0 and on padding."""
+                   act_amax: ActAmax | None = None,
+                   segment_ids_BT: jax.Array | None = None) -> jax.Array:
+  """logp_BT[:, t] = log p(tokens[:, t] | tokens[:, :t]) in FP32; 0 at t = 0 and on padding
+  (`segment_ids_BT`: packed rows, as in `token_logprobs_and_entropy`)."""
   return token_logprobs_and_entropy(params, tokens_BT, model_cfg, policy, mask_BT=mask_BT,
                                     positions_BT=positions_BT, quant_key=quant_key,
-                                    act_amax=act_amax)[0]
+                                    act_amax=act_amax, segment_ids_BT=segment_ids_BT)[0]

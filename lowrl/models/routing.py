@@ -33,11 +33,12 @@ def _check(model_cfg: ModelConfig) -> None:
 
 
 def _apply(params, tokens_BT, model_cfg, policy, mask_BT, quant_key, replay, record,
-           act_amax=None):
+           act_amax=None, segment_ids_BT=None):
   """(FP32 logits, routing used, routing the router chose) of one forward; both routings None
-  unless `record` (the chosen one is the used one without `replay`)."""
+  unless `record` (the chosen one is the used one without `replay`). `segment_ids_BT`: packed
+  rows (`transformer.model_inputs`)."""
   transformer.check_key(policy, quant_key)
-  mask_BT, positions_BT = transformer.model_inputs(tokens_BT, mask_BT, None)
+  mask_BT, positions_BT = transformer.model_inputs(tokens_BT, mask_BT, None, segment_ids_BT)
   variables = {"params": params}
   if replay is not None:
     missing = [layout.layer_key(i) for i in range(model_cfg.n_layers)
@@ -98,13 +99,16 @@ def check_replay(model_cfg: ModelConfig) -> None:
 def replayed_logits(params: Any, tokens_BT: jax.Array, model_cfg: ModelConfig,
                     policy: PrecisionPolicy, replay: Routing | None, *,
                     mask_BT: jax.Array | None = None,
-                    quant_key: jax.Array | None = None) -> jax.Array:
-  """FP32 logits [B, T, V] with the experts of `replay` (None: `transformer.forward`)."""
+                    quant_key: jax.Array | None = None,
+                    segment_ids_BT: jax.Array | None = None) -> jax.Array:
+  """FP32 logits [B, T, V] with the experts of `replay` (None: `transformer.forward`);
+  `segment_ids_BT`: packed rows, in place of `mask_BT` (`transformer.model_inputs`)."""
   if replay is None:
     return transformer.forward(params, tokens_BT, model_cfg, policy, mask_BT=mask_BT,
-                               quant_key=quant_key)
+                               quant_key=quant_key, segment_ids_BT=segment_ids_BT)
   check_replay(model_cfg)
-  return _apply(params, tokens_BT, model_cfg, policy, mask_BT, quant_key, replay, False)[0]
+  return _apply(params, tokens_BT, model_cfg, policy, mask_BT, quant_key, replay, False,
+                segment_ids_BT=segment_ids_BT)[0]
 
 
 def token_logprobs_replayed(params: Any, tokens_BT: jax.Array, model_cfg: ModelConfig,

@@ -52,9 +52,27 @@ def positions_from_mask(mask_BT: jax.Array) -> jax.Array:
   return jnp.maximum(jnp.cumsum(mask_BT.astype(jnp.int32), axis=-1) - 1, 0)
 
 
+def positions_from_segments(segment_ids_BT: jax.Array) -> jax.Array:
+  """0, 1, 2, ... restarting at each segment of a packed row (padding, id 0, counts on)."""
+  t_T = jnp.arange(segment_ids_BT.shape[1])
+  starts_BT = jnp.concatenate([jnp.ones_like(segment_ids_BT[:, :1], bool),
+                               segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+  return t_T[None, :] - jax.lax.cummax(jnp.where(starts_BT, t_T[None, :], 0), axis=1)
+
+
 def model_inputs(tokens_BT: jax.Array, mask_BT: jax.Array | None,
-                 positions_BT: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-  """(bool mask, positions) with their defaults: all tokens real, `positions_from_mask`."""
+                 positions_BT: jax.Array | None,
+                 segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """(key mask, positions) with their defaults: all tokens real, `positions_from_mask`.
+
+  With `segment_ids_BT` (packed rows: int, 0 = padding, one id per sequence) the key mask is the
+  int32 segment ids themselves (attention then stays within a segment: `blocks.attend`) and the
+  positions default to `positions_from_segments`; `mask_BT` is then ignored."""
+  if segment_ids_BT is not None:
+    segment_ids_BT = segment_ids_BT.astype(jnp.int32)
+    if positions_BT is None:
+      positions_BT = positions_from_segments(segment_ids_BT)
+    return segment_ids_BT, positions_BT
   if mask_BT is None:
     mask_BT = jnp.ones(tokens_BT.shape, bool)
   mask_BT = mask_BT.astype(bool)
@@ -75,7 +93,8 @@ def forward(params: Params, tokens_BT: jax.Array, model_cfg: ModelConfig,
             policy: PrecisionPolicy, *, mask_BT: jax.Array | None = None,
             positions_BT: jax.Array | None = None,
             quant_key: jax.Array | None = None,
-            act_amax: ActAmax | None = None) -> jax.Array:
+            act_amax: ActAmax | None = None,
+            segment_ids_BT: jax.Array | None = None) -> jax.Array:
   """FP32 logits [B, T, V]; logits[:, t] predicts token t + 1.
 
   Args:
@@ -88,9 +107,10 @@ def forward(params: Params, tokens_BT: jax.Array, model_cfg: ModelConfig,
     act_amax: static amaxes of the tensor-scaled activations (`calibrate_act_amax`): the
       scales an inference engine uses, causal and independent of the other rows. None: each
       such scale is the amax of the whole [B, T, D] input (the trainer's current scaling).
+    segment_ids_BT: packed rows (`model_inputs`): int ids, 0 = padding; replaces mask_BT.
   """
   check_key(policy, quant_key)
-  mask_BT, positions_BT = model_inputs(tokens_BT, mask_BT, positions_BT)
+  mask_BT, positions_BT = model_inputs(tokens_BT, mask_BT, positions_BT, segment_ids_BT)
   logits_BTV, _ = Transformer(model_cfg, policy).apply(
       {"params": params}, tokens_BT, positions_BT, mask_BT,
       quant_key=quant_key, act_amax=act_amax)

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lowrl.models import blocks, logprobs, transformer
+from lowrl.models import blocks, logprobs, packing, transformer
 from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
 from lowrl.sampling.act_scales import used_act_amax
@@ -25,20 +25,37 @@ Params = Any
 
 
 def _score(params, tokens_BL, mask_BL, quant_key, act_amax, *, model_cfg, policy, config,
-           plan=None):
+           plan=None, pack=None, shards=1):
   """log p of every token (config None: `logprobs.token_logprobs` itself, the trainer's
   function) or log q under `config`'s sampling transform of the same forward's logits. With a
-  plan, each device scores only its rows (`plan.rows`)."""
+  plan, each device scores only its rows (`plan.rows`). `pack` (a `packing.PackConfig`): the
+  real tokens packed into rows, scored micro-batch by micro-batch, the scores put back in the
+  padded layout (lowrl.models.packing)."""
   if plan is not None:
     with plan.rows():
       return _score(params, tokens_BL, mask_BL, quant_key, act_amax, model_cfg=model_cfg,
-                    policy=policy, config=config)
+                    policy=policy, config=config, pack=pack, shards=plan.batch_shards)
+  if pack is not None:
+    return packing.scores(
+        lambda mb: _score_rows(params, mb.tokens_BT, mb.segment_ids_BT, quant_key, act_amax,
+                               model_cfg, policy, config, mb.positions_BT),
+        pack, tokens_BL, mask_BL, shards)
+  return _score_rows(params, tokens_BL, mask_BL, quant_key, act_amax, model_cfg, policy, config)
+
+
+def _score_rows(params, tokens_BL, mask_BL, quant_key, act_amax, model_cfg, policy, config,
+                positions_BL=None):
+  """`_score` of one set of rows: an integer `mask_BL` holds packed rows' segment ids (then
+  `positions_BL` their positions)."""
+  seg = mask_BL if jnp.issubdtype(mask_BL.dtype, jnp.integer) else None
+  kw = dict(quant_key=quant_key, act_amax=act_amax, positions_BT=positions_BL,
+            segment_ids_BT=seg)
   if config is None:
-    return logprobs.token_logprobs(params, tokens_BL, model_cfg, policy, mask_BT=mask_BL,
-                                      quant_key=quant_key, act_amax=act_amax)
-  logits_BLV = transformer.forward(params, tokens_BL, model_cfg, policy, mask_BT=mask_BL,
-                                   quant_key=quant_key, act_amax=act_amax)
+    return logprobs.token_logprobs(params, tokens_BL, model_cfg, policy, mask_BT=mask_BL, **kw)
+  logits_BLV = transformer.forward(params, tokens_BL, model_cfg, policy, mask_BT=mask_BL, **kw)
   logq_BL = sampling_logprobs(logits_BLV[:, :-1], tokens_BL[:, 1:], config)
+  if seg is not None:  # no prediction across segments (`logprobs._align`)
+    logq_BL = jnp.where((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0), logq_BL, 0.0)
   return jnp.pad(logq_BL, ((0, 0), (1, 0)))
 
 
@@ -46,18 +63,20 @@ def _score(params, tokens_BL, mask_BL, quant_key, act_amax, *, model_cfg, policy
 # shapes, which is what makes exact mode bit-identical.
 @functools.lru_cache(maxsize=64)
 def _scoring_program(model_cfg: ModelConfig, policy: PrecisionPolicy,
-                     config: SamplingConfig | None, plan: ShardingPlan | None):
+                     config: SamplingConfig | None, plan: ShardingPlan | None,
+                     pack: packing.PackConfig | None = None):
   """`_score` jitted for one static setting; with a plan its output is split over the batch
   axes (inputs arrive placed by `rescore`)."""
   layout_kw = {} if plan is None else {"out_shardings": plan.batch}
   return jax.jit(functools.partial(_score, model_cfg=model_cfg, policy=policy, config=config,
-                                   plan=plan), **layout_kw)
+                                   plan=plan, pack=pack), **layout_kw)
 
 
 def rescore(out: SampleOutput, params: Params, *, model_cfg: ModelConfig,
             policy: PrecisionPolicy, config: SamplingConfig,
             quant_key: jax.Array | None = None, plan: ShardingPlan | None = None,
-            act_amax: blocks.ActAmax | None = None) -> SampleOutput:
+            act_amax: blocks.ActAmax | None = None,
+            pack: packing.PackConfig | None = None) -> SampleOutput:
   """Replaces both logprobs with the given model's full forward (exact mode; the trainer's score).
 
   `model_logprobs` = `logprobs.token_logprobs(params, out.tokens, model_cfg, policy,
@@ -70,7 +89,8 @@ def rescore(out: SampleOutput, params: Params, *, model_cfg: ModelConfig,
   placed as jit places them (one device), which keeps `rescore` traceable inside a caller's jit
   (the simulator's scan). `act_amax` None: tensor-scaled activations take the amax of the whole
   batch, as a trainer does (not row-local: such scores are the trainer's, never a sampler's
-  record; see `Sampler`).
+  record; see `Sampler`). `pack` (rl.pack_tokens): the forward runs on packed rows (`_score`);
+  the exact-mode sampler and the trainer pass the same one, so they still run one program.
   """
   comp = out.completion_mask > 0
   args = (params, out.tokens, out.attention_mask, quant_key,
@@ -78,7 +98,8 @@ def rescore(out: SampleOutput, params: Params, *, model_cfg: ModelConfig,
   if plan is not None:
     args = plan.put(args, (plan.param_shardings(params), plan.batch, plan.batch, plan.replicated,
                            plan.replicated))
-  logp = jnp.where(comp, _scoring_program(model_cfg, policy, None, plan)(*args), 0.0)
-  logq = jnp.where(comp, _scoring_program(model_cfg, policy, config, plan)(*args), 0.0) \
+  program = functools.partial(_scoring_program, model_cfg, policy, plan=plan, pack=pack)
+  logp = jnp.where(comp, program(None)(*args), 0.0)
+  logq = jnp.where(comp, program(config)(*args), 0.0) \
       if config.modifies_distribution else logp
   return out.replace(logprobs=logq, model_logprobs=logp)

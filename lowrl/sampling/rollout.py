@@ -7,7 +7,7 @@ from typing import Any
 import jax
 
 from lowrl import sharding
-from lowrl.models import blocks
+from lowrl.models import blocks, packing
 from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
 from lowrl.sampling import replay, weights
@@ -45,9 +45,11 @@ class Sampler:
 
   def __init__(self, model_cfg: ModelConfig, policy: PrecisionPolicy, config: SamplingConfig,
                *, exact: bool = False, plan: ShardingPlan | None = None,
-               record_routing: bool = False, decode_min_rows: int = 0):
+               record_routing: bool = False, decode_min_rows: int = 0,
+               pack: packing.PackConfig | None = None):
     config.check(model_cfg)
     self.decode_min_rows = decode_min_rows  # decode compaction's smallest bucket (`generate`)
+    self.pack = pack  # exact mode's rescore on packed rows (`rescore`)
     if record_routing and not model_cfg.is_moe:
       raise ValueError("record_routing needs a mixture-of-experts model (n_experts > 0).")
     self.record_routing = record_routing
@@ -84,7 +86,8 @@ class Sampler:
     if self.exact:
       out = rescore(out, params if trainer_params is None else trainer_params,
                     model_cfg=self.model_cfg, policy=self.policy, config=self.config,
-                    quant_key=trainer_quant_key, plan=self.plan, act_amax=act_amax)
+                    quant_key=trainer_quant_key, plan=self.plan, act_amax=act_amax,
+                    pack=self.pack)
     if self.record_routing:
       key = quant_key if trainer_quant_key is None else trainer_quant_key
       out = replay.record(out, params if trainer_params is None else trainer_params,

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from lowrl.models import logprobs, routing
+from lowrl.models import logprobs, packing, routing
 from lowrl.models.config import ModelConfig
 from lowrl.models.row_sharding import constrain_rows_tree
 from lowrl.precision import PrecisionPolicy
@@ -75,6 +75,9 @@ class UpdateConfig:
   # optimizer.compute_cast_rounding=stochastic: the param keys whose FP32 -> BF16 compute cast is
   # rounded stochastically, fresh per update (lowrl.training.compute_cast); () = to nearest.
   compute_cast: tuple[tuple[str, ...], ...] = ()
+  # rl.pack_tokens / rl.pack_rows: the forwards run on packed rows (lowrl.models.packing);
+  # None = padded rows.
+  pack: packing.PackConfig | None = None
 
   def __post_init__(self):
     if self.mu < 1:
@@ -83,6 +86,9 @@ class UpdateConfig:
       raise ValueError(f"rl.num_minibatches must be >= 1, got {self.num_minibatches}.")
     if self.micro_batches < 1:
       raise ValueError(f"rl.micro_batches must be >= 1, got {self.micro_batches}.")
+    if self.pack is not None and (self.num_minibatches > 1 or self.micro_batches > 1):
+      raise ValueError("rl.pack_tokens makes its own micro-batches (rl.pack_rows packed rows); "
+                       "set rl.num_minibatches=1 and rl.micro_batches=1, or rl.pack_tokens=0.")
     if self.old_logp_source not in OLD_LOGP_SOURCES:
       raise ValueError(f"rl.old_logp_source={self.old_logp_source!r}; use one of "
                        f"{OLD_LOGP_SOURCES}.")
@@ -108,7 +114,15 @@ def update_config_from(rl: ml_collections.ConfigDict, master_rounding: str,
                                 mis_low=rl.mis_low, mis_high=rl.mis_high)
   return UpdateConfig(loss=loss, correction=correction, mu=rl.mu,
                       num_minibatches=rl.num_minibatches, old_logp_source=rl.old_logp_source,
-                      master_rounding=master_rounding, micro_batches=rl.micro_batches)
+                      master_rounding=master_rounding, micro_batches=rl.micro_batches,
+                      pack=pack_config_from(rl))
+
+
+def pack_config_from(rl: ml_collections.ConfigDict) -> packing.PackConfig | None:
+  """rl.pack_tokens / rl.pack_rows as a PackConfig (None: off, or a section without them)."""
+  if not rl.get("pack_tokens", 0):
+    return None
+  return packing.PackConfig(row_tokens=rl.pack_tokens, rows=rl.pack_rows)
 
 
 def make_logprob_fn(model_cfg: ModelConfig, policy: PrecisionPolicy,
@@ -136,13 +150,19 @@ def make_logprob_fn(model_cfg: ModelConfig, policy: PrecisionPolicy,
 
   def logprob_fn(params, batch, quant_key):
     tokens_BT, mask_BT = batch.tokens_BT, batch.input_mask_BT
+    # Packed rows (lowrl.models.packing.PackedTokens): segment ids in place of the mask.
+    segment_ids_BT = getattr(batch, "segment_ids_BT", None)
     quant_key = policy.quant_key(quant_key)
     replay_ids = getattr(batch, "routing", None) if replay else None
     if replay_ids is None and not transform:
-      return logprobs.token_logprobs_and_entropy(params, tokens_BT, model_cfg, policy,
-                                                    mask_BT=mask_BT, quant_key=quant_key)
+      return logprobs.token_logprobs_and_entropy(
+          params, tokens_BT, model_cfg, policy, mask_BT=mask_BT, quant_key=quant_key,
+          positions_BT=getattr(batch, "positions_BT", None), segment_ids_BT=segment_ids_BT)
     logits_BTV = routing.replayed_logits(params, tokens_BT, model_cfg, policy, replay_ids,
-                                         mask_BT=mask_BT, quant_key=quant_key)
+                                         mask_BT=mask_BT, quant_key=quant_key,
+                                         segment_ids_BT=segment_ids_BT)
+    if segment_ids_BT is not None:
+      mask_BT = segment_ids_BT.astype(jnp.int32)  # predictions stay within a segment
     if not transform:
       return logprobs.logprobs_from_logits(logits_BTV, tokens_BT, mask_BT)
     q_logits_BTV = sampling_logits(logits_BTV, sampling)
@@ -207,11 +227,23 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
         return p
       return compute_cast.stochastic_cast(p, cfg.compute_cast, compute_cast.update_key(key, i))
 
+    pack = None
+    if cfg.pack is not None:  # packed rows: one plan for the batch, reused by every forward
+      shards = 1 if plan is None else plan.batch_shards
+      width, rows = cfg.pack.layout(*batch.tokens_BT.shape, shards)
+      pk = packing.plan(batch.input_mask_BT, width, shards)
+      pack = (pk, rows, width, packing.micro_batches(pk, rows))
+
+    def scores(p):  # pi_old / the reference: logp of the batch's tokens, padded layout
+      if pack is None:
+        return logprob_fn(p, batch, key_fwd)[0]
+      return packing.packed_scores(lambda mb: logprob_fn(p, mb, key_fwd)[0], pack[0],
+                                   batch.tokens_BT, pack[1], pack[2], batch.routing)
+
     if batch.logp_trainer_BT is not None:
       logp_trainer_BT = jax.lax.stop_gradient(batch.logp_trainer_BT)
     else:  # no external scorer: recompute inside this program (on update 0's weights)
-      logp_trainer_BT = jax.lax.stop_gradient(
-          logprob_fn(compute_weights(params, 0), batch, key_fwd)[0])
+      logp_trainer_BT = jax.lax.stop_gradient(scores(compute_weights(params, 0)))
     logp_sampler_BT = batch.logp_sampler_BT
     logp_old_BT = logp_trainer_BT if cfg.old_logp_source == "trainer" else logp_sampler_BT
     is_w_BT, corr_metrics = correction_weights(logp_trainer_BT, logp_sampler_BT, mask_BT,
@@ -226,7 +258,7 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
     step_scale = corr_metrics["is_step_scale"] if cfg.correction.scales_step else None
     logp_ref_BT = None
     if ref_params is not None:  # penalised if kl_coef > 0, else only logged
-      logp_ref_BT = jax.lax.stop_gradient(logprob_fn(ref_params, batch, key_fwd)[0])
+      logp_ref_BT = jax.lax.stop_gradient(scores(ref_params))
 
     full = {"batch": batch._replace(loss_mask_BT=loss_mask_BT, logp_trainer_BT=None),
             "logp_old_BT": logp_old_BT, "is_w_BT": is_w_BT, "logp_ref_BT": logp_ref_BT}
@@ -241,7 +273,44 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
       m["entropy"] = jax.lax.stop_gradient(masked_mean(entropy_BT, mb_batch.loss_mask_BT))
       return loss, m
 
+    def packed_loss_and_grads(p, b):
+      """`loss_and_grads` over packed micro-batches (a loop of traced length): each one's loss
+      is the padded layout's on the tokens it holds, weighted as `micro_batches` weights."""
+      pk, rows, width, n_micro = pack
+      mb_batch, agg = b["batch"], cfg.loss.aggregation
+      mask_BT = mb_batch.loss_mask_BT
+      den_agg, den_tok = aggregation_denominator(mask_BT, agg), masked_count(mask_BT)
+
+      def one(p, j):
+        def loss_j(p):
+          packed = packing.micro_batch(pk, mb_batch.tokens_BT, j, rows, width, mb_batch.routing)
+          logp_RL, entropy_RL = logprob_fn(p, packed, key_fwd)
+          logp_BT, in_j_BT = packing.unpack(pk, logp_RL, j, rows, mask_BT.shape)
+          entropy_BT = packing.unpack(pk, entropy_RL, j, rows, mask_BT.shape)[0]
+          mask_j_BT = mask_BT * in_j_BT
+          loss, m = policy_loss(logp_BT, b["logp_old_BT"], mb_batch.adv_B, mask_j_BT, cfg.loss,
+                                logp_ref_BT=b["logp_ref_BT"],
+                                is_weights_BT=b["is_w_BT"] if use_is else None)
+          m["entropy"] = jax.lax.stop_gradient(masked_mean(entropy_BT, mask_j_BT))
+          return loss, (m, mask_j_BT)
+
+        (loss, (m, mask_j_BT)), g = jax.value_and_grad(loss_j, has_aux=True)(p)
+        w_agg = safe_divide(aggregation_denominator(mask_j_BT, agg), den_agg)
+        w_tok = safe_divide(masked_count(mask_j_BT), den_tok)
+        g = jax.tree.map(lambda x: w_agg * x.astype(jnp.float32), g)
+        return g, {k: v * (w_agg if k in _AGGREGATED_METRICS + ("loss",) else w_tok)
+                   for k, v in dict(m, loss=loss).items()}
+
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                           jax.eval_shape(one, p, jnp.zeros((), jnp.int32)))
+      g_sum, m = jax.lax.fori_loop(
+          0, n_micro, lambda j, acc: jax.tree.map(jnp.add, acc, one(p, j)), zeros)
+      grads = jax.tree.map(lambda a, x: a.astype(x.dtype), g_sum, p)
+      return (m.pop("loss"), m), grads
+
     def loss_and_grads(p, b):
+      if pack is not None:
+        return packed_loss_and_grads(p, b)
       if cfg.micro_batches == 1:
         return jax.value_and_grad(loss_fn, has_aux=True)(p, b)
       agg = cfg.loss.aggregation
@@ -292,6 +361,12 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
                     mismatch_metrics(logp_sampler_BT, logp_trainer_BT, mask_BT).items()})
     metrics.update({f"correction/{k}": v for k, v in corr_metrics.items()})
     metrics["correction/outside_support_frac"] = outside_support_frac
+    # Padding among the token slots each forward of the update computes.
+    slots = jnp.asarray(batch.tokens_BT.size) if pack is None else (
+        pack[3] * pack[1] * pack[2] * pack[0].src_SN.shape[0])
+    metrics["pack/padding_frac"] = packing.padding_fraction(batch.input_mask_BT, slots)
+    if pack is not None:
+      metrics["pack/micro_batches"] = pack[3].astype(jnp.float32)
     return params, opt_state, metrics
 
   return update

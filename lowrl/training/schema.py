@@ -163,6 +163,13 @@ _DAPO_KNOBS = (
 TRAIN_RL = RL.extended(
     knob("max_new_tokens", "completion budget in tokens"),
     *_SAMPLING_KNOBS,
+    knob("pack_tokens", "packed update and scoring: sequences (no padding) packed into rows "
+         "of this many tokens (>= prompt width + max_new_tokens), attention and positions per "
+         "sequence (lowrl/models/packing.py); needs num_minibatches = micro_batches = 1; "
+         "0 = padded rows", NON_NEGATIVE),
+    knob("pack_rows", "packed rows per data shard in one micro-batch (its token budget: "
+         "pack_rows * pack_tokens); the update accumulates gradients over the micro-batches "
+         "in use", POSITIVE),
     knob("routing_replay", "MoE routing replay (R3): the trainer's forwards (pi_old and "
          "the update) send each token to the experts the sampler chose, combine weights from "
          "the trainer's own router (lowrl/models/routing.py)"),

@@ -186,6 +186,10 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
                            lag_distribution=a.lag_distribution, seed=cfg.seed)
   loop = LoopConfig.from_config(cfg)
   seq_len = task.max_prompt_len + rl.max_new_tokens
+  if 0 < rl.pack_tokens < seq_len:
+    raise ValueError(f"--config.rl.pack_tokens={rl.pack_tokens} is smaller than the longest "
+                     f"sequence (prompt width {task.max_prompt_len} + rl.max_new_tokens "
+                     f"{rl.max_new_tokens} = {seq_len}); raise it to >= {seq_len}, or 0 (off).")
   plan = _mesh_plan(cfg, model_cfg, trainer_policy, sampler_policy, seq_len=seq_len)
   est = memory_estimate(cfg, model_cfg, trainer_policy, sampler_policy, plan, schedule, seq_len,
                         keep_reference=loop.keep_reference,
@@ -405,7 +409,12 @@ def _mesh_plan(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
                    "a micro-batch (a minibatch / rl.micro_batches)")
   plan.check_batch(cfg.eval_num_prompts, "eval_num_prompts")
   plan.param_specs(init.param_shapes(model_cfg))  # rule/shape mismatches raise here
+  # A packed update's forwards run on micro-batches of rl.pack_rows rows of rl.pack_tokens per
+  # data shard.
+  micro = ((rows // cfg.rl.num_minibatches // cfg.rl.micro_batches, seq_len)
+           if not cfg.rl.pack_tokens else
+           (min(cfg.rl.pack_rows * plan.batch_shards, rows), cfg.rl.pack_tokens))
   for what, policy in (("precision", trainer_policy), ("sampler precision", sampler_policy)):
-    quant_blocks.check_quant_blocks(policy, model_cfg, plan, seq_len=seq_len, what=what,
-                                rows=rows // cfg.rl.num_minibatches // cfg.rl.micro_batches)
+    quant_blocks.check_quant_blocks(policy, model_cfg, plan, seq_len=micro[1], what=what,
+                                    rows=micro[0])
   return plan

@@ -93,7 +93,8 @@ class Trainer:
     self.sampler = Sampler(setup.model_cfg, setup.sampler_policy, setup.sampling,
                            exact=knobs.sampler_exact, plan=plan,
                            record_routing=setup.model_cfg.is_moe,
-                           decode_min_rows=knobs.sampler_decode_min_rows)
+                           decode_min_rows=knobs.sampler_decode_min_rows,
+                           pack=setup.update_cfg.pack)
     # Whether the exact-mode sampler's record can be the trainer's pi_old (sampler_scored_pi_old).
     self._exact_twin = (knobs.sampler_exact and setup.sampler_policy == setup.trainer_policy
                         and not setup.trainer_policy.act_paths(layout.matmuls(setup.model_cfg),
@@ -173,13 +174,15 @@ class Trainer:
     """Logprobs of the sampled tokens under (params, policy): the exact-mode scoring program.
 
     The trainer's pi_old, the drift parts and the exact-mode sampler all go through this one
-    jitted program, so equal inputs give bit-identical logprobs. `act_amax` None: tensor-scaled
-    activations take the batch's amax (the trainer's forward); static scales: the distribution a
-    sampler with those scales draws from (`policy_kl`).
+    jitted program (packed rows with rl.pack_tokens, in both), so equal inputs give
+    bit-identical logprobs. `act_amax` None: tensor-scaled activations take the batch's amax (the
+    trainer's forward); static scales: the distribution a sampler with those scales draws from
+    (`policy_kl`).
     """
     return rescore(out, params, model_cfg=self.setup.model_cfg, policy=policy,
                    config=self.setup.sampling, quant_key=policy.quant_key(key),
-                   plan=self.plan, act_amax=act_amax).logprobs  # log q: the sampled distribution
+                   plan=self.plan, act_amax=act_amax, pack=self.setup.update_cfg.pack
+                   ).logprobs  # log q: the sampled distribution
 
   def act_amax(self, params, policy: precision.PrecisionPolicy) -> dict[str, jax.Array] | None:
     """Static activation scales for sampling `params` under `policy` (None if it needs none).
