@@ -28,6 +28,7 @@ _L = flags.DEFINE_integer("n_layers", 6, "layers")
 _STEPS = flags.DEFINE_integer("steps", 2, "RL steps per process")
 _CHILD = flags.DEFINE_string("child", "", "internal: run one mode in this process")
 MODES = ("idle", "full_fp32", "full_bf16", "lora_bf16", "lora_nvfp4")
+_MODES = flags.DEFINE_list("modes", list(MODES), "modes to run (idle first)")
 
 
 def _config(mode: str):
@@ -79,7 +80,8 @@ def main(_):
     print("RESULT " + json.dumps(child(_CHILD.value)), flush=True)
     return
   rows = {}
-  for mode in MODES:
+  modes = [m for m in MODES if m in _MODES.value]
+  for mode in modes:
     args = [sys.executable, "-m", "experiments.lora_rss", f"--child={mode}",
             f"--d_model={_D.value}", f"--d_ff={_F.value}", f"--n_layers={_L.value}",
             f"--steps={_STEPS.value}"]
@@ -95,11 +97,11 @@ def main(_):
   print(f"\nmodel: {rows['idle']['params']:,} params (d_model={_D.value}, d_ff={_F.value}, "
         f"{_L.value} layers); {_STEPS.value} RL steps per process")
   print(f"{'mode':<12}{'peak RSS GiB':>14}{'minus idle GiB':>16}")
-  for mode in MODES:
+  for mode in modes:
     kib = rows[mode]["peak_rss_kib"]
     print(f"{mode:<12}{gib(kib):>14.3f}{gib(kib - idle):>16.3f}")
-  for full in ("full_fp32", "full_bf16"):
-    for lo in ("lora_bf16", "lora_nvfp4"):
+  for full in [m for m in ("full_fp32", "full_bf16") if m in rows]:
+    for lo in [m for m in ("lora_bf16", "lora_nvfp4") if m in rows]:
       a, b = rows[full]["peak_rss_kib"], rows[lo]["peak_rss_kib"]
       print(f"{full} / {lo}: {a / b:.2f} (peak), {(a - idle) / (b - idle):.2f} (minus idle)")
 
