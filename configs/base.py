@@ -75,6 +75,10 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.lora.alpha = 16.0  # the adapter's output is scaled by alpha / rank
   c.lora.targets = lora.ALL_LINEAR  # regex (fullmatch) over matmul paths that get adapters
   c.lora.dtype = "float32"  # the adapter products' operands: float32 | bfloat16
+  c.lora.packed_base = False  # the trainer holds the base's quantized kernels packed
+  c.lora.aqn_sigma_start = 0.0  # QeRL's adaptive quantization noise in the RMSNorms; 0 = off
+  c.lora.aqn_sigma_end = 5e-4  # the noise scale of the last stage
+  c.lora.aqn_stages = 10  # intervals of the run; the first without noise
 
   c.sft = ml_collections.ConfigDict()  # supervised mid-training of the base
   c.sft.steps = 50  # 0 = RL from the init (or the hf_checkpoint); 50 leaves RL room

@@ -91,6 +91,7 @@ side, and the rows' padding.
 from __future__ import annotations
 
 import dataclasses
+import math
 import textwrap
 
 from typing import Mapping
@@ -216,7 +217,7 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
              kv_cache_dtype: str = "bfloat16", sampler_batch: int | None = None,
              ppo_epochs: int = 1, score_forwards: int = 1,
              minibatches: int = 1, expert_parallel: int = 1,
-             adapter_params: int = 0) -> MemoryEstimate:
+             adapter_params: int = 0, packed_base_bytes: float = 0.0) -> MemoryEstimate:
   """Per-device memory and per-step FLOPs of GRPO-style RL on `model_cfg` (module docstring).
 
   Args:
@@ -243,6 +244,10 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
       whole on every device beside the frozen base (in param_dtype, in the reference and the
       versions too, which copy the whole tree); the gradients and Adam's moments then cover the
       adapters alone.
+    packed_base_bytes: bytes per parameter of a LoRA base held packed in the trainer
+      (lowrl.training.lora_update.pack_base; `quant.packing.bytes_per_param`, e.g. NVFP4 ~0.56)
+      for its block linears (attention and MLP kernels, experts included); the embedding, the
+      head and the norms stay in param_dtype. 0 = the base in param_dtype. Needs adapter_params.
   """
   cfg = model_cfg
   for flag, value, minimum in (("batch", batch, 1), ("micro_batch", micro_batch, 1),
@@ -288,6 +293,15 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
                           + _cdiv((n - n_experts) * b, devices // expert_parallel))
   _check_int("adapter_params", adapter_params, 0)
   held = lambda b: per_device(b) + adapter_params * b  # noqa: E731  (base + adapters)
+  if packed_base_bytes:
+    if not adapter_params or not 0 < packed_base_bytes < 4:
+      raise ValueError(f"packed_base_bytes={packed_base_bytes} needs adapter_params > 0 (a "
+                       "frozen LoRA base) and a value in (0, 4) bytes per parameter.")
+    # The block linears packed; the rest (embedding, head, norms) in the held dtype. Split like
+    # the base (FSDP over every device), the packed part replicated as the trainer holds it.
+    n_blocks = matmul_weights(cfg) - cfg.d_model * cfg.vocab_size
+    held = lambda b: (per_device(b) - _cdiv(n_blocks * b, devices)  # noqa: E731
+                      + math.ceil(n_blocks * packed_base_bytes) + adapter_params * b)
   trained = (lambda b: adapter_params * b) if adapter_params else per_device  # noqa: E731
   params = held(p_bytes)
   grads = trained(p_bytes) * (2 if micro_batch < step_batch else 1)
@@ -369,6 +383,8 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
               ("score_forwards", score_forwards))
   if adapter_params:
     settings += (("lora_adapter_params", adapter_params),)
+  if packed_base_bytes:
+    settings += (("lora_packed_base", f"{packed_base_bytes:.4f} bytes/param"),)
   if cfg.is_moe:
     settings += (("experts", f"{cfg.n_experts} (top-{cfg.n_experts_per_tok})"),
                  ("expert_parallel", expert_parallel))

@@ -274,7 +274,11 @@ class ShardingPlan:
 
   def _walk(self, params: Any):
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    resolved = [self._resolve("/".join(_dict_path(kp)), tuple(np.shape(x))) for kp, x in leaves]
+    # A packed kernel's codes and scales (PackedWeight fields, a LoRA run's packed base) have no
+    # kernel's shape: replicated.
+    resolved = [(P(), []) if any(isinstance(k, jax.tree_util.GetAttrKey) for k in kp)
+                else self._resolve("/".join(_dict_path(kp)), tuple(np.shape(x)))
+                for kp, x in leaves]
     return treedef, resolved
 
   def param_spec(self, keys: Sequence[str], shape: Sequence[int]) -> P:

@@ -11,6 +11,7 @@ default or, given `act_amax`, a static calibrated amax per matmul (`calibration.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Mapping
 
@@ -23,6 +24,7 @@ from lowrl.models import fused_scales, kv_cache, layout, lora, moe
 from lowrl.models.config import ModelConfig
 from lowrl.models.row_sharding import constrain_unsplit
 from lowrl.precision import PrecisionPolicy, activation_scaling
+from lowrl.quant.packing import PackedWeight
 from lowrl.quant.qdot import quantized_dot_general
 
 # Static activation amaxes: full matmul path ("layers_0/attn/q_proj", "lm_head") -> FP32 scalar;
@@ -90,17 +92,20 @@ class RMSNorm(nn.Module):
 
 def qdot(module: nn.Module, x: jax.Array, w: jax.Array, contract_w: int,
           policy: PrecisionPolicy, layer: int | None, path: str, quant_key: jax.Array | None,
-          act_amax: ActAmax | None, record_name: str, rhs_amax: jax.Array | None = None
-          ) -> jax.Array:
+          act_amax: ActAmax | None, record_name: str, rhs_amax: jax.Array | None = None,
+          prequantized: bool = False) -> jax.Array:
   """x[..., in] . w over x's last axis and w's axis `contract_w`, through the policy's quantizer.
 
   A matmul whose activation scale spans the whole tensor takes its amax from `act_amax` (static,
   calibrated; keyed by `path`, the layer's own paths) when given, else from the data. Under a
   calibration apply (`CALIB` mutable) the per-token max |x| is recorded in `module`'s scope as
   `record_name`. `rhs_amax`: the weight's static per-tensor amax (its fused group's,
-  `fused_scales`), or None. Returns FP32.
+  `fused_scales`), or None. `prequantized`: `w` already went through its (deterministic) weight
+  quantizer, which is skipped (as `sampling.weights.prequantized_policy` drops it). Returns FP32.
   """
   cfg = policy.qdot_config(layout.matmul_path(layer, path))
+  if prequantized and cfg.rhs is not None:
+    cfg = dataclasses.replace(cfg, rhs=None)
   if module.is_mutable_collection(CALIB):
     module.sow(CALIB, record_name, jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1))
   lhs_amax = None
@@ -129,11 +134,14 @@ class QDense(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, quant_key: jax.Array | None,
                act_amax: ActAmax | None = None, rhs_amax: jax.Array | None = None) -> jax.Array:
-    # Initializers here only give shapes: `init_params` draws the values.
-    kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
-                        self.param_dtype)
+    packed = self._packed_kernel()
+    if packed is not None:
+      kernel = packed.dequantize()
+    else:  # Initializers here only give shapes: `init_params` draws the values.
+      kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
+                          self.param_dtype)
     y = qdot(self, x, kernel, 0, self.policy, self.layer, self.matmul, quant_key, act_amax,
-              "amax", rhs_amax)
+              "amax", rhs_amax, prequantized=packed is not None)
     if self.use_bias:
       bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
       y = y + bias.astype(jnp.float32)
@@ -146,6 +154,18 @@ class QDense(nn.Module):
                                  self.get_variable("params", lora.B), self.policy.adapter)
     return y.astype(self.out_dtype or self.policy.dtype)
 
+  def _packed_kernel(self) -> PackedWeight | None:
+    """The kernel when it is held packed (a LoRA run's packed base, lowrl.training.lora_update),
+    else None. It is dequantized here, inside the layer, so a program holds one layer's FP32
+    kernels at a time (a dequantized tree would be an FP32 copy of the base); its weight
+    quantizer already ran (fake_quant(W) == dequantize(quantize(W)) bit for bit) and is skipped,
+    which is what `sampling.weights.prequantized_policy` does for the sampler's dequantized tree:
+    one forward on both sides."""
+    if not self.has_variable("params", "kernel"):
+      return None
+    kernel = self.get_variable("params", "kernel")
+    return kernel if isinstance(kernel, PackedWeight) else None
+
 
 def _fused_amax(module: nn.Module, policy: PrecisionPolicy, layer: int, scope: str
                 ) -> dict[str, jax.Array]:
@@ -154,6 +174,9 @@ def _fused_amax(module: nn.Module, policy: PrecisionPolicy, layer: int, scope: s
   groups = [g for g in fused_scales.shared_groups(policy, layer) if g[0].startswith(scope + "/")]
   if module.is_initializing() or not groups:
     return {}
+  if any(isinstance(x, PackedWeight) for x in jax.tree.leaves(
+      module.variables["params"], is_leaf=lambda x: isinstance(x, PackedWeight))):
+    return {}  # packed kernels went through their quantizer (and its shared amax) at packing
   out = {}
   for g in groups:
     amax = fused_scales.joint_amax(

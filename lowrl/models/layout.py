@@ -170,6 +170,13 @@ def get_param(params: Any, keys: tuple[str, ...]) -> Any:
   return params
 
 
+def set_param(params: Any, keys: tuple[str, ...], value: Any) -> Any:
+  """`params` (nested dicts) with the leaf at `keys` replaced (a new tree; the rest shared)."""
+  if len(keys) == 1:
+    return {**params, keys[0]: value}
+  return {**params, keys[0]: set_param(params[keys[0]], keys[1:], value)}
+
+
 def iter_weights(params: Any, cfg: ModelConfig) -> Iterator[tuple[Matmul, Any]]:
   """(Matmul, weight) for every matmul of `cfg`, the weight read from `params`."""
   for m in matmuls(cfg):

@@ -53,12 +53,15 @@ class LoraConfig:
     targets: regex fullmatched against the matmuls' full paths (`layers_3/attn/q_proj`,
       `lm_head`), like the precision policy's rules.
     dtype: the adapter products' operand precision (float32 | bfloat16; FP32 accumulation).
+    packed_base: the trainer holds the base's quantized kernels packed (codes + scales, quantized
+      once at load: lowrl.training.lora_update.pack_base), not in the master dtype.
   """
 
   rank: int
   alpha: float
   targets: str = ALL_LINEAR
   dtype: str = "float32"
+  packed_base: bool = False
 
   @property
   def scale(self) -> float:
@@ -74,7 +77,8 @@ def config_from(section: Any) -> LoraConfig | None:
   if not section.rank:
     return None
   return LoraConfig(rank=int(section.rank), alpha=float(section.alpha),
-                    targets=section.targets, dtype=section.dtype)
+                    targets=section.targets, dtype=section.dtype,
+                    packed_base=bool(section.get("packed_base", False)))
 
 
 def targets(cfg: LoraConfig, model_cfg: ModelConfig) -> tuple[layout.Matmul, ...]:

@@ -49,17 +49,16 @@ def _kernels(model_cfg: ModelConfig) -> list[layout.Matmul]:
   return [m for m in layout.matmuls(model_cfg) if m.owns_kernel]
 
 
-def _set(tree, keys, value):
-  if len(keys) == 1:
-    return {**tree, keys[0]: value}
-  return {**tree, keys[0]: _set(tree[keys[0]], keys[1:], value)}
+def prequantizable(policy: PrecisionPolicy, model_cfg: ModelConfig) -> list[layout.Matmul]:
+  """The kernels whose weight quantizer `quantize_weights` / `pack_params` apply ahead of time."""
+  return [m for m in _kernels(model_cfg) if _weight_quantizer(policy, m) is not None]
 
 
 def prequantized_policy(policy: PrecisionPolicy, model_cfg: ModelConfig) -> PrecisionPolicy:
   """`policy` without the weight quantizers that `quantize_weights` / `pack_params` apply ahead
   of time (deterministic ones on [in, out] kernels; a tied head quantizes the embedding itself).
   Idempotent: a policy with nothing to drop comes back unchanged."""
-  if not any(_weight_quantizer(policy, m) is not None for m in _kernels(model_cfg)):
+  if not prequantizable(policy, model_cfg):
     return policy
 
   def drop(c):
@@ -92,7 +91,7 @@ def quantize_weights(params: Params, model_cfg: ModelConfig, policy: PrecisionPo
       else:
         w_q = fake_quant(layout.get_param(params, m.param_keys), q,
                          tensor_amax=amaxes.get(m.full_path))
-      out = _set(out, m.param_keys, w_q)
+      out = layout.set_param(out, m.param_keys, w_q)
   return out, prequantized_policy(policy, model_cfg)
 
 
@@ -128,10 +127,15 @@ def pack_params(params: Params, model_cfg: ModelConfig, policy: PrecisionPolicy,
   other_dtype None, `unpack_params` + `prequantized_policy` compute exactly what the master
   weights do (fake_quant(W) == dequantize(quantize(W)) bit for bit).
 
+  A tree whose kernels are already packed (a LoRA run's packed base, quantized once at load:
+  lowrl.training.lora_update.pack_base) comes back as it is.
+
   Raises:
     ValueError: a stochastically rounded weight quantizer (re-drawn every forward).
   """
   check_packable(model_cfg, policy)
+  if is_packed(params):
+    return params
   return _pack(params, model_cfg=model_cfg, policy=policy,
                other_dtype=None if other_dtype is None else jnp.dtype(other_dtype))
 
@@ -145,7 +149,7 @@ def _pack(params, *, model_cfg, policy, other_dtype):
     q = _weight_quantizer(policy, m)
     if q is not None:
       w = layout.get_param(params, m.param_keys)
-      out = _set(out, m.param_keys,
+      out = layout.set_param(out, m.param_keys,
                  pack_qtensor(quantize(w, q, tensor_amax=amaxes.get(m.full_path))))
   return out
 

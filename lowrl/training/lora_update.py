@@ -18,7 +18,12 @@ from typing import Any
 import ml_collections
 import optax
 
-from lowrl.models import lora
+import jax
+
+from lowrl.models import init, layout, lora
+from lowrl.models.config import ModelConfig
+from lowrl.precision import PrecisionPolicy
+from lowrl.sampling import weights
 from lowrl.sharding import ShardingPlan
 from lowrl.training import optimizer
 from lowrl.training.rl_update import UpdateConfig
@@ -53,6 +58,54 @@ def make_lora_step(logprob_fn, tx: optax.GradientTransformation, update_cfg: Upd
     return lora.merge(base, adapters), opt_state, metrics
 
   return step
+
+
+def pack_base(params: Any, model_cfg: ModelConfig, policy: PrecisionPolicy) -> Any:
+  """A combined tree with its base's quantized kernels packed (`sampling.weights.pack_params`:
+  E2M1 codes two per byte + block and outer scales), its adapters and every other leaf as they
+  are; a tree already packed comes back as it is. Done once, at load: the packed leaves are then
+  the base (no master copy, no optimizer state). The forward dequantizes each kernel inside its
+  layer and skips its weight quantizer (`blocks.QDense`), which is what the sampler computes
+  from the same packed tree (`weights.dequantize_packed`): exact mode holds bit for bit."""
+  base, adapters = lora.split(params)
+  return lora.merge(weights.pack_params(base, model_cfg, policy), adapters)
+
+
+def packed_base_bytes(model_cfg: ModelConfig, policy: PrecisionPolicy, master_dtype: str
+                      ) -> float:
+  """Bytes per parameter of the block linears of a base `pack_base` holds (codes and scales of
+  the kernels the policy quantizes, the others in `master_dtype`): `memory.estimate`'s
+  packed_base_bytes, from the packed tree's own shapes."""
+  shapes = jax.eval_shape(lambda p: optimizer.to_master(p, master_dtype),
+                          init.param_shapes(model_cfg))
+  packed = jax.eval_shape(lambda p: weights.pack_params(p, model_cfg, policy), shapes)
+  held = n = 0
+  for m in layout.matmuls(model_cfg):
+    if m.owns_kernel and m.layer is not None:  # the block linears (not the head)
+      held += sum(x.size * x.dtype.itemsize
+                  for x in jax.tree.leaves(layout.get_param(packed, m.param_keys)))
+      n += layout.get_param(shapes, m.param_keys).size
+  return held / n
+
+
+def check_packed_base(cfg: ml_collections.ConfigDict, lora_cfg: lora.LoraConfig | None,
+                      model_cfg: ModelConfig, policy: PrecisionPolicy) -> None:
+  """One-line errors for `--config.lora.packed_base` where it cannot apply."""
+  if lora_cfg is None:
+    raise ValueError("--config.lora.packed_base packs a frozen LoRA base, but lora.rank=0 "
+                     "trains every weight; set --config.lora.rank > 0 or packed_base=False.")
+  if cfg.precision.backward != "dequantized":
+    raise ValueError(f"--config.lora.packed_base: precision.backward={cfg.precision.backward!r} "
+                     "needs the original weights, and a packed base holds only their quantized "
+                     "codes; set --config.precision.backward=dequantized or packed_base=False.")
+  try:
+    weights.check_packable(model_cfg, policy)
+  except ValueError as e:
+    raise ValueError(f"--config.lora.packed_base: {e}") from None
+  if not weights.prequantizable(policy, model_cfg):
+    raise ValueError("--config.lora.packed_base: the recipe quantizes no weight, so there is "
+                     "nothing to pack; use a 4-bit recipe (e.g. nvfp4_recipe) or "
+                     "packed_base=False.")
 
 
 def check_config(cfg: ml_collections.ConfigDict) -> None:

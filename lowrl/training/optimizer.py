@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from lowrl.quant.packing import PackedWeight
 from lowrl.quant.rounding import sr_cast_bf16
 
 # The choices of the optimizer knobs (their table: lowrl.training.schema.OPTIMIZER).
@@ -61,8 +62,11 @@ def make_optimizer(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Gr
 def to_master(params: Any, master_dtype: str) -> Any:
   """Casts a parameter tree to the master-weight dtype (floating leaves only)."""
   dtype = jnp.dtype(master_dtype)
-  return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p,
-                      params)
+  # A packed (frozen LoRA) base keeps its codes and scales: casting its FP8 scales would change
+  # the weights it holds.
+  return jax.tree.map(
+      lambda p: p if isinstance(p, PackedWeight) or not jnp.issubdtype(p.dtype, jnp.floating)
+      else p.astype(dtype), params, is_leaf=lambda p: isinstance(p, PackedWeight))
 
 
 def init_opt_state(tx: optax.GradientTransformation, params: Any) -> optax.OptState:

@@ -87,7 +87,8 @@ def to_json(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
 # every run of a config without them keeps its fingerprint (and its grid lines and workdirs).
 OFF_UNLESS_SET = {"sft.outlier_channels": 0, "sft.outlier_gain": 1.0, "model.eos_token": "",
                   "lora.rank": 0, "lora.alpha": 16.0, "lora.targets": lora.ALL_LINEAR,
-                  "lora.dtype": "float32"}
+                  "lora.dtype": "float32", "lora.packed_base": False,
+                  "lora.aqn_sigma_start": 0.0, "lora.aqn_sigma_end": 5e-4, "lora.aqn_stages": 10}
 
 
 def fingerprint(cfg: ml_collections.ConfigDict) -> str:

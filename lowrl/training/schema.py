@@ -368,6 +368,15 @@ LORA = Section("lora", (
          "get adapters; default: every linear layer of the blocks (PEFT's all-linear)"),
     knob("dtype", "precision of the adapter products' operands (FP32 accumulation): " +
          " | ".join(ADAPTER_DTYPES), OneOf(ADAPTER_DTYPES)),
+    knob("packed_base", "the trainer holds the frozen base's quantized kernels packed (4-bit "
+         "codes + scales, quantized once at load; no master copy): needs "
+         "precision.backward=dequantized (docs/lora.md)"),
+    knob("aqn_sigma_start", "QeRL's adaptive quantization noise: N(0, sigma^2) added to the "
+         "frozen base's RMSNorm weights, sigma decaying from this (0 = off) to aqn_sigma_end "
+         "(lowrl/training/aqn.py)"),
+    knob("aqn_sigma_end", "AQN: the noise scale of the last stage (0 < end <= start)"),
+    knob("aqn_stages", "AQN: the run's steps cut into this many intervals, the first without "
+         "noise (>= 2)"),
 ))
 
 _EVAL_NUM_PROMPTS = knob("eval_num_prompts", "held-out eval-split prompts", POSITIVE)

@@ -25,6 +25,7 @@ from lowrl.models.config import ModelConfig
 from lowrl.sampling import SamplingConfig
 from lowrl.tasks.base import Task
 from lowrl.tasks.registry import make_task
+from lowrl.training import aqn as aqn_lib
 from lowrl.training import compute_cast, lora_update, optimizer, run_config, schema, sft
 from lowrl.training.base_store import BaseConfig
 from lowrl.training.knobs import as_flags
@@ -131,6 +132,7 @@ class Setup:
   device_memory: tuple[float | None, str] = (None, "")  # memory.device_memory(hardware)
   lr_schedule: Any = None  # the optimizer's learning-rate schedule (optax.Schedule), per update
   lora: lora_lib.LoraConfig | None = None  # LoRA adapters on a frozen base; None = full FT
+  aqn: aqn_lib.AqnConfig | None = None  # QeRL's noise in the base's RMSNorms; None = off
 
   @property
   def batch_size(self) -> int:
@@ -169,6 +171,15 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   # Both sides add the adapters with the same precision (exact mode: one forward).
   trainer_policy = lora_lib.adapter_policy(trainer_policy, lora_cfg)
   sampler_policy = lora_lib.adapter_policy(sampler_policy, lora_cfg)
+  if cfg.lora.get("packed_base", False):
+    lora_update.check_packed_base(cfg, lora_cfg, model_cfg, trainer_policy)
+  aqn_cfg = aqn_lib.config_from(cfg.lora)
+  if aqn_cfg is not None:
+    if lora_cfg is None:
+      raise ValueError("--config.lora.aqn_sigma_start perturbs a frozen LoRA base's RMSNorms, "
+                       "but lora.rank=0 trains them; set --config.lora.rank > 0 or "
+                       "aqn_sigma_start=0.")
+    aqn_lib.check(aqn_cfg)
   stop = task.tokenizer.eos_ids  # every eos of a checkpoint ends a completion
   sampling = SamplingConfig(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
                             top_k=rl.top_k, top_p=rl.top_p, stop_tokens=stop,
@@ -194,7 +205,10 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   est = memory_estimate(cfg, model_cfg, trainer_policy, sampler_policy, plan, schedule, seq_len,
                         keep_reference=loop.keep_reference,
                         adapter_params=0 if lora_cfg is None else lora_lib.num_params(lora_cfg,
-                                                                                      model_cfg))
+                                                                                      model_cfg),
+                        packed_base_bytes=lora_update.packed_base_bytes(
+                            model_cfg, trainer_policy, cfg.optimizer.master_dtype)
+                        if lora_cfg is not None and lora_cfg.packed_base else 0.0)
   budget = memory.device_memory(cfg.hardware)
   if budget[0] is not None:
     try:
@@ -216,7 +230,8 @@ def build(cfg: ml_collections.ConfigDict) -> Setup:
   return Setup(loop, base, record, task, model_cfg, trainer_policy, sampler_policy, sampling,
                eval_sampling, update_cfg, BatchConfig.from_rl(rl, rl.max_new_tokens), tx,
                schedule, plan, est, cfg.hardware, budget,
-               lr_schedule=optimizer.make_schedule(cfg.optimizer, updates), lora=lora_cfg)
+               lr_schedule=optimizer.make_schedule(cfg.optimizer, updates), lora=lora_cfg,
+               aqn=aqn_cfg)
 
 
 # The loop's flags that shrink each term of the estimate (memory.KNOB_HINTS's keys).
@@ -242,7 +257,8 @@ def memory_estimate(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
                     trainer_policy: precision.PrecisionPolicy,
                     sampler_policy: precision.PrecisionPolicy, plan: sharding.ShardingPlan,
                     schedule: AsyncSchedule, seq_len: int, *,
-                    keep_reference: bool, adapter_params: int = 0) -> memory.MemoryEstimate:
+                    keep_reference: bool, adapter_params: int = 0,
+                    packed_base_bytes: float = 0.0) -> memory.MemoryEstimate:
   """The per-device memory estimate of one RL step of this run (lowrl.memory.estimate).
 
   What the loop holds: FP32 Adam moments over the master params (optimizer.master_dtype), the
@@ -250,7 +266,8 @@ def memory_estimate(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
   copies, the RL sampler's KV cache (all rows, the sampler policy's compute dtype; the eval
   samplers' caches are left out, as in lowrl.memory); each PPO minibatch is one optimizer step
   over `rl.micro_batches` forward/backward passes. `adapter_params`: a LoRA run's adapters
-  (the gradients and Adam moments then cover them alone; memory.estimate).
+  (the gradients and Adam moments then cover them alone; memory.estimate); `packed_base_bytes`:
+  its base's block linears held packed (lora.packed_base).
   """
   rl = cfg.rl
   rows = rl.num_prompts * rl.group_size
@@ -271,7 +288,8 @@ def memory_estimate(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
       async_dtype=stored(cfg.async_rl.version_storage),
       kv_cache_dtype=sampler_policy.compute_dtype, sampler_batch=rows, ppo_epochs=rl.mu,
       score_forwards=2 if stale else 1, minibatches=rl.num_minibatches,
-      expert_parallel=_expert_parallel(model_cfg, plan), adapter_params=adapter_params)
+      expert_parallel=_expert_parallel(model_cfg, plan), adapter_params=adapter_params,
+      packed_base_bytes=packed_base_bytes)
 
 
 def _expert_parallel(model_cfg: ModelConfig, plan: sharding.ShardingPlan) -> int:

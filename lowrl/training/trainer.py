@@ -3,6 +3,7 @@ probes) built from its `Setup`; the state lives in plain pytrees the loop passes
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -15,7 +16,7 @@ from lowrl.rl.mismatch import mismatch_metrics
 from lowrl.sampling import SampleOutput, Sampler, adapter_sync, refit, rescore
 from lowrl.sampling.act_scales import calibration_paths
 from lowrl.tasks.batching import decode_batch, encode_prompts, encode_sft
-from lowrl.training import (compute_cast, diagnostics, lora_update, optimizer, probes,
+from lowrl.training import (aqn, compute_cast, diagnostics, lora_update, optimizer, probes,
                             routing_replay)
 from lowrl.training.evaluation import eval_metrics, solved_ci
 from lowrl.training.kv_share import kv_share_metrics
@@ -56,6 +57,7 @@ class Trainer:
     self.log = log
     knobs = setup.loop
     self.tx = setup.tx
+    self._packed_base = setup.lora is not None and setup.lora.packed_base
     self.logprob_fn = loss_scaled(
         make_logprob_fn(setup.model_cfg, setup.trainer_policy, setup.sampling,
                         replay=knobs.routing_replay), knobs.loss_scale)
@@ -72,6 +74,9 @@ class Trainer:
       self.param_shapes = lora.merge(self.param_shapes,
                                      lora.adapter_shapes(setup.lora, setup.model_cfg))
     p_sh = plan.param_shardings(self.param_shapes)
+    if self._packed_base:  # packed kernels replicated (their shapes are no kernel's)
+      p_sh = plan.shardings_like_params(jax.eval_shape(self._pack, self.param_shapes),
+                                        self.param_shapes)
     self.opt_init = (  # unjitted: params -> optimizer state (shapes for a restore too)
         (lambda p: optimizer.init_opt_state(self.tx, p)) if setup.lora is None
         else (lambda p: lora_update.init_opt_state(self.tx, p)))
@@ -109,7 +114,9 @@ class Trainer:
     self.calib_tokens, self.calib_mask = self._calibration_batch(repl)
     # The sampler's weights between syncs (packed, + static scales) and the refit check.
     # A LoRA run's sync moves only the adapters after the first (lowrl.sampling.adapter_sync).
-    refitter = refit.Refitter if setup.lora is None else adapter_sync.AdapterRefitter
+    # With AQN it moves the noisy RMSNorm weights too (lowrl.training.aqn).
+    refitter = (refit.Refitter if setup.lora is None else functools.partial(
+        adapter_sync.AdapterRefitter, moves=aqn.NORMS if setup.aqn is not None else None))
     self.refit = refitter(setup.model_cfg, setup.sampler_policy,
                                 lambda p: self.act_amax(p, setup.sampler_policy),
                                 check_every=knobs.refit_check_every, log=log)
@@ -143,7 +150,13 @@ class Trainer:
     if lc is None:
       return base
     key = jax.random.fold_in(jax.random.key(self.setup.loop.seed), _LORA_STREAM)
-    return lora.merge(base, lora.init_adapters(lc, self.setup.model_cfg, key))
+    return self._pack(lora.merge(base, lora.init_adapters(lc, self.setup.model_cfg, key)))
+
+  def _pack(self, params: Any) -> Any:
+    """`params` with the base packed when the run holds it packed (lora.packed_base)."""
+    if not self._packed_base:
+      return params
+    return lora_update.pack_base(params, self.setup.model_cfg, self.setup.trainer_policy)
 
   def checkpointed(self, state: dict[str, Any]) -> dict[str, Any]:
     """The tree a checkpoint stores of `state` (lowrl.training.state.state_tree): in a LoRA run
@@ -159,6 +172,7 @@ class Trainer:
     where the update's donation would reach them (lowrl.training.storage.keep)."""
     if self.setup.lora is None:
       return state
+    base = self._pack(base)
     return _map_param_trees(state, lambda p: lora.merge(base, p))
 
   def state_shardings(self, state: Any) -> Any:
@@ -431,6 +445,12 @@ class Trainer:
     """
     k_roll, k_upd = jax.random.split(key)
     cast_key = compute_cast.update_key(k_upd, 0) if self._cast is not None else None
+    aqn_metrics, clean, sigma = {}, params, 0.0
+    if self.setup.aqn is not None:  # QeRL's noise: this step's sampler and update see it
+      sigma = aqn.sigma(self.setup.aqn, step, self.setup.loop.steps)
+      noisy = lambda p: aqn.perturb(p, sigma, self.setup.loop.seed, step)  # noqa: E731
+      sampler_params, params, aqn_metrics = noisy(sampler_params), noisy(params), {
+          "aqn/sigma": jnp.float32(sigma)}
     rollout, info = self.rollout(sampler_params, params, step, k_roll, stale=stale,
                                  sampler_version=sampler_version, cast_key=cast_key)
     probe_metrics = {}
@@ -438,5 +458,7 @@ class Trainer:
       probe_metrics = self.probe(params, opt_state, ref_params, rollout,
                                  jax.random.fold_in(key, _PROBE_STREAM))
     params, opt_state, metrics = self.step(params, opt_state, ref_params, rollout, k_upd)
+    if sigma:  # the state keeps the clean base's norms
+      params = aqn.restore(params, clean)
     return params, opt_state, {**metrics, **probe_metrics, **info["kv"], **info["refit"],
-                               **info["routing"]}, info
+                               **info["routing"], **aqn_metrics}, info
