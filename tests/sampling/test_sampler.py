@@ -203,6 +203,24 @@ def test_sampler_is_deterministic_and_reuses_its_donated_cache():
   assert not np.array_equal(a.tokens, c.tokens)
 
 
+def test_runtime_greedy_flag_decodes_what_the_static_configs_decode_in_one_program():
+  """`greedy=True` on a temperature / top-k / top-p config decodes what temperature 0 decodes
+  (the raw logits' argmax, log q = 0), `greedy=False` what the config alone samples: every
+  output leaf bit for bit, both calls on one compiled program."""
+  from lowrl.sampling.generate import _decode_program
+  s = sampling.Sampler(TINY, FP32, TOPK_TOPP)
+  program = _decode_program(TINY, FP32, TOPK_TOPP, s.plan, 1, 0)
+  compiled = program._cache_size()
+  out = {g: s(_params(), PROMPTS16, PMASK16, jax.random.key(7), greedy=g) for g in (True, False)}
+  assert program._cache_size() == compiled + 1
+  static_greedy = SamplingConfig(max_new_tokens=N, temperature=0.0)
+  for flag, config in ((True, static_greedy), (False, TOPK_TOPP)):
+    ref = _generate(config, PROMPTS16, PMASK16, seed=7)
+    for a, b in zip(jax.tree.leaves(out[flag]), jax.tree.leaves(ref), strict=True):
+      np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(out[True].tokens, out[False].tokens)
+
+
 # ----------------------------------------------------------------------------------------------
 # Sampler / trainer mismatch under nvfp4_recipe.
 
