@@ -10,7 +10,8 @@ One program (`_decode`, jitted by `_decode_program`) serves every caller: `gener
 inputs on a `ShardingPlan` (one device is the trivial plan) and the program's outputs come out in
 the plan's layout; `generate_in_jit` traces the same program inside a caller's jit, unplaced. The
 policy's deterministic weight quantizers are applied once, at the top of the program
-(`weights.quantize_weights`), not in the prefill and again at every decode step.
+(`weights.quantize_weights`), not in the prefill and again at every decode step, and so are the
+casts of the kernels to the compute dtype (`weights.cast_kernels`).
 
 Compute only on tokens that count (docs/sampling.md, "Rollout compute"): rows in groups of one
 prompt share one prefill (`_prefill`, `prefill_group`), and the decode can shrink to halving
@@ -272,6 +273,9 @@ def _decode_rows(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_a
   cache = {**cache, "index": jnp.zeros((), jnp.int32), "mask": jnp.zeros_like(cache["mask"])}
   # The one place weights are quantized ahead of time: once per call, not per decode step.
   params, policy = weights.quantize_weights(params, model_cfg, policy)
+  # Likewise the casts of the kernels the forward only casts: XLA hoists them out of some decode
+  # loops but not all (the main job's compaction segments).
+  params = weights.cast_kernels(params, model_cfg, policy)
 
   logits_BV, cache = _prefill(params, prompt_BP, pmask_BP, cache, quant_key, act_amax,
                               model_cfg=model_cfg, policy=policy, group=group)
