@@ -106,23 +106,36 @@ def sampling_logprobs(logits_NV: jax.Array, tokens_N: jax.Array,
 
 
 def sample_token(key: jax.Array, logits_NV: jax.Array, config: SamplingConfig,
-                 rows_N: jax.Array | None = None, batch: int | None = None
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 rows_N: jax.Array | None = None, batch: int | None = None,
+                 greedy: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(token_N, log q(token)_N, log p(token)_N) for one step; logits FP32 [N, V].
 
   `rows_N` (with `batch`): logits_NV are rows `rows_N` of a [batch, V] step (a compacted decode
   bucket); each row then draws the Gumbel noise `jax.random.categorical(key, ·)` gives that row
   of the whole batch, so it samples the token the uncompacted step samples from the same logits.
+  `greedy`: a runtime bool scalar choosing, for a sampling `config`, between its draw (False)
+  and temperature 0 (True), each bit for bit what the static config gives: one program serves
+  both (evaluation's greedy and sampled decodes). None: as `config` says.
   """
   if config.greedy:
-    token = jnp.argmax(logits_NV, axis=-1).astype(jnp.int32)
-    logq = jnp.zeros(token.shape, jnp.float32)
-  else:
-    x = sampling_logits(logits_NV, config)
-    if rows_N is None:
-      token = jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
-    else:  # categorical's own draw (argmax of logits + Gumbel noise), noise of rows_N
-      noise_NV = jax.random.gumbel(key, (batch, x.shape[-1]), x.dtype)[rows_N]
-      token = jnp.argmax(noise_NV + x, axis=-1).astype(jnp.int32)
-    logq = _logp_at(x, token)
+    return _greedy_token(logits_NV)
+  x = sampling_logits(logits_NV, config)
+  if rows_N is None:
+    token = jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+  else:  # categorical's own draw (argmax of logits + Gumbel noise), noise of rows_N
+    noise_NV = jax.random.gumbel(key, (batch, x.shape[-1]), x.dtype)[rows_N]
+    token = jnp.argmax(noise_NV + x, axis=-1).astype(jnp.int32)
+  if greedy is None:
+    return token, _logp_at(x, token), _logp_at(logits_NV, token)
+  # A select of either result, not argmax(x + where(greedy, 0, noise)): the temperature and
+  # top-k / top-p of x could round or drop ties that the raw logits' argmax keeps.
+  g_token, g_logq, _ = _greedy_token(logits_NV)
+  token = jnp.where(greedy, g_token, token)
+  logq = jnp.where(greedy, g_logq, _logp_at(x, token))
   return token, logq, _logp_at(logits_NV, token)
+
+
+def _greedy_token(logits_NV: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """sample_token at temperature 0: the argmax, log q = 0 (a point mass), log p."""
+  token = jnp.argmax(logits_NV, axis=-1).astype(jnp.int32)
+  return token, jnp.zeros(token.shape, jnp.float32), _logp_at(logits_NV, token)

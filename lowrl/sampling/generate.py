@@ -10,7 +10,8 @@ One program (`_decode`, jitted by `_decode_program`) serves every caller: `gener
 inputs on a `ShardingPlan` (one device is the trivial plan) and the program's outputs come out in
 the plan's layout; `generate_in_jit` traces the same program inside a caller's jit, unplaced. The
 policy's deterministic weight quantizers are applied once, at the top of the program
-(`weights.quantize_weights`), not in the prefill and again at every decode step.
+(`weights.quantize_weights`), not in the prefill and again at every decode step, and so are the
+casts of the kernels to the compute dtype (`weights.cast_kernels`).
 
 Compute only on tokens that count (docs/sampling.md, "Rollout compute"): rows in groups of one
 prompt share one prefill (`_prefill`, `prefill_group`), and the decode can shrink to halving
@@ -241,22 +242,23 @@ def prefill_group(batch: int, group_size: int, shards: int, policy: PrecisionPol
              if group_size % g == 0 and (batch // g) % shards == 0)
 
 
-def _decode(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax, *,
+def _decode(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax, greedy=None, *,
             model_cfg: ModelConfig, policy: PrecisionPolicy, config: SamplingConfig,
             plan: ShardingPlan | None = None, group: int = 1, min_rows: int = 0
             ) -> tuple[SampleOutput, transformer.Cache]:
   """Prefill + decode loop (traceable). With a plan every row's activations, decode state and
   cache stay on its data shard (`plan.rows`: data parallel, no gather of the batch). `group`:
   rows per shared prefill (`_prefill`); `min_rows`: the smallest decode bucket's rows per data
-  shard (`bucket_sizes`; 0 = no compaction)."""
+  shard (`bucket_sizes`; 0 = no compaction); `greedy`: `sample_token`'s runtime flag (None:
+  none, the program `config` alone describes)."""
   shards = 1 if plan is None else plan.batch_shards
   with plan.rows() if plan is not None else contextlib.nullcontext():
     return _decode_rows(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax,
-                        model_cfg=model_cfg, policy=policy, config=config, group=group,
+                        greedy, model_cfg=model_cfg, policy=policy, config=config, group=group,
                         min_rows=min_rows, shards=shards)
 
 
-def _decode_rows(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax, *,
+def _decode_rows(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax, greedy, *,
                  model_cfg: ModelConfig, policy: PrecisionPolicy, config: SamplingConfig,
                  group: int = 1, min_rows: int = 0, shards: int = 1
                  ) -> tuple[SampleOutput, transformer.Cache]:
@@ -271,10 +273,14 @@ def _decode_rows(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_a
   cache = {**cache, "index": jnp.zeros((), jnp.int32), "mask": jnp.zeros_like(cache["mask"])}
   # The one place weights are quantized ahead of time: once per call, not per decode step.
   params, policy = weights.quantize_weights(params, model_cfg, policy)
+  # Likewise the casts of the kernels the forward only casts: XLA hoists them out of some decode
+  # loops but not all (the main job's compaction segments).
+  params = weights.cast_kernels(params, model_cfg, policy)
 
   logits_BV, cache = _prefill(params, prompt_BP, pmask_BP, cache, quant_key, act_amax,
                               model_cfg=model_cfg, policy=policy, group=group)
-  tok_B, logq_B, logp_B = sample_token(jax.random.fold_in(rng, 0), logits_BV, config)
+  tok_B, logq_B, logp_B = sample_token(jax.random.fold_in(rng, 0), logits_BV, config,
+                                       greedy=greedy)
   state = DecodeState(
       step=jnp.int32(1), tokens_BN=jnp.full((batch, n), config.pad_id, jnp.int32),
       logq_BN=jnp.zeros((batch, n), jnp.float32), logp_BN=jnp.zeros((batch, n), jnp.float32),
@@ -292,7 +298,7 @@ def _decode_rows(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_a
         positions_BT=(plen_B[rows] + i - 1)[:, None], quant_key=_fold(quant_key, p + i - 1),
         act_amax=act_amax)
     tok_b, logq_b, logp_b = sample_token(jax.random.fold_in(rng, i), logits_b1V[:, 0], config,
-                                         state.rows_b, batch)
+                                         state.rows_b, batch, greedy)
     state = state._replace(step=i + 1)
     return _constrain_state(
         _record(state, i, tok_b, logq_b, logp_b, config, stop)._replace(cache=cache))
@@ -410,8 +416,8 @@ def generate(params: Params, prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Ar
              rng: jax.Array, *, model_cfg: ModelConfig, policy: PrecisionPolicy,
              config: SamplingConfig, quant_key: jax.Array | None = None,
              cache: transformer.Cache | None = None, plan: ShardingPlan | None = None,
-             act_amax: blocks.ActAmax | None = None, group_size: int = 1, min_rows: int = 0
-             ) -> tuple[SampleOutput, transformer.Cache]:
+             act_amax: blocks.ActAmax | None = None, group_size: int = 1, min_rows: int = 0,
+             greedy: bool | None = None) -> tuple[SampleOutput, transformer.Cache]:
   """Samples N = config.max_new_tokens tokens per prompt with the KV cache (not exact mode).
 
   Args:
@@ -437,6 +443,9 @@ def generate(params: Params, prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Ar
       the rows, down to `min_rows` rows per data shard (`bucket_sizes`), each bucket a decode
       segment of its own, so finished rows stop costing compute; every row draws the noise it
       draws uncompacted, and the outputs keep the original row order. 0: one bucket.
+    greedy: a runtime choice between `config`'s draw (False) and temperature 0 (True), each what
+      the static config gives bit for bit, both in one compiled program (evaluation's greedy and
+      sampled decodes share it); None (default): `config` alone, a program without the choice.
 
   Returns:
     (SampleOutput, the cache's buffers for the next call).
@@ -451,11 +460,12 @@ def generate(params: Params, prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Ar
   if cache is None:
     cache = _cache_allocator(model_cfg, batch, p + config.max_new_tokens, policy.dtype, plan)()
   batch_sh, repl = plan.batch, plan.replicated
+  greedy = None if greedy is None else jnp.asarray(greedy, bool)
   args = plan.put(
       (params, jnp.asarray(prompt_tokens_BP, jnp.int32), jnp.asarray(prompt_mask_BP), rng, cache,
-       quant_key, act_amax),
+       quant_key, act_amax, greedy),
       (plan.param_shardings(params), batch_sh, batch_sh, repl, plan.cache_shardings(model_cfg),
-       repl, repl))
+       repl, repl, repl))
   group = prefill_group(batch, group_size, plan.batch_shards, policy)
   return _decode_program(model_cfg, policy, config, plan, group,
                          decode_min_rows(min_rows, policy))(*args)

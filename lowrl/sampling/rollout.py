@@ -64,11 +64,13 @@ class Sampler:
                rng: jax.Array, *, quant_key: jax.Array | None = None,
                trainer_params: Params | None = None,
                trainer_quant_key: jax.Array | None = None,
-               act_amax: blocks.ActAmax | None = None, group_size: int = 1) -> SampleOutput:
+               act_amax: blocks.ActAmax | None = None, group_size: int = 1,
+               greedy: bool | None = None) -> SampleOutput:
     """Generates; in exact mode re-scores with (trainer_params or params) in the sampler's
     precision, with the same static `act_amax` (trainer_params: the master weights of packed
     `params`, or the same weights). `group_size`: rows come in contiguous groups of one prompt,
-    each prefilled once (`generate`)."""
+    each prefilled once; `greedy`: temperature 0 (True) or the config's draw (False) in one
+    program (`generate`)."""
     if ((self.exact or self.record_routing) and trainer_params is None
         and weights.is_packed(params)):
       raise ValueError("Exact mode and routing records run with the trainer's weights: pass "
@@ -82,7 +84,7 @@ class Sampler:
                                 model_cfg=self.model_cfg, policy=self.policy, config=self.config,
                                 quant_key=quant_key, cache=cache, plan=self.plan,
                                 act_amax=act_amax, group_size=group_size,
-                                min_rows=self.decode_min_rows)
+                                min_rows=self.decode_min_rows, greedy=greedy)
     if self.exact:
       out = rescore(out, params if trainer_params is None else trainer_params,
                     model_cfg=self.model_cfg, policy=self.policy, config=self.config,

@@ -95,6 +95,24 @@ def quantize_weights(params: Params, model_cfg: ModelConfig, policy: PrecisionPo
   return out, prequantized_policy(policy, model_cfg)
 
 
+def cast_kernels(params: Params, model_cfg: ModelConfig, policy: PrecisionPolicy) -> Params:
+  """`params` with every kernel that the forward under `policy` only casts (no weight quantizer:
+  an unquantized matmul, or one whose weight `quantize_weights` already quantized) cast to its
+  matmul's compute dtype ahead of time.
+
+  Exact: such a kernel's first operation in the forward is that cast (`quantized_dot_general`),
+  which is then a no-op; the decode program casts once per call, not at every step. Stacked
+  experts (the grouped GEMM) are left as they are. Traceable.
+  """
+  out = params
+  for m in _kernels(model_cfg):
+    cfg = policy.qdot_config(m.full_path)
+    if cfg.rhs is None and not m.n_experts:
+      out = _set(out, m.param_keys,
+                 layout.get_param(params, m.param_keys).astype(cfg.compute_dtype))
+  return out
+
+
 # ----------------------------------------------------------------------------------------------
 # Packed kernels.
 

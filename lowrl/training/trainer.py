@@ -104,11 +104,9 @@ class Trainer:
     self._exact_twin = (knobs.sampler_exact and setup.sampler_policy == setup.trainer_policy
                         and not setup.trainer_policy.act_paths(layout.matmuls(setup.model_cfg),
                                                                "tensor"))
-    # Evaluation samples the trainer's policy: greedy, and at the rollout temperature.
-    self.eval_sampler = Sampler(setup.model_cfg, setup.trainer_policy, setup.eval_sampling,
-                                plan=plan)
-    self.eval_sampler_t = Sampler(setup.model_cfg, setup.trainer_policy, setup.sampling,
-                                  plan=plan)
+    # Evaluation samples the trainer's policy at the rollout temperature and greedily, both in
+    # one decode program (`greedy` is a runtime flag of the rollout's sampling config).
+    self.eval_sampler = Sampler(setup.model_cfg, setup.trainer_policy, setup.sampling, plan=plan)
     self._calibrate = jax.jit(calibration.calibrate_act_amax,
                               static_argnames=("model_cfg", "policy", "paths"))
     self.calib_tokens, self.calib_mask = self._calibration_batch(repl)
@@ -264,11 +262,13 @@ class Trainer:
     qk = self.setup.trainer_policy.quant_key(key)
     act_amax = self.act_amax(params, self.setup.trainer_policy)
     weights = self._eval_weights(params)
-    out = self.eval_sampler(weights, jnp.asarray(tokens), jnp.asarray(mask),
-                            k_greedy, quant_key=qk, act_amax=act_amax)
-    greedy, _ = self.rewards(out, examples)
-    sampled = np.concatenate([self.rewards(out, chunk)[0] for out, chunk in self._sample_chunks(
-        weights, k_sample, quant_key=qk, act_amax=act_amax)])
+
+    def rewards(chunks):
+      return np.concatenate([self.rewards(out, chunk)[0] for out, chunk in chunks])
+
+    greedy = rewards(self._decode_chunks(weights, examples, tokens, mask, k_greedy, quant_key=qk,
+                                         act_amax=act_amax, greedy=True))
+    sampled = rewards(self._sample_chunks(weights, k_sample, quant_key=qk, act_amax=act_amax))
     m = eval_metrics(greedy, sampled)
     out = {}
     # "pass_at_1", not "pass@1": TensorBoard tag names cannot hold "@".
@@ -291,18 +291,30 @@ class Trainer:
                      act_amax: blocks.ActAmax | None) -> list[tuple[SampleOutput, list]]:
     """`_eval_samples` from weights already as `_eval_weights` gives them.
 
-    A chunk the size of a rollout needs no more device memory than a rollout, and every chunk
-    runs one compiled decode program (row by row prefill, one bucket: an eval chunk holds
-    `eval_samples` rows per prompt, not the rollout's groups).
+    A chunk the size of a rollout needs no more device memory than a rollout.
     """
     examples, tokens, mask = self._eval_prompts()
     n = self.setup.loop.eval_samples
     examples = [e for e in examples for _ in range(n)]
-    tokens, mask = np.repeat(tokens, n, 0), np.repeat(mask, n, 0)
+    return self._decode_chunks(weights, examples, np.repeat(tokens, n, 0),
+                               np.repeat(mask, n, 0), key, quant_key=quant_key,
+                               act_amax=act_amax, greedy=False)
+
+  def _decode_chunks(self, weights, examples, tokens, mask, key: jax.Array, *,
+                     quant_key: jax.Array | None, act_amax: blocks.ActAmax | None,
+                     greedy: bool) -> list[tuple[SampleOutput, list]]:
+    """(SampleOutput, examples) of the prompts `tokens` in chunks of a rollout's rows (the last
+    one may be smaller), chunk i with fold_in(key, i), greedy or at the rollout temperature.
+
+    Every full chunk, greedy or sampled, runs one compiled decode program (`generate`'s runtime
+    `greedy`; row by row prefill, one bucket: an eval chunk holds `eval_samples` rows per prompt,
+    not the rollout's groups, so it is not the rollout's program).
+    """
     rows = self.setup.batch_size
-    return [(self.eval_sampler_t(weights, jnp.asarray(tokens[i:i + rows]),
-                                 jnp.asarray(mask[i:i + rows]), jax.random.fold_in(key, i // rows),
-                                 quant_key=quant_key, act_amax=act_amax), examples[i:i + rows])
+    return [(self.eval_sampler(weights, jnp.asarray(tokens[i:i + rows]),
+                               jnp.asarray(mask[i:i + rows]), jax.random.fold_in(key, i // rows),
+                               quant_key=quant_key, act_amax=act_amax, greedy=greedy),
+             examples[i:i + rows])
             for i in range(0, len(examples), rows)]
 
   def _eval_weights(self, params):

@@ -126,12 +126,13 @@ def test_kv_cache_calibration_is_checked_with_the_activation_scales():
   assert np.asarray(r.check(held._replace(act_amax=stale), params)).sum() == 1
 
 
-def test_evaluation_samples_on_the_packed_weights_in_two_decode_programs():
+def test_evaluation_samples_on_the_packed_weights_in_one_decode_program():
   """With the sampler's recipe equal to the trainer's, evaluation samples from the packed weights
-  the rollout holds (the prequantized policy), and samples what the master weights sample, bit
-  for bit. It compiles two decode programs of its own, sampled and greedy: the rollout's program
-  has another shape (one prefill per group of group_size rows, compaction buckets), while an
-  evaluation chunk holds eval_samples rows per prompt, prefilled row by row in one bucket."""
+  the rollout holds (the prequantized policy), and decodes what the master weights decode, bit
+  for bit, greedy and sampled. It compiles one decode program of its own for both (greedy is a
+  runtime flag): the rollout's program has another shape (one prefill per group of group_size
+  rows, compaction buckets), while an evaluation chunk holds eval_samples rows per prompt,
+  prefilled row by row in one bucket."""
   from lowrl.sampling import Sampler, weights
   from lowrl.sampling.generate import _decode_program
   c = tiny.loop_config("nvfp4_recipe")
@@ -139,7 +140,7 @@ def test_evaluation_samples_on_the_packed_weights_in_two_decode_programs():
   c.model.n_layers = 1
   c.precision.bf16_last_fraction = 0  # (else the one layer is the recipe's BF16 tail)
   c.rl.update(dict(num_prompts=2, group_size=4, max_new_tokens=2))
-  c.eval_num_prompts, c.eval_samples = 8, 2  # 16 rows: two chunks of the rollout's 8
+  c.eval_num_prompts, c.eval_samples = 8, 2  # greedy: one chunk of the rollout's 8 rows; sampled: 2
   trainer = Trainer(build(c))
   s = trainer.setup
   params = init.init_params(s.model_cfg, jax.random.key(0))
@@ -148,14 +149,21 @@ def test_evaluation_samples_on_the_packed_weights_in_two_decode_programs():
   packed_policy = weights.prequantized_policy(s.sampler_policy, s.model_cfg)
   programs = _decode_program.cache_info().misses
   trainer.evaluate(params, jax.random.key(2))
-  assert _decode_program.cache_info().misses == programs + 2  # sampled chunks + greedy
-  sampled = _decode_program(s.model_cfg, packed_policy, s.sampling, s.plan, 1, 0)  # as generate calls it
-  assert sampled._cache_size() == 1  # the chunks ran on the packed weights' program
+  assert _decode_program.cache_info().misses == programs + 1  # greedy and sampled chunks
+  # The program generate calls for the chunks.
+  program = _decode_program(s.model_cfg, packed_policy, s.sampling, s.plan, 1, 0)
+  assert program._cache_size() == 1  # every chunk ran on the packed weights' one program
   key, qk = jax.random.key(3), s.trainer_policy.quant_key(jax.random.key(4))
-  out, _ = trainer._eval_samples(params, key, quant_key=qk, act_amax=None)[1]
   _, tokens, mask = trainer._eval_prompts()
-  tokens, mask = np.repeat(tokens, 2, 0)[8:], np.repeat(mask, 2, 0)[8:]
-  ref = Sampler(s.model_cfg, s.trainer_policy, s.sampling, plan=s.plan)(
-      params, jnp.asarray(tokens), jnp.asarray(mask), jax.random.fold_in(key, 1), quant_key=qk)
-  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  examples = list(range(8))
+  greedy, _ = trainer._decode_chunks(trainer._eval_weights(params), examples, tokens, mask, key,
+                                     quant_key=qk, act_amax=None, greedy=True)[0]
+  sampled, _ = trainer._eval_samples(params, key, quant_key=qk, act_amax=None)[1]
+  assert program._cache_size() == 1
+  rows = np.repeat(tokens, 2, 0)[8:], np.repeat(mask, 2, 0)[8:]
+  for out, config, (t, m), k in ((greedy, s.eval_sampling, (tokens, mask), key),
+                                 (sampled, s.sampling, rows, jax.random.fold_in(key, 1))):
+    ref = Sampler(s.model_cfg, s.trainer_policy, config, plan=s.plan)(
+        params, jnp.asarray(t), jnp.asarray(m), k, quant_key=qk)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

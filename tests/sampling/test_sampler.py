@@ -203,6 +203,24 @@ def test_sampler_is_deterministic_and_reuses_its_donated_cache():
   assert not np.array_equal(a.tokens, c.tokens)
 
 
+def test_runtime_greedy_flag_decodes_what_the_static_configs_decode_in_one_program():
+  """`greedy=True` on a temperature / top-k / top-p config decodes what temperature 0 decodes
+  (the raw logits' argmax, log q = 0), `greedy=False` what the config alone samples: every
+  output leaf bit for bit, both calls on one compiled program."""
+  from lowrl.sampling.generate import _decode_program
+  s = sampling.Sampler(TINY, FP32, TOPK_TOPP)
+  program = _decode_program(TINY, FP32, TOPK_TOPP, s.plan, 1, 0)
+  compiled = program._cache_size()
+  out = {g: s(_params(), PROMPTS16, PMASK16, jax.random.key(7), greedy=g) for g in (True, False)}
+  assert program._cache_size() == compiled + 1
+  static_greedy = SamplingConfig(max_new_tokens=N, temperature=0.0)
+  for flag, config in ((True, static_greedy), (False, TOPK_TOPP)):
+    ref = _generate(config, PROMPTS16, PMASK16, seed=7)
+    for a, b in zip(jax.tree.leaves(out[flag]), jax.tree.leaves(ref), strict=True):
+      np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(out[True].tokens, out[False].tokens)
+
+
 # ----------------------------------------------------------------------------------------------
 # Sampler / trainer mismatch under nvfp4_recipe.
 
@@ -294,6 +312,35 @@ def test_packed_rollout_weights(recipe_outs):
     np.testing.assert_array_equal(x, y)
   with pytest.raises(ValueError, match="trainer_params"):
     sampling.Sampler(TINY, RECIPE, RL, exact=True)(packed, prompts, mask, jax.random.key(3))
+
+
+def test_kernel_casts_ahead_of_the_decode_loop_change_no_bit(recipe_outs, monkeypatch):
+  """The decode program casts the kernels the forward only casts once, before its loop
+  (`weights.cast_kernels`), and decodes what it decodes casting them at every step, bit for bit.
+  Only kernels without a weight quantizer are cast: under the recipe itself layer 0's NVFP4
+  kernels stay FP32; once quantize_weights applied their quantizers, every kernel is cast."""
+  import importlib
+  from lowrl.sampling import weights
+  gen = importlib.import_module("lowrl.sampling.generate")
+  compute = {m.full_path: jnp.dtype(RECIPE.qdot_config(m.full_path).compute_dtype)
+             for m in weights._kernels(TINY)}
+  assert jnp.dtype(jnp.bfloat16) in set(compute.values())  # (the head computes in FP32)
+  q_params, q_policy = weights.quantize_weights(_params(), TINY, RECIPE)
+  for params, policy in ((_params(), RECIPE), (q_params, q_policy)):
+    cast = weights.cast_kernels(params, TINY, policy)
+    for m in weights._kernels(TINY):
+      quantized = policy.qdot_config(m.full_path).rhs is not None
+      assert layout.get_param(cast, m.param_keys).dtype == (
+          jnp.float32 if quantized else compute[m.full_path]), m.full_path
+      assert quantized == (policy is RECIPE and m.full_path.startswith("layers_0/"))
+  kv, _, _ = recipe_outs  # generate: the casts before the loop
+  monkeypatch.setattr(weights, "cast_kernels", lambda params, *_: params)
+  prompts, mask = jnp.tile(PROMPTS, (2, 1)), jnp.tile(PMASK, (2, 1))
+  cache = transformer.init_cache(TINY, 8, prompts.shape[1] + N, RECIPE.dtype)
+  per_step, _ = jax.jit(functools.partial(gen._decode, model_cfg=TINY, policy=RECIPE, config=RL))(
+      _params(), prompts, mask, jax.random.key(3), cache, None, None)
+  for x, y in zip(jax.tree.leaves(per_step), jax.tree.leaves(kv), strict=True):
+    np.testing.assert_array_equal(x, y)
 
 
 # ----------------------------------------------------------------------------------------------
