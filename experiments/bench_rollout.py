@@ -1,4 +1,5 @@
-r"""Compute per useful token of an RL step: shared prefill + decode compaction vs per-row + full.
+r"""Compute per useful token of an RL step: shared prefill + decode compaction vs per-row + full,
+and packed scoring and update (rl.pack_tokens) vs padded.
 
   python -m experiments.bench_rollout                      # (a) the main job, (b) long tail
   python -m experiments.bench_rollout --settings=tail --groups=1,4,8 --repeats=3
@@ -13,7 +14,10 @@ Paths: "before" = one prefill per row and one decode bucket (every row decodes u
 stops), the program before shared prefill and compaction; "after" = the loop's default: one prefill per prompt group
 (`generate`'s group_size) and decode compaction (`sampler_decode_min_rows`). Both sample the same
 tokens from the same keys (tests/sampling/test_shared_prefill.py, test_decode_compaction.py);
-the benchmark checks it on every round.
+the benchmark checks it on every round. "packed" = "after" + packed scoring and update (a second
+`Trainer` of the same config with rl.pack_tokens = --pack_width x the batch's width and
+rl.pack_rows = --pack_rows); it also times `score` (`Trainer.score` alone on the rollout) and
+reports the update's padding fraction (`pack/padding_frac`).
 
 Reported per setting, medians over rounds with [min-max], ratios taken per round (after/before, < 1
 = less):
