@@ -6,8 +6,7 @@ products in FP32); the adapters train at 10x the full fine-tuning learning rate 
 a rank-r update of the same size needs larger steps in A and B, the usual LoRA practice (QeRL
 and PEFT's examples run LoRA at several times the full fine-tuning rate). Same as
 `--config=configs/base.py:nvfp4_recipe --config.lora.rank=16 --config.lora.alpha=32
---config.optimizer.lr=2e-3 --config.lora.packed_base=True`. The packed base computes what the
-master base computes, bit for bit (docs/lora.md); it only holds it in 0.56 bytes per parameter.
+--config.optimizer.lr=2e-3`.
 """
 from configs import base
 
@@ -17,5 +16,4 @@ def get_config():
   c.lora.rank = 16
   c.lora.alpha = 32.0
   c.optimizer.lr = 2e-3
-  c.lora.packed_base = True  # the base's NVFP4 kernels held packed in the trainer too
   return c

@@ -140,6 +140,8 @@ class Trainer:
     self.weight_errors = jax.jit(
         lambda p: diagnostics.weight_quant_errors(p, setup.model_cfg, setup.trainer_policy),
         in_shardings=(p_sh,), out_shardings=repl)
+    if self._packed_base:  # the master weights are gone (and the frozen base's error is fixed)
+      self.weight_errors = lambda p: {}
 
   def with_adapters(self, base: Any) -> Any:
     """The run's initial params from its base: + fresh adapters (B = 0) in a LoRA run, drawn
