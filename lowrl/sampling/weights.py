@@ -108,8 +108,8 @@ def cast_kernels(params: Params, model_cfg: ModelConfig, policy: PrecisionPolicy
   for m in _kernels(model_cfg):
     cfg = policy.qdot_config(m.full_path)
     if cfg.rhs is None and not m.n_experts:
-      out = _set(out, m.param_keys,
-                 layout.get_param(params, m.param_keys).astype(cfg.compute_dtype))
+      out = layout.set_param(out, m.param_keys,
+                             layout.get_param(params, m.param_keys).astype(cfg.compute_dtype))
   return out
 
 
