@@ -57,3 +57,15 @@ def loop_config(recipe: str = "fp32", base_dir: str | None = None, *, steps: int
   c.mesh.rules = ()
   c.rl.log_kl_ref = False
   return c
+
+
+def sgd_gradient(update, params, ref_params, batch):
+  """One jitted RL update built with `optax.sgd(1.0)`: (params - new params = the gradient, as
+  float64 leaves (up to the subtraction's rounding); its metrics as floats)."""
+  import jax
+  import numpy as np
+  import optax
+  new, _, m = update(params, optax.sgd(1.0).init(params), ref_params, batch, jax.random.key(0))
+  g = [np.asarray(a, np.float64) - np.asarray(b, np.float64)
+       for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(new))]
+  return g, {k: float(v) for k, v in m.items()}

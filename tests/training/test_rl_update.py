@@ -53,11 +53,7 @@ def _update(aggregation: str, micro_batches: int):
 
 def _grad(aggregation, micro_batches, params, batch):
   """(-update as the gradient, float64 leaves; metrics)."""
-  _, update = _update(aggregation, micro_batches)
-  new, _, m = update(params, optax.sgd(1.0).init(params), None, batch, jax.random.key(0))
-  g = [np.asarray(a, np.float64) - np.asarray(b, np.float64)
-       for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(new))]
-  return g, {k: float(v) for k, v in m.items()}
+  return tiny.sgd_gradient(_update(aggregation, micro_batches)[1], params, None, batch)
 
 
 # Each aggregation with one split (every micro-batch program is its own compile): 2 and 4
