@@ -21,7 +21,6 @@ fusion emitters, as in production).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 
@@ -31,7 +30,6 @@ _OPTION = ("xla_cpu_use_fusion_emitters", False)
 # The variable that makes a launched Python process install it (tests/launched/sitecustomize.py).
 ENV = "LOWRL_TEST_ELEMENTAL_EMITTER"
 _SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launched")
-_paused = False  # True inside `production_emitters()`
 
 
 def install() -> None:
@@ -43,35 +41,13 @@ def install() -> None:
   original = compiler.compile_or_get_cached
 
   def compile_or_get_cached(backend, computation, devices, compile_options, *args, **kwargs):
-    if backend.platform == "cpu" and not _paused and not _SUB_BYTE.search(
+    if backend.platform == "cpu" and not _SUB_BYTE.search(
         computation.operation.get_asm(large_elements_limit=16)):
       compile_options.env_option_overrides = [*compile_options.env_option_overrides, _OPTION]
     return original(backend, computation, devices, compile_options, *args, **kwargs)
 
   compile_or_get_cached._elemental_emitter = True  # noqa: SLF001
   compiler.compile_or_get_cached = compile_or_get_cached
-
-
-@contextlib.contextmanager
-def production_emitters():
-  """Every program compiled inside with XLA:CPU's fusion emitters, as in production.
-
-  For a bit-for-bit comparison of two programs that compute the same numbers but of which only
-  one holds a sub-byte type (e.g. a base held as packed E2M1 codes against the same base in FP32):
-  outside, that one keeps the fusion emitters while the other gets the elemental emitter, and the
-  two emitters differ by ulps (module docstring). jax's in-memory caches are cleared on entry and
-  exit, so no executable crosses the boundary (the persistent cache's key holds the option).
-  """
-  import jax  # noqa: PLC0415 - after conftest set XLA_FLAGS
-
-  global _paused
-  jax.clear_caches()
-  _paused = True
-  try:
-    yield
-  finally:
-    _paused = False
-    jax.clear_caches()
 
 
 def child_env(env: dict[str, str]) -> dict[str, str]:
