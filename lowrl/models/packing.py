@@ -148,30 +148,36 @@ def micro_batch(pk: PackPlan, tokens_BT: jax.Array, j: jax.Array, rows: int, wid
 
 def unpack(pk: PackPlan, values_RL: jax.Array, j: jax.Array, rows: int,
            shape_BT: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
-  """(values in the padded [B, T] layout, float32 [B, T] 1 where micro-batch j holds the token);
-  0 elsewhere."""
+  """(values [S rows, L, ...] in the padded [B, T, ...] layout, float32 [B, T] 1 where
+  micro-batch j holds the token); 0 elsewhere."""
   shards = pk.src_SN.shape[0]
-  n = values_RL.size // shards
+  n = values_RL.shape[0] * values_RL.shape[1] // shards
   local_SM = pk.dest_SM - j * n
   inside_SM = (local_SM >= 0) & (local_SM < n)
-  out_SM = _gather_S(values_RL.reshape(shards, n), jnp.where(inside_SM, local_SM, n), 0)
-  return out_SM.reshape(shape_BT), inside_SM.reshape(shape_BT).astype(jnp.float32)
+  out_SM = _gather_S(values_RL.reshape((shards, n) + values_RL.shape[2:]),
+                     jnp.where(inside_SM, local_SM, n), 0)
+  return (out_SM.reshape(tuple(shape_BT) + values_RL.shape[2:]),
+          inside_SM.reshape(shape_BT).astype(jnp.float32))
 
 
-def packed_scores(score_fn: Callable[[PackedTokens], jax.Array], pk: PackPlan,
-                  tokens_BT: jax.Array, rows: int, width: int, routing: Any = None) -> jax.Array:
-  """[B, T] per-token scores (`score_fn` of a packed micro-batch -> [S rows, width]) over the
-  micro-batches in use (a loop of traced length), in the padded layout; 0 on padding."""
-  def body(j, acc_BT):
+def packed_scores(score_fn: Callable[[PackedTokens], Any], pk: PackPlan, tokens_BT: jax.Array,
+                  rows: int, width: int, routing: Any = None) -> Any:
+  """Per-token scores (`score_fn` of a packed micro-batch -> [S rows, width, ...], or a tree of
+  such arrays, e.g. MoE expert ids) over the micro-batches in use (a loop of traced length), in
+  the padded layout [B, T, ...]; 0 on padding."""
+  def body(j, acc):
     mb = micro_batch(pk, tokens_BT, j, rows, width, routing)
-    return acc_BT + unpack(pk, score_fn(mb), j, rows, tokens_BT.shape)[0]
+    return jax.tree.map(lambda a, v: a + unpack(pk, v, j, rows, tokens_BT.shape)[0], acc,
+                        score_fn(mb))
 
-  return jax.lax.fori_loop(0, micro_batches(pk, rows), body,
-                           jnp.zeros(tokens_BT.shape, jnp.float32))
+  shapes = jax.eval_shape(score_fn, micro_batch(pk, tokens_BT, jnp.zeros((), jnp.int32), rows,
+                                                width, routing))
+  zeros = jax.tree.map(lambda s: jnp.zeros(tokens_BT.shape + s.shape[2:], s.dtype), shapes)
+  return jax.lax.fori_loop(0, micro_batches(pk, rows), body, zeros)
 
 
-def scores(score_fn: Callable[[PackedTokens], jax.Array], cfg: PackConfig, tokens_BT: jax.Array,
-           mask_BT: jax.Array, shards: int, routing: Any = None) -> jax.Array:
+def scores(score_fn: Callable[[PackedTokens], Any], cfg: PackConfig, tokens_BT: jax.Array,
+           mask_BT: jax.Array, shards: int, routing: Any = None) -> Any:
   """`packed_scores` of a batch packed by `cfg` (its own `plan`)."""
   width, rows = cfg.layout(*tokens_BT.shape, shards)
   return packed_scores(score_fn, plan(mask_BT, width, shards), tokens_BT, rows, width, routing)

@@ -62,29 +62,33 @@ def record_routing(params: Any, tokens_BT: jax.Array, model_cfg: ModelConfig,
                    policy: PrecisionPolicy, *, mask_BT: jax.Array | None = None,
                    quant_key: jax.Array | None = None,
                    replay: Routing | None = None,
-                   act_amax: blocks.ActAmax | None = None
+                   act_amax: blocks.ActAmax | None = None,
+                   segment_ids_BT: jax.Array | None = None
                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """(FP32 logits [B, T, V], the routing this forward used); with `replay` it uses that one.
-  `act_amax`: static activation scales, as in `transformer.forward`."""
+  `act_amax`: static activation scales, as in `transformer.forward`; `segment_ids_BT`: packed
+  rows, in place of `mask_BT` (`transformer.model_inputs`)."""
   _check(model_cfg)
   logits_BTV, used, _ = _apply(params, tokens_BT, model_cfg, policy, mask_BT, quant_key, replay,
-                               True, act_amax)
+                               True, act_amax, segment_ids_BT)
   return logits_BTV, used
 
 
 def forward_routed(params: Any, tokens_BT: jax.Array, model_cfg: ModelConfig,
                    policy: PrecisionPolicy, replay: Routing | None, *,
-                   mask_BT: jax.Array | None = None, quant_key: jax.Array | None = None
+                   mask_BT: jax.Array | None = None, quant_key: jax.Array | None = None,
+                   segment_ids_BT: jax.Array | None = None
                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """(FP32 logits [B, T, V], the routing the model's own routers chose in this forward).
 
   With `replay` the tokens go to those experts (combine weights from this forward's softmax),
   and the returned routing is what each layer's router would have picked instead: the
   trainer's side of the flip metric. None: the model's own routing (used = chosen).
+  `segment_ids_BT`: packed rows, as in `record_routing`.
   """
   _check(model_cfg)
   logits_BTV, _, own = _apply(params, tokens_BT, model_cfg, policy, mask_BT, quant_key, replay,
-                              True)
+                              True, segment_ids_BT=segment_ids_BT)
   return logits_BTV, own
 
 

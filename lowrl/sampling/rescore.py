@@ -53,9 +53,18 @@ def _score_rows(params, tokens_BL, mask_BL, quant_key, act_amax, model_cfg, poli
   if config is None:
     return logprobs.token_logprobs(params, tokens_BL, model_cfg, policy, mask_BT=mask_BL, **kw)
   logits_BLV = transformer.forward(params, tokens_BL, model_cfg, policy, mask_BT=mask_BL, **kw)
+  return logq_of_logits(logits_BLV, tokens_BL, mask_BL, config)
+
+
+def logq_of_logits(logits_BLV: jax.Array, tokens_BL: jax.Array, mask_BL: jax.Array,
+                   config: SamplingConfig) -> jax.Array:
+  """log q of each token under `config`'s transform of the logits predicting it ([B, L], 0 at
+  the first column; an integer `mask_BL` holds packed rows' segment ids: 0 across segments)."""
+  if not config.modifies_distribution:
+    return logprobs.logprobs_from_logits(logits_BLV, tokens_BL, mask_BL)[0]
   logq_BL = sampling_logprobs(logits_BLV[:, :-1], tokens_BL[:, 1:], config)
-  if seg is not None:  # no prediction across segments (`logprobs._align`)
-    logq_BL = jnp.where((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0), logq_BL, 0.0)
+  if jnp.issubdtype(mask_BL.dtype, jnp.integer):  # no prediction across segments (`_align`)
+    logq_BL = jnp.where((mask_BL[:, 1:] == mask_BL[:, :-1]) & (mask_BL[:, 1:] > 0), logq_BL, 0.0)
   return jnp.pad(logq_BL, ((0, 0), (1, 0)))
 
 

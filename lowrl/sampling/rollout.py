@@ -49,7 +49,7 @@ class Sampler:
                pack: packing.PackConfig | None = None):
     config.check(model_cfg)
     self.decode_min_rows = decode_min_rows  # decode compaction's smallest bucket (`generate`)
-    self.pack = pack  # exact mode's rescore on packed rows (`rescore`)
+    self.pack = pack  # exact mode's rescore and the routing record on packed rows
     if record_routing and not model_cfg.is_moe:
       raise ValueError("record_routing needs a mixture-of-experts model (n_experts > 0).")
     self.record_routing = record_routing
@@ -94,5 +94,5 @@ class Sampler:
       key = quant_key if trainer_quant_key is None else trainer_quant_key
       out = replay.record(out, params if trainer_params is None else trainer_params,
                           model_cfg=self.model_cfg, policy=self.policy, quant_key=key,
-                          plan=self.plan, act_amax=act_amax)
+                          plan=self.plan, act_amax=act_amax, pack=self.pack)
     return out

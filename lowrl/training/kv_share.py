@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from lowrl.models import blocks, kv_cache
+from lowrl.models import blocks, kv_cache, packing
 from lowrl.models.config import ModelConfig
 from lowrl.precision import PrecisionPolicy
 from lowrl.rl.mismatch import mismatch_metrics
@@ -25,13 +25,15 @@ from lowrl.sharding import ShardingPlan
 def kv_share_metrics(out: SampleOutput, sampler_params: Any, *, model_cfg: ModelConfig,
                      policy: PrecisionPolicy, config: SamplingConfig,
                      quant_key: jax.Array | None, plan: ShardingPlan | None,
-                     act_amax: blocks.ActAmax | None) -> dict[str, jax.Array]:
+                     act_amax: blocks.ActAmax | None,
+                     pack: packing.PackConfig | None = None) -> dict[str, jax.Array]:
   """`kv/<mismatch metric>` of log q with the quantized KV cache of `policy` vs the same policy
   with an unquantized cache, over the completion tokens; {} when `policy`'s cache is unquantized.
-  `quant_key`, `plan`, `act_amax`: the sampler's (as its exact-mode rescore gets them)."""
+  `quant_key`, `plan`, `act_amax`, `pack`: the sampler's (as its exact-mode rescore gets them;
+  static K/V scales are row-local, so packed rows quantize K and V as padded ones do)."""
   if not kv_cache.quantized(policy.kv_cache):
     return {}
   scores = [rescore(out, sampler_params, model_cfg=model_cfg, policy=p, config=config,
-                    quant_key=quant_key, plan=plan, act_amax=act_amax).logprobs
+                    quant_key=quant_key, plan=plan, act_amax=act_amax, pack=pack).logprobs
             for p in (policy, dataclasses.replace(policy, kv_cache="none"))]
   return {f"kv/{k}": v for k, v in mismatch_metrics(*scores, out.completion_mask).items()}

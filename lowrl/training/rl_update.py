@@ -86,9 +86,9 @@ class UpdateConfig:
       raise ValueError(f"rl.num_minibatches must be >= 1, got {self.num_minibatches}.")
     if self.micro_batches < 1:
       raise ValueError(f"rl.micro_batches must be >= 1, got {self.micro_batches}.")
-    if self.pack is not None and (self.num_minibatches > 1 or self.micro_batches > 1):
-      raise ValueError("rl.pack_tokens makes its own micro-batches (rl.pack_rows packed rows); "
-                       "set rl.num_minibatches=1 and rl.micro_batches=1, or rl.pack_tokens=0.")
+    if self.pack is not None and self.micro_batches > 1:
+      raise ValueError("rl.pack_tokens makes its own micro-batches (rl.pack_rows packed rows "
+                       "per data shard); set rl.micro_batches=1, or rl.pack_tokens=0.")
     if self.old_logp_source not in OLD_LOGP_SOURCES:
       raise ValueError(f"rl.old_logp_source={self.old_logp_source!r}; use one of "
                        f"{OLD_LOGP_SOURCES}.")
@@ -188,6 +188,19 @@ def _part(tree, j):
       jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False), tree))
 
 
+def _minibatch_plans(cfg: UpdateConfig, mask_BT: jax.Array, pack, shards: int):
+  """(plans stacked over the minibatches, rows, width, micro-batches [n]): each minibatch (its
+  `_strided` part, b / n rows of every shard) packed on its own, its micro-batches by the same
+  token budget. One minibatch: the batch's plan itself."""
+  pk, rows, width, n_micro = pack
+  n = cfg.num_minibatches
+  if n == 1:
+    return jax.tree.map(lambda x: x[None], pk), rows, width, n_micro[None]
+  mb_rows = cfg.pack.layout(mask_BT.shape[0] // n, mask_BT.shape[1], shards)[1]
+  plans = jax.vmap(lambda m: packing.plan(m, width, shards), in_axes=1)(_strided(mask_BT, n))
+  return plans, mb_rows, width, jax.vmap(lambda p: packing.micro_batches(p, mb_rows))(plans)
+
+
 # `policy_loss` metrics that are aggregated like the loss; the others are token means.
 _AGGREGATED_METRICS = ("pg_loss",)
 
@@ -204,7 +217,9 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
   draws evenly from every data shard); `micro_batches` = k splits each minibatch the same way
   and sums the k gradients, each micro-batch's loss weighted by its share of the aggregation's
   denominator (`aggregation_denominator`), so the accumulated loss and gradient are the
-  minibatch's up to FP32 summation order.
+  minibatch's up to FP32 summation order. `pack` (rl.pack_tokens): pi_old and the reference
+  are scored on the batch's packed rows; each minibatch is packed by a plan of its own and its
+  gradient summed over its packed micro-batches, weighted the same way.
   """
 
   def update(params, opt_state, ref_params, batch: RLBatch, key: jax.Array):
@@ -227,12 +242,13 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
         return p
       return compute_cast.stochastic_cast(p, cfg.compute_cast, compute_cast.update_key(key, i))
 
-    pack = None
-    if cfg.pack is not None:  # packed rows: one plan for the batch, reused by every forward
+    pack = mb_pack = None
+    if cfg.pack is not None:  # packed rows: one plan for the batch (its scores)...
       shards = 1 if plan is None else plan.batch_shards
       width, rows = cfg.pack.layout(*batch.tokens_BT.shape, shards)
       pk = packing.plan(batch.input_mask_BT, width, shards)
       pack = (pk, rows, width, packing.micro_batches(pk, rows))
+      mb_pack = _minibatch_plans(cfg, batch.input_mask_BT, pack, shards)
 
     def scores(p):  # pi_old / the reference: logp of the batch's tokens, padded layout
       if pack is None:
@@ -273,10 +289,13 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
       m["entropy"] = jax.lax.stop_gradient(masked_mean(entropy_BT, mb_batch.loss_mask_BT))
       return loss, m
 
-    def packed_loss_and_grads(p, b):
-      """`loss_and_grads` over packed micro-batches (a loop of traced length): each one's loss
-      is the padded layout's on the tokens it holds, weighted as `micro_batches` weights."""
-      pk, rows, width, n_micro = pack
+    def packed_loss_and_grads(p, b, i):
+      """`loss_and_grads` over minibatch `i`'s packed micro-batches (a loop of traced length):
+      each one's loss is the padded layout's on the tokens it holds, weighted as
+      `micro_batches` weights."""
+      plans_k, rows, width, n_micro_k = mb_pack
+      pk = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), plans_k)
+      n_micro = n_micro_k[i]
       mb_batch, agg = b["batch"], cfg.loss.aggregation
       mask_BT = mb_batch.loss_mask_BT
       den_agg, den_tok = aggregation_denominator(mask_BT, agg), masked_count(mask_BT)
@@ -308,9 +327,9 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
       grads = jax.tree.map(lambda a, x: a.astype(x.dtype), g_sum, p)
       return (m.pop("loss"), m), grads
 
-    def loss_and_grads(p, b):
+    def loss_and_grads(p, b, i):
       if pack is not None:
-        return packed_loss_and_grads(p, b)
+        return packed_loss_and_grads(p, b, i)
       if cfg.micro_batches == 1:
         return jax.value_and_grad(loss_fn, has_aux=True)(p, b)
       agg = cfg.loss.aggregation
@@ -339,7 +358,7 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
       p, o = carry
       b = _part(minibatches, i % cfg.num_minibatches)
       # The gradient at the compute copy is the master's (the cast passes it straight through).
-      (loss, m), grads = loss_and_grads(compute_weights(p, i), b)
+      (loss, m), grads = loss_and_grads(compute_weights(p, i), b, i % cfg.num_minibatches)
       grad_norm = optax.tree.norm(grads)
       new_p, new_o = apply_update(tx, p, grads, o, master_rounding=cfg.master_rounding,
                                   key=jax.random.fold_in(key_opt, i), step_scale=step_scale)
@@ -361,12 +380,13 @@ def make_rl_update(logprob_fn, tx: optax.GradientTransformation, cfg: UpdateConf
                     mismatch_metrics(logp_sampler_BT, logp_trainer_BT, mask_BT).items()})
     metrics.update({f"correction/{k}": v for k, v in corr_metrics.items()})
     metrics["correction/outside_support_frac"] = outside_support_frac
-    # Padding among the token slots each forward of the update computes.
+    # Padding among the token slots the update's forwards compute in one pass over the batch.
+    n_micro = None if pack is None else jnp.sum(mb_pack[3])  # over the minibatches
     slots = jnp.asarray(batch.tokens_BT.size) if pack is None else (
-        pack[3] * pack[1] * pack[2] * pack[0].src_SN.shape[0])
+        n_micro * mb_pack[1] * mb_pack[2] * pack[0].src_SN.shape[0])
     metrics["pack/padding_frac"] = packing.padding_fraction(batch.input_mask_BT, slots)
     if pack is not None:
-      metrics["pack/micro_batches"] = pack[3].astype(jnp.float32)
+      metrics["pack/micro_batches"] = n_micro.astype(jnp.float32)
     return params, opt_state, metrics
 
   return update

@@ -29,7 +29,8 @@ def trainer_scores(trainer: Any, out: SampleOutput, sampler_params: Any, params:
 
   def routed(p, replayed):
     return replay.score(out, p, model_cfg=setup.model_cfg, policy=policy, config=setup.sampling,
-                        replay=replayed, quant_key=qk, plan=trainer.plan)
+                        replay=replayed, quant_key=qk, plan=trainer.plan,
+                        pack=setup.update_cfg.pack)
 
   recorded = trainer.sampler_scored_pi_old(sampler_params, params, stale)
   logq_now, own = routed(params, on)

@@ -165,7 +165,8 @@ TRAIN_RL = RL.extended(
     *_SAMPLING_KNOBS,
     knob("pack_tokens", "packed update and scoring: sequences (no padding) packed into rows "
          "of this many tokens (>= prompt width + max_new_tokens), attention and positions per "
-         "sequence (lowrl/models/packing.py); needs num_minibatches = micro_batches = 1; "
+         "sequence (lowrl/models/packing.py), each PPO minibatch packed on its own; needs "
+         "micro_batches = 1 (packing makes its own micro-batches); "
          "0 = padded rows", NON_NEGATIVE),
     knob("pack_rows", "packed rows per data shard in one micro-batch (its token budget: "
          "pack_rows * pack_tokens); the update accumulates gradients over the micro-batches "

@@ -292,6 +292,17 @@ def memory_estimate(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
       packed_base_bytes=packed_base_bytes)
 
 
+def _update_micro_batch(rl: ml_collections.ConfigDict, shards: int, seq_len: int
+                        ) -> tuple[int, int]:
+  """(rows, columns) of one forward/backward of the update: a minibatch / rl.micro_batches of
+  padded rows, or with rl.pack_tokens rl.pack_rows packed rows of rl.pack_tokens per data shard
+  (at most the minibatch's rows: `packing.PackConfig.layout`)."""
+  minibatch = rl.num_prompts * rl.group_size // rl.num_minibatches
+  if not rl.pack_tokens:
+    return minibatch // rl.micro_batches, seq_len
+  return min(rl.pack_rows * shards, minibatch), rl.pack_tokens
+
+
 def _expert_parallel(model_cfg: ModelConfig, plan: sharding.ShardingPlan) -> int:
   """Devices of the mesh's expert axis, where the routed experts are split over it."""
   e = dict(plan.mesh.shape).get(sharding.EXPERT, 1)
@@ -427,11 +438,7 @@ def _mesh_plan(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
                    "a micro-batch (a minibatch / rl.micro_batches)")
   plan.check_batch(cfg.eval_num_prompts, "eval_num_prompts")
   plan.param_specs(init.param_shapes(model_cfg))  # rule/shape mismatches raise here
-  # A packed update's forwards run on micro-batches of rl.pack_rows rows of rl.pack_tokens per
-  # data shard.
-  micro = ((rows // cfg.rl.num_minibatches // cfg.rl.micro_batches, seq_len)
-           if not cfg.rl.pack_tokens else
-           (min(cfg.rl.pack_rows * plan.batch_shards, rows), cfg.rl.pack_tokens))
+  micro = _update_micro_batch(cfg.rl, plan.batch_shards, seq_len)
   for what, policy in (("precision", trainer_policy), ("sampler precision", sampler_policy)):
     quant_blocks.check_quant_blocks(policy, model_cfg, plan, seq_len=micro[1], what=what,
                                     rows=micro[0])

@@ -416,7 +416,8 @@ class Trainer:
                      "kv": kv_share_metrics(  # {} without a quantized KV cache
                          out, sampler_params, model_cfg=self.setup.model_cfg,
                          policy=self.setup.sampler_policy, config=self.setup.sampling,
-                         quant_key=sampler_qk, plan=self.plan, act_amax=act_amax)}
+                         quant_key=sampler_qk, plan=self.plan, act_amax=act_amax,
+                         pack=self.setup.update_cfg.pack)}
 
   def sampler_scored_pi_old(self, sampler_params, params, stale: bool) -> bool:
     """Whether the sampler's recorded logprobs are provably the trainer's pi_old, so `rollout`

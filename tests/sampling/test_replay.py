@@ -82,3 +82,42 @@ def test_refusals(rollout):
                               norm_topk_prob=False, shared_expert_d_ff=0)
   with pytest.raises(ValueError, match="mixture-of-experts"):
     Sampler(dense, policy_for("fp32", layout.matmuls(dense)), CONFIG, record_routing=True)
+
+
+def test_packed_record_and_scores_match_the_padded_ones(rollout):
+  """rl.pack_tokens: the routing record and `replay.score` (own routing and replayed) on packed
+  rows (lowrl.models.packing: several sequences per row, segment-aware attention and positions)
+  = the padded programs' per real token: expert ids equal, log q within 2e-5 (the FP32
+  reassociation bound tests/training/test_packed_update.py states). Replaying forced experts
+  moves log q by > 1e-2, so an id that did not travel with its token would show."""
+  from lowrl.models.packing import PackConfig
+  params, policy, out = rollout
+  col, p = jnp.arange(out.tokens.shape[1]), out.prompt_width
+  # Lengths 11, 4, 2, 7 (left padding, cut completions): rows of 14 hold [11 + 2], [4 + 7].
+  pm = out.prompt_mask * (col >= jnp.asarray([0, 2, 3, 1])[:, None])
+  cm = out.completion_mask * (col < p + jnp.asarray([6, 1, 0, 3])[:, None])
+  out = out.replace(prompt_mask=pm, completion_mask=cm, logprobs=out.logprobs * cm)
+  pack = PackConfig(14, rows=1)  # two micro-batches of one packed row
+  real = np.asarray(out.attention_mask) > 0
+  comp = np.asarray(cm) > 0
+
+  def same_ids(a, b):
+    for k in a:
+      np.testing.assert_array_equal(np.asarray(a[k])[real], np.asarray(b[k])[real])
+
+  recorded = [replay.record(out, params, model_cfg=MOE, policy=policy, pack=pk).routing
+              for pk in (None, pack)]
+  same_ids(*recorded)
+  forced = out.replace(routing={k: (v + 1) % MOE.n_experts for k, v in recorded[0].items()})
+  for o, on in ((out, False), (forced, True)):
+    (logq, own), (logq_pk, own_pk) = (
+        replay.score(o, params, model_cfg=MOE, policy=policy, config=CONFIG, replay=on, pack=pk)
+        for pk in (None, pack))
+    assert np.abs(np.asarray(logq)[comp]).max() > 0.5
+    np.testing.assert_allclose(np.asarray(logq_pk)[comp], np.asarray(logq)[comp], rtol=0,
+                               atol=2e-5)
+    same_ids(own, own_pk)
+  forced_logq = replay.score(forced, params, model_cfg=MOE, policy=policy, config=CONFIG,
+                             replay=True)[0]
+  assert float(jnp.abs(forced_logq - replay.score(out, params, model_cfg=MOE, policy=policy,
+                                                  config=CONFIG, replay=False)[0]).max()) > 1e-2

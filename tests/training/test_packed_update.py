@@ -123,16 +123,17 @@ def test_segments_do_not_attend_across_sequences():
 
 
 @functools.lru_cache(maxsize=None)
-def _update(aggregation: str, pack_tokens: int):
-  setup = _setup(aggregation=aggregation)
+def _update(aggregation: str, pack_tokens: int, minibatches: int = 1):
+  setup = _setup(aggregation=aggregation, num_minibatches=minibatches)
   cfg = dataclasses.replace(setup.update_cfg, pack=packing.PackConfig(pack_tokens, rows=2)
                             if pack_tokens else None)
   return setup, jax.jit(make_rl_update(make_logprob_fn(setup.model_cfg, setup.trainer_policy),
                                        optax.sgd(1.0), cfg))
 
 
-def _grad(aggregation, pack_tokens, params, batch):
-  return tiny.sgd_gradient(_update(aggregation, pack_tokens)[1], params, params, batch)
+def _grad(aggregation, pack_tokens, params, batch, minibatches=1):
+  return tiny.sgd_gradient(_update(aggregation, pack_tokens, minibatches)[1], params, params,
+                           batch)
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
@@ -161,6 +162,30 @@ def test_packed_update_matches_the_padded_update(aggregation):
     assert m_pack[key] == pytest.approx(v, rel=1e-4, abs=1e-5), key
 
 
+def test_packed_update_with_two_minibatches_matches_the_padded_update():
+  """rl.num_minibatches=2: each minibatch (rows i, i + 2, ...) packed by its own plan, its
+  gradient accumulated over its own micro-batches; two SGD steps (lr 1), so params - new =
+  g(p) of minibatch 0 + g(p - g(p)) of minibatch 1. Same bound as above: both programs compute
+  that function; the second gradient is taken at points that differ by the first's FP32 gap
+  (~1e-7), which moves it by ~1e-7 x the loss's curvature, far inside the bound."""
+  setup, _ = _update("token_mean", 0, 2)
+  params = jax.tree.map(np.asarray, init.init_params(setup.model_cfg, jax.random.key(0)))
+  batch = _batch(setup)
+  t = batch.tokens_BT.shape[1]
+  g_pad, m_pad = _grad("token_mean", 0, params, batch, 2)
+  g_pack, m_pack = _grad("token_mean", t + 4, params, batch, 2)
+  # 8 sequences per minibatch, at most 2 per packed row, 2 rows per micro-batch: >= 2 each.
+  assert m_pack["pack/micro_batches"] >= 4
+  assert m_pack["pack/padding_frac"] < m_pad["pack/padding_frac"]
+  g_one, _ = _grad("token_mean", 0, params, batch)  # one minibatch: another gradient
+  assert max(np.abs(a - b).max() for a, b in zip(g_one, g_pad)) > 1e-3
+  for gp, gq in zip(g_pad, g_pack):
+    np.testing.assert_array_less(np.abs(gq - gp), 1e-4 * (1 + np.abs(gp)))
+  for key, v in m_pad.items():
+    if not key.startswith("pack/"):
+      assert m_pack[key] == pytest.approx(v, rel=1e-4, abs=1e-5), key
+
+
 def test_pack_tokens_checks():
   cfg = tiny.loop_config("fp32")
   cfg.rl.update(num_prompts=4, group_size=4, pack_tokens=3)
@@ -170,7 +195,9 @@ def test_pack_tokens_checks():
   cfg.rl.update(pack_tokens=4096, micro_batches=2)
   with pytest.raises(ValueError, match="rl.pack_tokens makes its own micro-batches"):
     schema.TRAIN.validate(cfg)
-  cfg.rl.update(pack_tokens=-1, micro_batches=1)
+  cfg.rl.update(micro_batches=1, num_minibatches=2)
+  schema.TRAIN.validate(cfg)  # minibatches are packed one by one
+  cfg.rl.update(pack_tokens=-1, num_minibatches=1)
   with pytest.raises(ValueError, match="pack_tokens"):
     schema.TRAIN.validate(cfg)
 
@@ -256,20 +283,34 @@ def test_trainer_scores_and_step_on_8_devices_match_the_padded_path():
       assert metrics["packed"][key] == pytest.approx(v, rel=1e-4, abs=1e-5), key
 
 
-def test_moe_routing_replay_packed_step_matches_the_padded_step():
-  """MoE with routing replay: the recorded expert ids travel with their tokens into the packed
-  rows (a misplaced id would change the logprobs by O(1)); the step's metrics as above."""
+def test_moe_routing_replay_packed_rollout_and_step_match_the_padded_ones():
+  """MoE with routing replay, rl.num_minibatches=2, 8 devices: the packed trainer's rollout (its
+  routing record and replayed pi_old on packed rows) = the padded one's (ids equal per real
+  token, pi_old within ATOL); in the step the recorded expert ids travel with their tokens into
+  each minibatch's packed rows (a misplaced id would change the logprobs by O(1)); the step's
+  metrics as above."""
   padded, packed = _trainers(dict(n_experts=4, n_experts_per_tok=2, moe_d_ff=32,
-                                  norm_topk_prob=True), routing_replay=True, log_kl_ref=False)
+                                  norm_topk_prob=True), routing_replay=True, log_kl_ref=False,
+                             num_minibatches=2)
   params = init.init_params(padded.setup.model_cfg, jax.random.key(0))
-  rollout, _ = padded.rollout(params, params, 0, jax.random.key(1), stale=False)
-  assert rollout.out.routing is not None
-  rollout = rollout._replace(out=_shortened(rollout.out))
+  rollouts = [tr.rollout(params, params, 0, jax.random.key(1), stale=False)[0]
+              for tr in (padded, packed)]
+  outs = [r.out for r in rollouts]
+  np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
+  real = np.asarray(outs[0].attention_mask) > 0
+  comp = np.asarray(outs[0].completion_mask) > 0
+  for k in outs[0].routing:
+    np.testing.assert_array_equal(np.asarray(outs[1].routing[k])[real],
+                                  np.asarray(outs[0].routing[k])[real])
+  np.testing.assert_allclose(np.asarray(rollouts[1].logp_now_BT)[comp],
+                             np.asarray(rollouts[0].logp_now_BT)[comp], rtol=0, atol=ATOL)
+  rollout = rollouts[0]._replace(out=_shortened(outs[0]))
   metrics = {}
   for name, tr in (("padded", padded), ("packed", packed)):
     p = jax.tree.map(jnp.copy, params)
     _, _, m = tr.step(p, tr.init_opt_state(p), None, rollout, jax.random.key(2))
     metrics[name] = {k: float(v) for k, v in m.items()}
+  assert metrics["packed"]["pack/micro_batches"] >= 2  # one per minibatch at least
   for key, v in metrics["padded"].items():
     if not key.startswith("pack/"):
       assert metrics["packed"][key] == pytest.approx(v, rel=1e-4, abs=1e-5), key
