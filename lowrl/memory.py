@@ -217,7 +217,8 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
              kv_cache_dtype: str = "bfloat16", sampler_batch: int | None = None,
              ppo_epochs: int = 1, score_forwards: int = 1,
              minibatches: int = 1, expert_parallel: int = 1,
-             adapter_params: int = 0, packed_base_bytes: float = 0.0) -> MemoryEstimate:
+             adapter_params: int = 0, packed_base_bytes: float = 0.0,
+             packed_micro_batch: tuple[int, int] | None = None) -> MemoryEstimate:
   """Per-device memory and per-step FLOPs of GRPO-style RL on `model_cfg` (module docstring).
 
   Args:
@@ -248,6 +249,13 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
       (lowrl.training.lora_update.pack_base; `quant.packing.bytes_per_param`, e.g. NVFP4 ~0.56)
       for its block linears (attention and MLP kernels, experts included); the embedding, the
       head and the norms stay in param_dtype. 0 = the base in param_dtype. Needs adapter_params.
+    packed_micro_batch: (rows, columns) of the update's packed micro-batch (rl.pack_tokens:
+      rl.pack_rows rows per data device of rl.pack_tokens columns; lowrl.models.packing): the
+      activations are one such micro-batch's, rows x columns tokens and per row H x columns^2
+      scores (a packed row attends densely over its width), in place of micro_batch sequences
+      of seq_len; the gradients are counted twice (the update accumulates over the packed
+      micro-batches in use). None = padded rows. The FLOPs stay the padded batch's (what packing
+      saves depends on the lengths).
   """
   cfg = model_cfg
   for flag, value, minimum in (("batch", batch, 1), ("micro_batch", micro_batch, 1),
@@ -304,7 +312,13 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
                       + math.ceil(n_blocks * packed_base_bytes) + adapter_params * b)
   trained = (lambda b: adapter_params * b) if adapter_params else per_device  # noqa: E731
   params = held(p_bytes)
-  grads = trained(p_bytes) * (2 if micro_batch < step_batch else 1)
+  if packed_micro_batch is not None:
+    if (not isinstance(packed_micro_batch, tuple) or len(packed_micro_batch) != 2
+        or any(not isinstance(a, int) or a < 1 for a in packed_micro_batch)):
+      raise ValueError(f"packed_micro_batch must be (rows, columns) positive ints, got "
+                       f"{packed_micro_batch!r}.")
+  accumulates = micro_batch < step_batch or packed_micro_batch is not None
+  grads = trained(p_bytes) * (2 if accumulates else 1)
   optimizer = 2 * trained(o_bytes)
   reference = held(r_bytes) if keep_reference else 0
   versions = async_versions * held(a_bytes)
@@ -323,15 +337,17 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
   kv_heads = _split(cfg.n_kv_heads, cfg.n_kv_heads, model)
   kv_cache = 2 * L * rows * T * kv_heads * cfg.head_dim * kv_bytes + rows * T + 4
 
-  seqs = _cdiv(micro_batch, data)
-  tokens = seqs * T
+  # The update's forward/backward: micro_batch padded rows of T, or the packed micro-batch's.
+  seqs = _cdiv(micro_batch if packed_micro_batch is None else packed_micro_batch[0], data)
+  width = T if packed_micro_batch is None else packed_micro_batch[1]
+  tokens = seqs * width
   layer_per_token = c * (4 * d + 3 * q + 3 * kv + 3 * f)
   if cfg.is_moe:  # the k gathered expert inputs and outputs, the FP32 router logits
     layer_per_token += c * 2 * cfg.n_experts_per_tok * d + 4 * cfg.n_experts
   chunked = attention == "chunked"
-  # Query rows whose scores are live at once: T (materialized) or one chunk.
-  score_rows = min(cfg.attention_chunk, T) if chunked else T
-  scores_per_layer = seqs * heads * score_rows * T * (4 + c)
+  # Query rows whose scores are live at once: a row's width (materialized) or one chunk.
+  score_rows = min(cfg.attention_chunk, width) if chunked else width
+  scores_per_layer = seqs * heads * score_rows * width * (4 + c)
   if remat == "none":
     act_layers = L * tokens * layer_per_token
     act_scores = scores_per_layer if chunked else L * scores_per_layer
@@ -381,6 +397,8 @@ def estimate(model_cfg: ModelConfig, *, batch: int, micro_batch: int, seq_len: i
               ("logprob_chunk", cfg.logprob_chunk),
               ("kv_cache_dtype", kv_cache_dtype), ("ppo_epochs", ppo_epochs),
               ("score_forwards", score_forwards))
+  if packed_micro_batch is not None:
+    settings += (("packed_micro_batch", "%d rows x %d" % packed_micro_batch),)
   if adapter_params:
     settings += (("lora_adapter_params", adapter_params),)
   if packed_base_bytes:

@@ -156,6 +156,31 @@ def test_dominant_activation_terms_by_hand():
   assert (b, 2, 2, 4, t) in shapes and (b, 2, 2, t, t) not in shapes
 
 
+def test_packed_micro_batch_sizes_the_update_activations_by_hand():
+  """rl.pack_tokens: the update's activations are one packed micro-batch's (r rows of W
+  columns, the scores W x W per row), the gradient counted twice (accumulated over the packed
+  micro-batches); the KV cache, the sampler and the FLOPs stay the padded batch's."""
+  h, v, d, layers, t = 4, 64, 32, 2, 16
+  r, w = 3, 40
+  padded = _est(batch=8, micro_batch=8, seq_len=t, compute_dtype="bfloat16")
+  packed = _est(batch=8, micro_batch=8, seq_len=t, compute_dtype="bfloat16",
+                packed_micro_batch=(r, w))
+  per_token_layer = 2 * (4 * 32 + 3 * 32 + 3 * 16 + 3 * 64)  # bf16 x (4D + 3q + 3kv + 3F)
+  assert packed.act_layers == layers * r * w * per_token_layer
+  assert packed.act_scores == layers * r * h * w * w * (4 + 2)
+  assert packed.act_logits == 3 * r * w * v * 4
+  assert packed.act_head == r * w * d * (4 + 2)
+  assert packed.grads == 2 * padded.grads
+  for same in ("params", "optimizer", "kv_cache", "sampler_prefill", "flops"):
+    assert getattr(packed, same) == getattr(padded, same), same
+  # Packed rows split over the data devices like padded ones (r rows per device each).
+  split = _est(batch=8, micro_batch=8, seq_len=t, compute_dtype="bfloat16", mesh=(2, 1),
+               packed_micro_batch=(2 * r, w))
+  assert split.act_layers == packed.act_layers
+  with pytest.raises(ValueError, match="packed_micro_batch"):
+    _est(packed_micro_batch=(0, w))
+
+
 def test_flops_by_hand():
   # tiny: D=32, q=H*hd=32, kv=K*hd=16, F=64, V=64, L=2, tied head (reads the embedding).
   per_layer = 32 * 32 + 32 * 16 + 32 * 16 + 32 * 32 + 32 * 64 + 32 * 64 + 64 * 32

@@ -265,7 +265,9 @@ def memory_estimate(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
   reference params when `keep_reference` (LoopConfig.keep_reference), the schedule's parameter
   copies, the RL sampler's KV cache (all rows, the sampler policy's compute dtype; the eval
   samplers' caches are left out, as in lowrl.memory); each PPO minibatch is one optimizer step
-  over `rl.micro_batches` forward/backward passes. `adapter_params`: a LoRA run's adapters
+  over `rl.micro_batches` forward/backward passes, or with `rl.pack_tokens` over packed
+  micro-batches of `rl.pack_rows` rows of `rl.pack_tokens` per data shard (their activations
+  sized as such a micro-batch). `adapter_params`: a LoRA run's adapters
   (the gradients and Adam moments then cover them alone; memory.estimate); `packed_base_bytes`:
   its base's block linears held packed (lora.packed_base).
   """
@@ -289,7 +291,8 @@ def memory_estimate(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
       kv_cache_dtype=sampler_policy.compute_dtype, sampler_batch=rows, ppo_epochs=rl.mu,
       score_forwards=2 if stale else 1, minibatches=rl.num_minibatches,
       expert_parallel=_expert_parallel(model_cfg, plan), adapter_params=adapter_params,
-      packed_base_bytes=packed_base_bytes)
+      packed_base_bytes=packed_base_bytes,
+      packed_micro_batch=_update_micro_batch(rl, data, seq_len) if rl.pack_tokens else None)
 
 
 def _update_micro_batch(rl: ml_collections.ConfigDict, shards: int, seq_len: int

@@ -202,6 +202,22 @@ def test_pack_tokens_checks():
     schema.TRAIN.validate(cfg)
 
 
+def test_memory_estimate_sizes_the_update_as_the_packed_micro_batch():
+  """setup's memory estimate gets the packed micro-batch: rl.pack_rows rows per data shard of
+  rl.pack_tokens columns (at most a minibatch's rows)."""
+  from lowrl import memory
+  setup = _setup(pack_tokens=40, pack_rows=1)
+  shards = setup.plan.batch_shards
+  rows = min(shards, 16)  # 16 sequences
+  assert dict(setup.memory.settings)["packed_micro_batch"] == f"{rows} rows x 40"
+  want = memory.estimate(setup.model_cfg, batch=16, micro_batch=16, mesh=(shards, 1),
+                         seq_len=setup.task.max_prompt_len + 6, max_new_tokens=6,
+                         packed_micro_batch=(rows, 40), compute_dtype="float32")
+  assert setup.memory.act_layers == want.act_layers > 0
+  big = _setup(pack_tokens=40, pack_rows=64, num_minibatches=2)
+  assert dict(big.memory.settings)["packed_micro_batch"] == "8 rows x 40"  # a minibatch
+
+
 def test_micro_batch_gathers_routing_ids_with_their_tokens():
   """MoE routing replay: a packed slot's recorded expert ids are its source token's (exact)."""
   mask = jnp.asarray(np.tri(8, 6, 2, dtype=np.float32)[::-1].copy())  # varied lengths
