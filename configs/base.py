@@ -69,6 +69,7 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.sampler_exact = True  # sampler logprobs from the trainer's forward
   c.refit_check_every = 1  # weight syncs between sampler-weight checks; 0 = off
   c.sampler_decode_min_rows = 16  # decode compaction's smallest bucket (rows per shard); 0 = off
+  c.sampler_decode_buckets_per_halving = 1  # compaction buckets per halving of the rows
 
   c.lora = ml_collections.ConfigDict()  # LoRA adapters on a frozen base (docs/lora.md)
   c.lora.rank = 0  # adapter rank r; 0 = off (full fine-tuning)

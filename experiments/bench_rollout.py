@@ -17,7 +17,8 @@ tokens from the same keys (tests/sampling/test_shared_prefill.py, test_decode_co
 the benchmark checks it on every round. "packed" = "after" + packed scoring and update (a second
 `Trainer` of the same config with rl.pack_tokens = --pack_width x the batch's width and
 rl.pack_rows = --pack_rows); it also times `score` (`Trainer.score` alone on the rollout) and
-reports the update's padding fraction (`pack/padding_frac`).
+reports the update's padding fraction (`pack/padding_frac`). With --finer=setting:k, a fourth
+path "finer" = "packed" + k compaction buckets per halving (`sampler_decode_buckets_per_halving`).
 
 Reported per setting, medians over rounds with [min-max], ratios taken per round (after/before, < 1
 = less):
@@ -62,6 +63,8 @@ _PACK_WIDTH = flags.DEFINE_list("pack_width", ["main:2", "tail:1"],
                                 "width (prompt width + max_new_tokens).")
 _PACK_ROWS = flags.DEFINE_list("pack_rows", ["main:16", "tail:4"],
                                "setting:rows = the packed path's rl.pack_rows.")
+_FINER = flags.DEFINE_list("finer", [], "setting:k = a fourth path, packed with k decode "
+                           "compaction buckets per halving (e.g. tail:2); none by default.")
 _COMPILE_CACHE = user_cache.define_compile_cache_flag()
 
 
@@ -105,8 +108,8 @@ def _config(setting: str, group: int):
   return c
 
 
-def _per_setting(values: list[str], setting: str) -> int:
-  return int(dict(v.split(":") for v in values)[setting])
+def _per_setting(values: list[str], setting: str, default: int | None = None) -> int:
+  return int(dict(v.split(":") for v in values).get(setting, default))
 
 
 def _clock(fn):
@@ -131,19 +134,25 @@ def bench_setting(setting: str, group: int, repeats: int) -> dict:
   c.rl.pack_tokens = _per_setting(_PACK_WIDTH.value, setting) * width
   c.rl.pack_rows = _per_setting(_PACK_ROWS.value, setting)
   packed = Trainer(build(c), log=lambda s: None)
+  finer_k = _per_setting(_FINER.value, setting, 1)
+  finer = None
+  if finer_k > 1:  # "finer": packed + finer compaction buckets
+    c.sampler_decode_buckets_per_halving = finer_k
+    finer = Trainer(build(c), log=lambda s: None)
   opt_state = trainer.init_opt_state(params)
   ref = jax.tree.map(jnp.copy, params)
   rows = setup.loop.batch_size
   min_rows = setup.loop.sampler_decode_min_rows
   shards = setup.plan.batch_shards
   sizes = bucket_sizes(rows, shards, min_rows)
+  finer_sizes = bucket_sizes(rows, shards, min_rows, finer_k)
   g = prefill_group(rows, setup.loop.group_size, shards, setup.sampler_policy)
-  paths = ("before", "after", "packed")
+  paths = ("before", "after", "packed") + (("finer",) if finer is not None else ())
   times = {p: {k: [] for k in ("rollout", "score", "update", "step")} for p in paths}
   counts = {}
 
   def one(path, step, key):
-    tr = packed if path == "packed" else trainer
+    tr = {"packed": packed, "finer": finer}.get(path, trainer)
     trainer.sampler = before if path == "before" else after
     w, c_, (rollout, info) = _clock(lambda: tr.rollout(params, params, step, key, stale=False))
     # The trainer's scoring program alone (pi_old of a stale sampler, the drift's stale score):
@@ -160,18 +169,19 @@ def bench_setting(setting: str, group: int, repeats: int) -> dict:
     got = {}
     for path in paths:
       got[path] = one(path, r, key)
-    a, b, c_out = (got[p][3].out for p in paths)
-    if not (bool(jnp.all(a.tokens == b.tokens)) and bool(jnp.all(a.tokens == c_out.tokens))):
+    a = got["before"][3].out
+    if not all(bool(jnp.all(a.tokens == got[p][3].out.tokens)) for p in paths):
       print(f"  round {r}: the paths sampled different tokens (a near-tie rounded apart)")
     if r == 0:
       continue
-    for path in ("after", "packed"):
+    for path in paths[1:]:
       counts.setdefault(f"padding_{path}", []).append(got[path][4])
     lengths = np.asarray(a.completion_lengths)
     useful = int(lengths.sum())
     p = a.prompt_width
     counts.setdefault("before", []).append(row_tokens(lengths, p, 1, (rows,)) / useful)
     counts.setdefault("after", []).append(row_tokens(lengths, p, g, sizes, shards) / useful)
+    counts.setdefault("finer", []).append(row_tokens(lengths, p, g, finer_sizes, shards) / useful)
     counts.setdefault("lengths", []).append(lengths)
     for path in paths:
       (w, cpu), score, (wu, cu), _, _ = got[path]
@@ -180,6 +190,7 @@ def bench_setting(setting: str, group: int, repeats: int) -> dict:
         times[path][k].append(v)
   return {"times": times, "counts": counts, "rows": rows, "group": setup.loop.group_size,
           "prefill_group": g, "sizes": sizes, "new_tokens": setup.sampling.max_new_tokens,
+          "finer_sizes": finer_sizes if finer is not None else None,
           "pack": (c.rl.pack_tokens, c.rl.pack_rows, width)}
 
 
@@ -197,17 +208,25 @@ def report(name: str, res: dict) -> None:
   ratio = [a / b for a, b in zip(cnt["after"], cnt["before"])]
   print(f"row-token passes per useful token: before {_fmt(cnt['before'])}, after "
         f"{_fmt(cnt['after'])}, ratio {_fmt(ratio)}")
+  if res["finer_sizes"]:
+    ratio = [a / b for a, b in zip(cnt["finer"], cnt["before"])]
+    print(f"finer buckets {res['finer_sizes']}: row-token passes per useful token "
+          f"{_fmt(cnt['finer'])}, ratio to before {_fmt(ratio)}")
   tokens, rows, width = res["pack"]
   print(f"packed: rows of {tokens} tokens (batch width {width}), {rows} rows per shard per "
         f"micro-batch; update padding fraction padded {_fmt(cnt['padding_after'])}, packed "
         f"{_fmt(cnt['padding_packed'])}")
+  ratio = lambda u, v: _fmt([x / y for x, y in zip(u, v)])  # noqa: E731
   for clock, i in (("cpu", 1), ("wall", 0)):
     for phase in ("rollout", "score", "update", "step"):
       b, a, p = ([x[i] for x in t[path][phase]] for path in ("before", "after", "packed"))
-      ratio = lambda u, v: _fmt([x / y for x, y in zip(u, v)])  # noqa: E731
       print(f"{clock:>4} {phase:<8} before {_fmt(b)} s  after {_fmt(a)} s  packed {_fmt(p)} s"
             f"  after/before {ratio(a, b)}  packed/after {ratio(p, a)}  packed/before "
             f"{ratio(p, b)}")
+      if "finer" in t:
+        f = [x[i] for x in t["finer"][phase]]
+        print(f"{'':>4} {'':<8} finer {_fmt(f)} s  finer/packed {ratio(f, p)}  finer/before "
+              f"{ratio(f, b)}")
 
 
 def main(argv):

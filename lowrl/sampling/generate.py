@@ -134,9 +134,20 @@ def _constrain_state(state: DecodeState) -> DecodeState:
   return rows._replace(step=state.step, cache=cache)
 
 
-def bucket_sizes(batch: int, shards: int, min_rows: int) -> tuple[int, ...]:
+def bucket_sizes(batch: int, shards: int, min_rows: int, per_halving: int = 1
+                 ) -> tuple[int, ...]:
   """Decode bucket sizes: `batch` halved while each of the `shards` data shards keeps at least
-  `min_rows` rows (and a whole number of them); (batch,) when `min_rows` is 0 (no compaction)."""
+  `min_rows` rows (and a whole number of them); (batch,) when `min_rows` is 0 (no compaction).
+
+  `per_halving` = k > 1: k buckets per halving, rows per shard round(b 2^(-j / k)) (distinct,
+  >= `min_rows`): a bucket then holds at most 2^(1/k) x the live rows instead of 2x, for k times
+  as many decode segments (each its own compiled copy of the decode step)."""
+  if per_halving < 1:
+    raise ValueError(f"per_halving={per_halving} must be >= 1 (1 = halving buckets).")
+  if per_halving > 1 and min_rows and batch % shards == 0:
+    per = batch // shards
+    rows = sorted({round(per * 2 ** (-j / per_halving)) for j in range(64)} - {0}, reverse=True)
+    return tuple(r * shards for r in rows if r >= min(min_rows, per))
   sizes = [batch]
   while min_rows and sizes[-1] % (2 * shards) == 0 and sizes[-1] // (2 * shards) >= min_rows:
     sizes.append(sizes[-1] // 2)
@@ -244,8 +255,8 @@ def prefill_group(batch: int, group_size: int, shards: int, policy: PrecisionPol
 
 def _decode(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax, greedy=None, *,
             model_cfg: ModelConfig, policy: PrecisionPolicy, config: SamplingConfig,
-            plan: ShardingPlan | None = None, group: int = 1, min_rows: int = 0
-            ) -> tuple[SampleOutput, transformer.Cache]:
+            plan: ShardingPlan | None = None, group: int = 1, min_rows: int = 0,
+            per_halving: int = 1) -> tuple[SampleOutput, transformer.Cache]:
   """Prefill + decode loop (traceable). With a plan every row's activations, decode state and
   cache stay on its data shard (`plan.rows`: data parallel, no gather of the batch). `group`:
   rows per shared prefill (`_prefill`); `min_rows`: the smallest decode bucket's rows per data
@@ -255,12 +266,12 @@ def _decode(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax, 
   with plan.rows() if plan is not None else contextlib.nullcontext():
     return _decode_rows(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax,
                         greedy, model_cfg=model_cfg, policy=policy, config=config, group=group,
-                        min_rows=min_rows, shards=shards)
+                        min_rows=min_rows, shards=shards, per_halving=per_halving)
 
 
 def _decode_rows(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_amax, greedy, *,
                  model_cfg: ModelConfig, policy: PrecisionPolicy, config: SamplingConfig,
-                 group: int = 1, min_rows: int = 0, shards: int = 1
+                 group: int = 1, min_rows: int = 0, shards: int = 1, per_halving: int = 1
                  ) -> tuple[SampleOutput, transformer.Cache]:
   """`_decode` inside its row context."""
   batch, p = prompt_BP.shape
@@ -303,13 +314,13 @@ def _decode_rows(params, prompt_BP, prompt_mask_BP, rng, cache, quant_key, act_a
     return _constrain_state(
         _record(state, i, tok_b, logq_b, logp_b, config, stop)._replace(cache=cache))
 
-  sizes = bucket_sizes(batch, shards, min_rows)
+  sizes = bucket_sizes(batch, shards, min_rows, per_halving)
   if len(sizes) == 1:  # one bucket: every row decodes until the last one stops
     state = jax.lax.while_loop(lambda s: (s.step < n) & ~jnp.all(s.done_B), body, state)
     return _outputs(state, prompt_BP, pmask_BP, plen_B, p), state.cache
   # Compaction: a decode segment per bucket size, each running while some shard's live rows
-  # outnumber its share of the next (half-size) bucket; between segments the live rows move to
-  # the front and the bucket halves, so finished rows stop costing decode compute.
+  # outnumber its share of the next (half-size, or 2^(-1/k)) bucket; between segments the live
+  # rows move to the front and the bucket shrinks, so finished rows stop costing decode compute.
   state = state._replace(rows_b=constrain_rows(jnp.arange(batch, dtype=jnp.int32)))
   full_cache = None
   for k, size in enumerate(sizes):
@@ -340,7 +351,8 @@ def _outputs(state: DecodeState, prompt_BP, pmask_BP, plen_B, p: int) -> SampleO
 
 @functools.lru_cache(maxsize=64)
 def _decode_program(model_cfg: ModelConfig, policy: PrecisionPolicy, config: SamplingConfig,
-                    plan: ShardingPlan | None, group: int = 1, min_rows: int = 0):
+                    plan: ShardingPlan | None, group: int = 1, min_rows: int = 0,
+                    per_halving: int = 1):
   """`_decode` jitted for one static setting, the cache (argument 4) donated. With a plan, the
   outputs come out in its layout (rollouts over the batch axes, the cache as
   `plan.cache_shardings`) and the inputs arrive placed by `generate`; None: placed by the caller
@@ -351,7 +363,8 @@ def _decode_program(model_cfg: ModelConfig, policy: PrecisionPolicy, config: Sam
   if note:  # once per program (cached), before it compiles
     warnings.warn(note, stacklevel=3)
   return jax.jit(functools.partial(_decode, model_cfg=model_cfg, policy=policy, config=config,
-                                   plan=plan, group=group, min_rows=min_rows),
+                                   plan=plan, group=group, min_rows=min_rows,
+                                   per_halving=per_halving),
                  donate_argnums=(4,), **layout_kw)
 
 
@@ -417,7 +430,8 @@ def generate(params: Params, prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Ar
              config: SamplingConfig, quant_key: jax.Array | None = None,
              cache: transformer.Cache | None = None, plan: ShardingPlan | None = None,
              act_amax: blocks.ActAmax | None = None, group_size: int = 1, min_rows: int = 0,
-             greedy: bool | None = None) -> tuple[SampleOutput, transformer.Cache]:
+             greedy: bool | None = None, buckets_per_halving: int = 1
+             ) -> tuple[SampleOutput, transformer.Cache]:
   """Samples N = config.max_new_tokens tokens per prompt with the KV cache (not exact mode).
 
   Args:
@@ -443,6 +457,8 @@ def generate(params: Params, prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Ar
       the rows, down to `min_rows` rows per data shard (`bucket_sizes`), each bucket a decode
       segment of its own, so finished rows stop costing compute; every row draws the noise it
       draws uncompacted, and the outputs keep the original row order. 0: one bucket.
+    buckets_per_halving: k > 1 shrinks the buckets by 2^(1/k) instead of 2 (`bucket_sizes`):
+      less compute on finished rows, k times the decode segments to compile.
     greedy: a runtime choice between `config`'s draw (False) and temperature 0 (True), each what
       the static config gives bit for bit, both in one compiled program (evaluation's greedy and
       sampled decodes share it); None (default): `config` alone, a program without the choice.
@@ -468,4 +484,4 @@ def generate(params: Params, prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Ar
        repl, repl, repl))
   group = prefill_group(batch, group_size, plan.batch_shards, policy)
   return _decode_program(model_cfg, policy, config, plan, group,
-                         decode_min_rows(min_rows, policy))(*args)
+                         decode_min_rows(min_rows, policy), buckets_per_halving)(*args)

@@ -32,7 +32,7 @@ class Sampler:
   for bit. It is offered only for row-local policies (`check_row_local`).
 
   `decode_min_rows` > 0 compacts the decode into halving buckets of live rows (`generate`'s
-  `min_rows`).
+  `min_rows`; `decode_buckets_per_halving` = k: k buckets per halving).
 
   `record_routing` (MoE models, routing replay): the output also carries the sampler's expert
   choices per token and layer (`SampleOutput.routing`, lowrl/sampling/replay.py), recorded with
@@ -46,9 +46,10 @@ class Sampler:
   def __init__(self, model_cfg: ModelConfig, policy: PrecisionPolicy, config: SamplingConfig,
                *, exact: bool = False, plan: ShardingPlan | None = None,
                record_routing: bool = False, decode_min_rows: int = 0,
-               pack: packing.PackConfig | None = None):
+               pack: packing.PackConfig | None = None, decode_buckets_per_halving: int = 1):
     config.check(model_cfg)
     self.decode_min_rows = decode_min_rows  # decode compaction's smallest bucket (`generate`)
+    self.decode_buckets_per_halving = decode_buckets_per_halving
     self.pack = pack  # exact mode's rescore and the routing record on packed rows
     if record_routing and not model_cfg.is_moe:
       raise ValueError("record_routing needs a mixture-of-experts model (n_experts > 0).")
@@ -84,7 +85,8 @@ class Sampler:
                                 model_cfg=self.model_cfg, policy=self.policy, config=self.config,
                                 quant_key=quant_key, cache=cache, plan=self.plan,
                                 act_amax=act_amax, group_size=group_size,
-                                min_rows=self.decode_min_rows, greedy=greedy)
+                                min_rows=self.decode_min_rows, greedy=greedy,
+                                buckets_per_halving=self.decode_buckets_per_halving)
     if self.exact:
       out = rescore(out, params if trainer_params is None else trainer_params,
                     model_cfg=self.model_cfg, policy=self.policy, config=self.config,

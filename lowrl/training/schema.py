@@ -413,7 +413,11 @@ TRAIN = Schema((
                  knob("sampler_decode_min_rows", "decode compaction: as rollout rows finish, "
                       "the live ones move into buckets of half the rows, down to this many "
                       "rows per data shard, so finished rows stop costing decode compute (the "
-                      "same tokens; docs/sampling.md); 0 = off", NON_NEGATIVE))),
+                      "same tokens; docs/sampling.md); 0 = off", NON_NEGATIVE),
+                 knob("sampler_decode_buckets_per_halving", "decode compaction: buckets per "
+                      "halving of the rows (1 = halving; k: each bucket 2^(-1/k) of the last, "
+                      "less compute on finished rows for k times the decode segments to "
+                      "compile)", POSITIVE))),
     LORA,
     TRAIN_SFT,
     TRAIN_RL,

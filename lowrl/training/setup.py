@@ -61,6 +61,7 @@ class LoopConfig:
   refit_check_every: int
   sampler_exact: bool
   sampler_decode_min_rows: int
+  sampler_decode_buckets_per_halving: int
   routing_replay: bool  # rl.routing_replay (MoE)
   keep_reference: bool  # rl.kl_coef > 0 or rl.log_kl_ref: the run holds reference params
   ref_storage: str  # rl.ref_storage
@@ -90,6 +91,7 @@ class LoopConfig:
                code_churn=bool(cfg.diagnostics.code_churn),
                refit_check_every=cfg.refit_check_every, sampler_exact=bool(cfg.sampler_exact),
                sampler_decode_min_rows=cfg.sampler_decode_min_rows,
+               sampler_decode_buckets_per_halving=cfg.sampler_decode_buckets_per_halving,
                routing_replay=bool(rl.routing_replay),
                keep_reference=bool(rl.kl_coef > 0 or rl.log_kl_ref),
                ref_storage=rl.ref_storage, ref_reset_every=rl.ref_reset_every,

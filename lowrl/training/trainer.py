@@ -99,6 +99,7 @@ class Trainer:
                            exact=knobs.sampler_exact, plan=plan,
                            record_routing=setup.model_cfg.is_moe,
                            decode_min_rows=knobs.sampler_decode_min_rows,
+                           decode_buckets_per_halving=knobs.sampler_decode_buckets_per_halving,
                            pack=setup.update_cfg.pack)
     # Whether the exact-mode sampler's record can be the trainer's pi_old (sampler_scored_pi_old).
     self._exact_twin = (knobs.sampler_exact and setup.sampler_policy == setup.trainer_policy

@@ -43,12 +43,14 @@ def _assert_same(got, ref, atol=ATOL):
                                atol=atol, rtol=0, err_msg=k)
 
 
-def _generate(cfg, policy, min_rows, group_size=1, plan=None, prompts=PROMPTS, mask=PMASK):
+def _generate(cfg, policy, min_rows, group_size=1, plan=None, prompts=PROMPTS, mask=PMASK,
+              per_halving=1):
   params = _params(cfg) if plan is None else plan.put(_params(cfg),
                                                        plan.param_shardings(_params(cfg)))
   out, cache = sampling.generate(params, prompts, mask, jax.random.key(5), model_cfg=cfg,
                                  policy=policy, config=CONFIG, min_rows=min_rows,
-                                 group_size=group_size, plan=plan)
+                                 group_size=group_size, plan=plan,
+                                 buckets_per_halving=per_halving)
   return out, cache
 
 
@@ -63,6 +65,15 @@ def test_compacted_decode_samples_what_the_full_decode_samples(recipe):
   _assert_same(got, ref)
   # The cache handed back for the next call has the full batch's shape.
   assert jax.tree.map(jnp.shape, cache) == jax.tree.map(jnp.shape, ref_cache)
+
+
+def test_finer_buckets_sample_what_the_full_decode_samples():
+  """Three buckets per halving (16, 13, 10, 8, 6, 5, 4, 3, 2, 1 rows): the same statement."""
+  cfg = tiny.TINY
+  policy = precision.policy_for("nvfp4_recipe", layout.matmuls(cfg))
+  ref, _ = _generate(cfg, policy, 0)
+  got, _ = _generate(cfg, policy, 1, per_halving=3)
+  _assert_same(got, ref)
 
 
 def test_compaction_with_shared_prefill_and_a_stacked_cache():
@@ -91,14 +102,15 @@ def test_exact_mode_and_moe_routing_records_are_bitwise():
   cfg = tiny.MOE
   policy = precision.policy_for("nvfp4_moe_experts", layout.matmuls(cfg))
   outs = []
-  for min_rows in (0, 2):
+  for min_rows, per_halving in ((0, 1), (2, 1), (1, 2)):
     sampler = sampling.Sampler(cfg, policy, CONFIG, exact=True, record_routing=True,
-                               decode_min_rows=min_rows)
+                               decode_min_rows=min_rows, decode_buckets_per_halving=per_halving)
     outs.append([sampler(_params(cfg), PROMPTS, PMASK, jax.random.key(k)) for k in (5, 6)])
-  for ref, got in zip(*outs):  # the second call reuses the donated cache
-    _assert_same(got, ref, atol=0)
-    for name, ids in ref.routing.items():
-      np.testing.assert_array_equal(np.asarray(got.routing[name]), np.asarray(ids), name)
+  for compacted in outs[1:]:
+    for ref, got in zip(outs[0], compacted):  # the second call reuses the donated cache
+      _assert_same(got, ref, atol=0)
+      for name, ids in ref.routing.items():
+        np.testing.assert_array_equal(np.asarray(got.routing[name]), np.asarray(ids), name)
 
 
 def test_bucket_sizes_and_when_compaction_is_off():
@@ -106,6 +118,13 @@ def test_bucket_sizes_and_when_compaction_is_off():
   assert bucket_sizes(256, 1, 0) == (256,)
   assert bucket_sizes(24, 8, 1) == (24,)  # 3 rows per shard do not halve
   assert bucket_sizes(48, 2, 4) == (48, 24, 12)  # 24, 12, 6 per shard; 3 < 4
+  # k buckets per halving: rows per shard round(b 2^(-j / k)), distinct, >= min_rows.
+  assert bucket_sizes(64, 1, 4, 2) == (64, 45, 32, 23, 16, 11, 8, 6, 4)
+  assert bucket_sizes(64, 8, 1, 2) == (64, 48, 32, 24, 16, 8)  # 8, 6, 4, 3, 2, 1 per shard
+  assert bucket_sizes(256, 1, 16, 1) == bucket_sizes(256, 1, 16)
+  assert bucket_sizes(64, 1, 0, 3) == (64,)
+  with pytest.raises(ValueError, match="per_halving=0"):
+    bucket_sizes(64, 1, 4, 0)
   fp32 = precision.PrecisionPolicy.unquantized(layout.matmuls(tiny.TINY))
   assert decode_min_rows(4, fp32) == 4
   sr = precision.policy_for("nvfp4_recipe", layout.matmuls(tiny.TINY), stochastic_rounding="all")
