@@ -27,7 +27,9 @@ Reported per setting, medians over rounds with [min-max], ratios taken per round
   * the model's row-token passes of the rollout per useful token (a count, no clock): prefill
     rows x P + every decode step's bucket rows, over the completion tokens kept (the useful
     tokens; prompts count once per group).
-Settings: (a) `main`: the main job (mid-trained base, 32 prompts x 8, 8 new tokens); (b) `tail`:
+Settings: (a) `main`: the main job (mid-trained base, 32 prompts x 8, 8 new tokens); (c) `real`:
+configs/smollm2.py (SmolLM2-135M-Instruct, --real_recipe, --real_prompts x 4 completions of up to
+--real_tokens tokens, compaction buckets 8, 4, 2 rows); (b) `tail`:
 long-tailed completions up to --tail_tokens (the main job's model, untied head, from random init
 on the sorting task: the stop token has probability ~1/V at every position, so lengths are
 geometric, median ~V ln 2, a few rows running far longer), --tail_rows rows at each group size of --groups.
@@ -51,17 +53,21 @@ from lowrl.training import base_store
 from lowrl.training.setup import build
 from lowrl.training.trainer import Trainer
 
-_SETTINGS = flags.DEFINE_list("settings", ["main", "tail"], "main | tail.")
+_SETTINGS = flags.DEFINE_list("settings", ["main", "tail"], "main | tail | real.")
 _GROUPS = flags.DEFINE_list("groups", ["1", "8"], "Group sizes of the tail setting.")
 _TAIL_ROWS = flags.DEFINE_integer("tail_rows", 64, "Rollout rows of the tail setting.")
 _TAIL_TOKENS = flags.DEFINE_integer("tail_tokens", 256, "Completion budget of the tail setting.")
 _TAIL_MIN_ROWS = flags.DEFINE_integer("tail_min_rows", 4, "sampler_decode_min_rows of the tail "
                                      "setting (the main setting runs the main job's default).")
+_REAL_PROMPTS = flags.DEFINE_integer("real_prompts", 2, "Prompts of the real setting (x its "
+                                    "group size 4).")
+_REAL_TOKENS = flags.DEFINE_integer("real_tokens", 16, "Completion budget of the real setting.")
+_REAL_RECIPE = flags.DEFINE_string("real_recipe", "bf16", "Precision recipe of the real setting.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Interleaved timed rounds (median and spread).")
-_PACK_WIDTH = flags.DEFINE_list("pack_width", ["main:2", "tail:1"],
+_PACK_WIDTH = flags.DEFINE_list("pack_width", ["main:2", "tail:1", "real:2"],
                                 "setting:k = the packed path's rl.pack_tokens = k x the batch's "
                                 "width (prompt width + max_new_tokens).")
-_PACK_ROWS = flags.DEFINE_list("pack_rows", ["main:16", "tail:4"],
+_PACK_ROWS = flags.DEFINE_list("pack_rows", ["main:16", "tail:4", "real:2"],
                                "setting:rows = the packed path's rl.pack_rows.")
 _FINER = flags.DEFINE_list("finer", [], "setting:k = a fourth path, packed with k decode "
                            "compaction buckets per halving (e.g. tail:2); none by default.")
@@ -96,6 +102,14 @@ def row_tokens(lengths_B: np.ndarray, prompt_width: int, group: int, sizes: tupl
 
 
 def _config(setting: str, group: int):
+  if setting == "real":  # configs/smollm2.py, small: few prompts, short completions
+    from configs import smollm2
+    c = smollm2.get_config(_REAL_RECIPE.value)
+    c.rl.num_prompts = _REAL_PROMPTS.value
+    c.rl.max_new_tokens = _REAL_TOKENS.value
+    c.sampler_decode_min_rows = 2  # its 8 rows: buckets 8, 4, 2
+    c.diagnostics.every = 0
+    return c
   c = base_config.get_config()
   c.diagnostics.every = 0
   if setting == "tail":
@@ -235,7 +249,7 @@ def main(argv):
   print(f"backend {jax.default_backend()}, {os.cpu_count()} CPUs, load average at start "
         f"{os.getloadavg()[0]:.1f}, {_REPEATS.value} interleaved rounds after a compile round")
   for setting in _SETTINGS.value:
-    groups = [8] if setting == "main" else [int(g) for g in _GROUPS.value]
+    groups = {"main": [8], "real": [4]}.get(setting) or [int(g) for g in _GROUPS.value]
     for group in groups:
       res = bench_setting(setting, group, _REPEATS.value)
       report(f"{setting} (group {group})", res)
