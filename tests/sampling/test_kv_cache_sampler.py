@@ -88,10 +88,15 @@ def test_loop_validates_the_knob_in_one_line():
     build(c)
 
 
-def test_loop_logs_the_kv_share_which_is_the_whole_mismatch_when_only_kv_differs():
+@pytest.mark.parametrize("packed", [False, True])
+def test_loop_logs_the_kv_share_which_is_the_whole_mismatch_when_only_kv_differs(packed):
+  """Also with rl.pack_tokens: the KV share re-scores on the packed rows exact mode records on,
+  so the equality stays exact."""
   c = tiny.loop_config("bf16")
   c.sampler_precision.kv_cache = "fp8_per_tensor"
   c.rl.update(dict(num_prompts=4, group_size=4, max_new_tokens=4))
+  if packed:
+    c.rl.pack_tokens = 2 * (build(c).task.max_prompt_len + 4)
   setup = build(c)
   assert setup.sampler_policy.kv_cache == "fp8_per_tensor"
   assert setup.trainer_policy.kv_cache == "none"
