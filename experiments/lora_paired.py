@@ -18,7 +18,8 @@ eval set, the adapters' init) from the same mid-trained base (`sft.seed=0`, stor
 `<W>/bases`), so arm differences are paired by seed. One run at a time, each in `<W>/s<seed>/<arm>`
 (a finished run is reused: the binary resumes).
 
-Per run: held-out pass@1 gain (summary's eval_end - eval_start), the policy entropy of pi_old on
+Per run: held-out pass@1 gain (summary's eval_end - eval_start; the start is the base under the
+arm's recipe, so the BF16 arm starts elsewhere) and its end value, the policy entropy of pi_old on
 the batch's tokens averaged over the run's steps (and over its last quarter), the sampler/trainer
 mismatch KL averaged over the steps, and the final train reward (mean of the last quarter's
 steps). Report (`<W>/report.json` and stdout): per arm the per-seed values, and per comparison
@@ -31,7 +32,7 @@ import copy
 import json
 import os
 import time
-from typing import Any, Callable
+from typing import Any
 
 from absl import app, flags, logging
 import ml_collections
@@ -42,55 +43,35 @@ from lowrl import precision
 from lowrl.analysis import stats
 from lowrl.training import cli, loop
 
-_FLAGS = cli.define_run_flags("default.py", "/tmp/lowrl_lora_paired",
-                               "Experiment directory (the base store, one run per seed and arm).")
-_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Run seeds (the paired units).")
-_ARMS = flags.DEFINE_list("arms", ["full", "lora_bf16", "lora_nvfp4", "lora_nvfp4_aqn"],
-                          "Arms to run, in this order within each seed.")
-_AQN = flags.DEFINE_float("aqn_sigma_start", 1e-2, "AQN arms: lora.aqn_sigma_start.")
-_REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Report the finished runs; run nothing.")
-
-Arm = Callable[[ml_collections.ConfigDict], None]
-
-
-def _lora(c: ml_collections.ConfigDict) -> None:
-  ref = lora_nvfp4.get_config()
-  c.lora.rank, c.lora.alpha, c.optimizer.lr = ref.lora.rank, ref.lora.alpha, ref.optimizer.lr
-
-
-def _bf16(c: ml_collections.ConfigDict) -> None:
-  c.precision = precision.recipe("bf16")
-
-
-def _packed(c: ml_collections.ConfigDict) -> None:
-  c.lora.packed_base = True
-
-
-def _aqn(c: ml_collections.ConfigDict) -> None:
-  c.lora.aqn_sigma_start = _AQN.value
-
-
-ARMS: dict[str, tuple[Arm, ...]] = {
-    "full": (),
-    "lora_bf16": (_bf16, _lora),
-    "lora_nvfp4": (_lora, _packed),
-    "lora_nvfp4_aqn": (_lora, _packed, _aqn),
-    "lora_bf16_aqn": (_bf16, _lora, _aqn),
+# arm -> (BF16 recipe, LoRA adapters, packed base, AQN): changes to the main job's config.
+ARMS: dict[str, tuple[bool, bool, bool, bool]] = {
+    "full": (False, False, False, False),
+    "lora_bf16": (True, True, False, False),
+    "lora_nvfp4": (False, True, True, False),
+    "lora_nvfp4_aqn": (False, True, True, True),
+    "lora_bf16_aqn": (True, True, False, True),
 }
 # (treatment, baseline) pairs the report compares, when both arms ran.
 COMPARISONS = [("lora_bf16", "full"), ("lora_nvfp4", "full"), ("lora_nvfp4_aqn", "full"),
                ("lora_bf16_aqn", "full"), ("lora_nvfp4", "lora_bf16"),
                ("lora_nvfp4_aqn", "lora_nvfp4"), ("lora_bf16_aqn", "lora_bf16")]
-MEASURES = ("heldout_gain", "greedy_gain", "entropy_mean", "entropy_last_quarter",
-            "mismatch_kl_mean", "train_reward_last_quarter")
+MEASURES = ("heldout_gain", "pass_at_1_end", "greedy_gain", "entropy_mean",
+            "entropy_last_quarter", "mismatch_kl_mean", "train_reward_last_quarter")
 
 
-def arm_config(base: ml_collections.ConfigDict, arm: str, seed: int, workdir: str
-               ) -> ml_collections.ConfigDict:
+def arm_config(base: ml_collections.ConfigDict, arm: str, seed: int, workdir: str,
+               aqn_sigma_start: float) -> ml_collections.ConfigDict:
   """The run config of `arm` at `seed`: the base config, the arm's changes, the shared base."""
+  bf16, adapters, packed, aqn = ARMS[arm]
   c = copy.deepcopy(base)
-  for change in ARMS[arm]:
-    change(c)
+  if bf16:
+    c.precision = precision.recipe("bf16")
+  if adapters:  # configs/lora_nvfp4.py's adapters and learning rate
+    ref = lora_nvfp4.get_config()
+    c.lora.rank, c.lora.alpha, c.optimizer.lr = ref.lora.rank, ref.lora.alpha, ref.optimizer.lr
+  c.lora.packed_base = packed
+  if aqn:
+    c.lora.aqn_sigma_start = aqn_sigma_start
   c.seed = seed
   c.sft.seed = 0  # one mid-trained base for every seed and arm
   c.sft.base_dir = os.path.join(workdir, "bases")
@@ -137,7 +118,7 @@ def report(values: dict[str, dict[int, dict[str, float]]]) -> dict[str, Any]:
 
 def print_report(rep: dict[str, Any]) -> None:
   for arm, by_seed in rep["arms"].items():
-    for m in ("pass_at_1_start", "pass_at_1_end", *MEASURES, "wall_s"):
+    for m in ("pass_at_1_start", *MEASURES, "wall_s"):
       print(f"{arm:16s} {m:26s} " + " ".join(f"s{s}={v[m]:.4f}" for s, v in by_seed.items()))
   print("| comparison | measure | n | mean difference | 95% t interval | p |")
   print("|---|---|---|---|---|---|")
@@ -165,7 +146,7 @@ def main(argv):
       if not done and not _REPORT_ONLY.value:
         t0 = time.time()
         print(f"[lora_paired] seed {seed} arm {arm} -> {run_dir}", flush=True)
-        loop.run(arm_config(base, arm, seed, workdir), run_dir,
+        loop.run(arm_config(base, arm, seed, workdir, _AQN.value), run_dir,
                  log=lambda m: print(m, flush=True))
         print(f"[lora_paired] seed {seed} arm {arm} done in {time.time() - t0:.0f} s", flush=True)
       if os.path.exists(os.path.join(run_dir, "summary.json")):
@@ -177,4 +158,13 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Flags only when run as the binary: a test importing this module beside another binary's
+  # (both define --workdir) must not collide in absl's global registry.
+  _FLAGS = cli.define_run_flags("default.py", "/tmp/lowrl_lora_paired",
+                                "Experiment directory (the base store, one run per seed and arm).")
+  _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Run seeds (the paired units).")
+  _ARMS = flags.DEFINE_list("arms", ["full", "lora_bf16", "lora_nvfp4", "lora_nvfp4_aqn"],
+                            "Arms to run, in this order within each seed.")
+  _AQN = flags.DEFINE_float("aqn_sigma_start", 1e-2, "AQN arms: lora.aqn_sigma_start.")
+  _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Report the finished runs; run nothing.")
   app.run(main, flags_parser=_FLAGS.parser())
