@@ -19,12 +19,12 @@ eval set, the adapters' init) from the same mid-trained base (`sft.seed=0`, stor
 (a finished run is reused: the binary resumes).
 
 Per run: held-out pass@1 gain (summary's eval_end - eval_start; the start is the base under the
-arm's recipe, so the BF16 arm starts elsewhere) and its end value, the policy entropy of pi_old on
-the batch's tokens averaged over the run's steps (and over its last quarter), the sampler/trainer
-mismatch KL averaged over the steps, and the final train reward (mean of the last quarter's
-steps). Report (`<W>/report.json` and stdout): per arm the per-seed values, and per comparison
-(every arm vs full; lora_nvfp4 vs lora_bf16; each AQN arm vs its arm without AQN) the paired
-differences' mean with a 95% Student t interval (lowrl.analysis.stats.paired_t).
+arm's recipe, so the BF16 arm starts elsewhere) and its end value, the policy entropy of pi_old
+on the batch's tokens at step 1 and averaged over the run's steps (and over its last quarter),
+the sampler/trainer mismatch KL averaged over the steps, and the final train reward (mean of the
+last quarter's steps). Report (`<W>/report.json` and stdout): per arm the per-seed values, and
+per comparison (every arm vs full; lora_nvfp4 vs lora_bf16; each AQN arm vs its arm without AQN)
+the paired differences' mean with a 95% Student t interval (lowrl.analysis.stats.paired_t).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ ARMS: dict[str, tuple[bool, bool, bool, bool]] = {
 COMPARISONS = [("lora_bf16", "full"), ("lora_nvfp4", "full"), ("lora_nvfp4_aqn", "full"),
                ("lora_bf16_aqn", "full"), ("lora_nvfp4", "lora_bf16"),
                ("lora_nvfp4_aqn", "lora_nvfp4"), ("lora_bf16_aqn", "lora_bf16")]
-MEASURES = ("heldout_gain", "pass_at_1_end", "greedy_gain", "entropy_mean",
+MEASURES = ("heldout_gain", "pass_at_1_end", "greedy_gain", "entropy_step1", "entropy_mean",
             "entropy_last_quarter", "mismatch_kl_mean", "train_reward_last_quarter")
 
 
@@ -89,6 +89,7 @@ def measures(run_dir: str) -> dict[str, float]:
   return {
       "heldout_gain": s["eval_end"]["pass_at_1"] - s["eval_start"]["pass_at_1"],
       "greedy_gain": s["eval_end"]["greedy"] - s["eval_start"]["greedy"],
+      "entropy_step1": rows[0]["entropy"],
       "entropy_mean": mean(rows, "entropy"),
       "entropy_last_quarter": mean(last, "entropy"),
       "mismatch_kl_mean": mean(rows, "mismatch/mismatch_kl"),
