@@ -69,3 +69,15 @@ def sgd_gradient(update, params, ref_params, batch):
   g = [np.asarray(a, np.float64) - np.asarray(b, np.float64)
        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(new))]
   return g, {k: float(v) for k, v in m.items()}
+
+
+def assert_build_rejects(c, path: str, value, match: str) -> None:
+  """`build(c)` with `c`'s `section.knob` at `path` set to `value` raises a one-line ValueError
+  matching `match`."""
+  import pytest
+  from lowrl.training.setup import build
+  section, knob = path.split(".")
+  c[section][knob] = value
+  with pytest.raises(ValueError, match=match) as e:
+    build(c)
+  assert "\n" not in str(e.value)

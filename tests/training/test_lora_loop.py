@@ -4,6 +4,7 @@ interrupted after step 2 resumes to the uninterrupted run's metrics and adapters
 import json
 import os
 import signal
+import sys
 
 import jax
 import numpy as np
@@ -101,31 +102,57 @@ def test_interrupted_lora_run_resumes_bit_identically(lora_run, base_dir, tmp_pa
     np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
 
 
-@pytest.mark.xfail(strict=True, reason="the test workers compile the packed update (sub-byte "
-                   "codes) with XLA's fusion emitters and the unpacked one with the elemental "
-                   "emitter (tests/fusion_emitters.py): ulp differences from step 2 (entropy "
-                   "1.312583 vs 1.312601); equal under one emitter (docs/lora.md, Not done)")
-def test_packed_base_run_is_the_unpacked_run(base_dir, tmp_path):
-  """--config.lora.packed_base: the loop (SFT base packed once at load) logs the unpacked LoRA
-  run's metrics and ends with its adapters, bit for bit. Two layers: the recipe's first is NVFP4
-  (its last stays BF16). (A crash + resume of a packed run is not covered: see docs/lora.md.)"""
-  cfg = lora_config(base_dir)
+def _packed_and_unpacked_runs(out: str) -> None:
+  """The child process of test_packed_base_run_is_the_unpacked_run: the unpacked and the packed
+  LoRA loop in `out`/unpacked and `out`/packed (one mid-trained base in `out`/base), and each
+  run's final adapters in `<run>/adapters.npz` (named by their tree path)."""
+  cfg = lora_config(os.path.join(out, "base"))
   cfg.model.n_layers = 2
   cfg.sft.steps = 30
+  for packed in (False, True):
+    cfg.lora.packed_base = packed
+    workdir = os.path.join(out, "packed" if packed else "unpacked")
+    loop.run(cfg, workdir, log=_quiet)
+    adapters = lora.split(final_params(cfg, workdir))[1]
+    np.savez(os.path.join(workdir, "adapters.npz"), **{
+        jax.tree_util.keystr(kp): np.asarray(x)
+        for kp, x in jax.tree_util.tree_leaves_with_path(adapters)})
+
+
+def test_packed_base_run_is_the_unpacked_run(tmp_path):
+  """--config.lora.packed_base: the loop (SFT base packed once at load) logs the unpacked LoRA
+  run's metrics and ends with its adapters, bit for bit. Two layers: the recipe's first is NVFP4
+  (its last stays BF16).
+
+  Both runs go in one launched process that compiles every program with XLA:CPU's fusion
+  emitters, as production does (LOWRL_TEST_FUSION_EMITTERS=1): the test workers compile programs
+  without a sub-byte type with the elemental emitter (tests/fusion_emitters.py), which would put
+  the packed update (E2M1 codes) and the unpacked one on different emitters, ulps apart from
+  step 2. Its own process, not the worker's caches cleared: no executable of the worker's
+  crosses into it."""
+  import subprocess
+
+  import multiprocess
+  here = os.path.dirname(os.path.abspath(__file__))
+  env = multiprocess.child_env(8, LOWRL_TEST_FUSION_EMITTERS="1")
+  env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], multiprocess.REPO,
+                                       os.path.dirname(here)])
+  proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(tmp_path)],
+                        cwd=multiprocess.REPO, env=env, capture_output=True, text=True,
+                        timeout=900)
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
   unpacked, packed = str(tmp_path / "unpacked"), str(tmp_path / "packed")
-  loop.run(cfg, unpacked, log=_quiet)
-  cfg.lora.packed_base = True
-  loop.run(cfg, packed, log=_quiet)
   # The packed run logs no quant_error/* (no master weights to measure): the rest is equal.
   drop = lambda rows: [{k: v for k, v in r.items()  # noqa: E731
                         if not k.startswith("quant_error/")} for r in rows]
   assert not any(k.startswith("quant_error/") for r in _metrics(packed) for k in r)
   assert drop(_metrics(packed)) == drop(_metrics(unpacked))
-  got = final_params(cfg, packed)
-  cfg.lora.packed_base = False
-  want = final_params(cfg, unpacked)
-  for x, y in zip(jax.tree.leaves(lora.split(got)[1]), jax.tree.leaves(lora.split(want)[1])):
-    np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+  got, want = (np.load(os.path.join(d, "adapters.npz")) for d in (packed, unpacked))
+  assert sorted(got.files) == sorted(want.files) and want.files
+  for k in want.files:
+    np.testing.assert_array_equal(got[k].view(np.uint8), want[k].view(np.uint8))
+  # The adapters trained (B left zero), so the comparison is of trained values.
+  assert all(np.abs(want[k]).max() > 0 for k in want.files if k.endswith(f"'{lora.B}']"))
 
 
 def test_export_merged_and_peft(lora_run, base_dir, tmp_path):
@@ -150,14 +177,26 @@ def test_export_merged_and_peft(lora_run, base_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_run_killed_by_sigkill_resumes_bit_identically(tmp_path):
+@pytest.mark.parametrize("packed", [False, True], ids=["fp32_base", "packed_nvfp4_base"])
+def test_lora_run_killed_by_sigkill_resumes_bit_identically(tmp_path, packed):
   """The training binary under LoRA, SIGKILLed after its step-2 checkpoint, resumed: the
   uninterrupted run's metrics (but the resumed sampler's first sync, which moves the base
-  again) and final adapters bit for bit."""
+  again) and final adapters bit for bit. With the FP32 recipe's base, and with the NVFP4 base
+  held packed (configs/lora_nvfp4.py, lora.packed_base: the resumed process packs the stored
+  base again)."""
   from test_resume_kill import _at_checkpoint_2, _finish, _train
-  flags = ("--config.lora.rank=4", "--config.lora.alpha=8")
+  # test_resume_kill's tiny model on 1-digit addition after 50 SFT steps: rewards above 0 (its
+  # sorting base scores 0: every advantage 0, the adapters would never move).
+  config_file = tmp_path / "addition.py"
+  config_file.write_text(
+      f"from configs import {'lora_nvfp4' if packed else 'fp32'} as recipe\n\n\n"
+      "def get_config():\n  c = recipe.get_config()\n  c.task.name = 'addition'\n"
+      "  c.task.kwargs.num_digits = 1\n  return c\n")
+  flags = (f"--config={config_file}", "--config.lora.rank=4", "--config.lora.alpha=8",
+           "--config.sft.steps=50")
   full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
   _finish(_train(full, *flags))
+  assert any(r["reward/mean"] > 0 for r in _metrics(full))
   proc = _at_checkpoint_2(killed, *flags)
   proc.send_signal(signal.SIGKILL)
   proc.communicate()
@@ -170,7 +209,20 @@ def test_lora_run_killed_by_sigkill_resumes_bit_identically(tmp_path):
                                                                          "summary.json")) as g:
     assert json.load(f)["eval_end"] == json.load(g)["eval_end"]
   from experiments.export_hf import run_config_of
-  want = lora.split(final_params(run_config_of(full), full))[1]
-  got = lora.split(final_params(run_config_of(killed), killed))[1]
+
+  def adapters(workdir: str):
+    cfg = run_config_of(workdir)
+    # The runs had one device; this worker's 8 would split the 32-wide NVFP4 blocks (the
+    # adapters are replicated and the base is packed whole, so the values are the same).
+    cfg.mesh.rules = ()
+    return lora.split(final_params(cfg, workdir))[1]
+
+  want, got = adapters(full), adapters(killed)
   for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+  b = [x for kp, x in jax.tree_util.tree_leaves_with_path(want) if kp[-1].key == lora.B]
+  assert b and all(np.abs(np.asarray(x)).max() > 0 for x in b)  # the adapters trained
+
+
+if __name__ == "__main__":
+  _packed_and_unpacked_runs(sys.argv[1])

@@ -34,9 +34,12 @@ FLAGS = [
 
 
 def _train(workdir: str, *extra: str, stderr=subprocess.STDOUT) -> subprocess.Popen:
+  """The binary on FLAGS + `extra`; a --config=FILE in `extra` replaces FLAGS' config file."""
   env = multiprocess.child_env(1, PYTHONUNBUFFERED="1")
+  file = [f for f in extra if f.startswith("--config=")] or FLAGS[:1]  # before its overrides
+  flags = [*file, *(f for f in (*FLAGS, *extra) if not f.startswith("--config="))]
   return subprocess.Popen([sys.executable, "-m", "experiments.train", f"--workdir={workdir}",
-                           *FLAGS, *extra], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                           *flags], cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=stderr, text=True)
 
 
