@@ -17,7 +17,8 @@ from lowrl.training.setup import build
 # rl.routing_replay, the simulator's reduced grid, optimizer.compute_cast_rounding, the
 # ablation's sr_travel, its 5 seeds / descriptive_seeds, its default groups and
 # paired.distance_groups, model.eos_token, the ablation's 10 seeds / lrs
-# (2e-4, 5e-6) / groups without sampler_only / after_run, rl.pack_tokens / rl.pack_rows), generated with run_config.to_json(configs.<name>.get_config()) (and precision.recipe(name).to_dict(),
+# (2e-4, 5e-6) / groups without sampler_only / after_run, rl.pack_tokens / rl.pack_rows, the main
+# job's sampler_decode_min_rows 0), generated with run_config.to_json(configs.<name>.get_config()) (and precision.recipe(name).to_dict(),
 # simulator.default_config()). A deliberate change of a value regenerates it the same way.
 ON_MAIN = json.loads((tiny.REPO / "tests" / "data" / "configs_on_main.json").read_text())
 _set = run_config.set_path
