@@ -114,6 +114,9 @@ def distanced(measured):
   cfg.run.checkpoint_every = 2
   cfg.run.checkpoint_keep_fractions = (0.5,)
   cfg.run.diagnostics.code_churn = True
+  # No after-run measurements (twin KL, pass@k: tests/experiments/test_ablate.py checks them):
+  # nothing here reads them, and their sampling and scoring programs were a third of this set up.
+  cfg.after_run = ()
   results = ablate.run_grid(cfg, work, log=lambda _: None)
   lines = paired.run(cfg, work, log=lambda _: None)
   return cfg, work, results, [r for r in lines if r["measurement"] == "distance"]
