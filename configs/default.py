@@ -9,4 +9,8 @@ def get_config():
   # (docs/benchmarks.md). A longer --config.rl.max_new_tokens needs a wider row (or 0 = off).
   c.rl.pack_tokens = 42
   c.rl.pack_rows = 16
+  # No decode compaction: the completions are short (8 tokens at most), so its five buckets
+  # (256..16 rows, each a decode step compiled on its own) cost compile time and saved no
+  # rollout time; the metrics are byte-identical without it (docs/benchmarks.md, issue 46).
+  c.sampler_decode_min_rows = 0
   return c

@@ -28,6 +28,9 @@ def measured(tmp_path_factory):
   # The quantized backward's NVFP4 blocks of 16 run along batch x time, split over the 8 test
   # devices: 16 rows of 5 + 3 tokens give 2 x 8 per shard.
   cfg.run.rl.update(num_prompts=4, max_new_tokens=3)
+  # Held-out prompts as many as a rollout's rows: the distance's KL of naive NVFP4 vs BF16 runs
+  # on the [16, 5 + 3] shape the ladder's rung compiled.
+  cfg.run.eval_num_prompts = 16
   # Two planted outlier channels (8 and 24: one per block of 16): the ladder runs with and without.
   cfg.run.sft.update(outlier_channels=2, outlier_gain=16.0)
   cfg.paired.update(batches=3, grad_batches=2, heldout=1)
@@ -114,6 +117,9 @@ def distanced(measured):
   cfg.run.checkpoint_every = 2
   cfg.run.checkpoint_keep_fractions = (0.5,)
   cfg.run.diagnostics.code_churn = True
+  # No after-run measurements (twin KL, pass@k: tests/experiments/test_ablate.py checks them):
+  # nothing here reads them, and their sampling and scoring programs were a third of this set up.
+  cfg.after_run = ()
   results = ablate.run_grid(cfg, work, log=lambda _: None)
   lines = paired.run(cfg, work, log=lambda _: None)
   return cfg, work, results, [r for r in lines if r["measurement"] == "distance"]
