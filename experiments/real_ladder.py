@@ -91,17 +91,18 @@ def main(argv):
       with open(_OUT.value, "w") as fh:
         json.dump({**result, "total_seconds": time.time() - start}, fh, indent=1)
 
-  t0 = time.time()
-  ladder = paired.forward_ladder(grid, setups, twin, params, rollouts, log=print)
-  kl = ladder["kl"]
-  result.update(ladder, prompts=len(kl[paired.LADDER[0]]), batches=_BATCHES.value,
-                steps=step_summary(kl, _BATCHES.value))
-  result["seconds"]["ladder"] = time.time() - t0
-  for name, s in result["steps"].items():
-    print(f"[ladder] {name}: mean change {s['mean']:+.4f} (95% CI by prompt {s['ci_low']:+.4f} "
-          f".. {s['ci_high']:+.4f}, by batch {s['batch_ci_low']:+.4f} .. "
-          f"{s['batch_ci_high']:+.4f}), sign test p {s['p_sign']:.3g}, "
-          f"{s['lower']}/{s['prompts']} prompts lower")
+  if _LADDER.value:
+    t0 = time.time()
+    ladder = paired.forward_ladder(grid, setups, twin, params, rollouts, log=print)
+    kl = ladder["kl"]
+    result.update(ladder, prompts=len(kl[paired.LADDER[0]]), batches=_BATCHES.value,
+                  steps=step_summary(kl, _BATCHES.value))
+    result["seconds"]["ladder"] = time.time() - t0
+    for name, s in result["steps"].items():
+      print(f"[ladder] {name}: mean change {s['mean']:+.4f} (95% CI by prompt {s['ci_low']:+.4f} "
+            f".. {s['ci_high']:+.4f}, by batch {s['batch_ci_low']:+.4f} .. "
+            f"{s['batch_ci_high']:+.4f}), sign test p {s['p_sign']:.3g}, "
+            f"{s['lower']}/{s['prompts']} prompts lower")
   save()
   if _GRAD_BATCHES.value:
     t0 = time.time()
@@ -144,4 +145,6 @@ if __name__ == "__main__":
   _HELDOUT = flags.DEFINE_integer("heldout", 2, "held-out batches of the backward design")
   _CHUNK = flags.DEFINE_integer("chunk", 5, "backward batches per chunk (a JSON write after each)")
   _OUT = flags.DEFINE_string("out", "", "JSON file for the results ('' = print only)")
+  _LADDER = flags.DEFINE_bool("ladder", True, "run the forward ladder (--noladder: backward only, "
+                              "on the same deterministic batches)")
   app.run(main)
