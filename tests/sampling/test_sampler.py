@@ -209,7 +209,8 @@ def test_runtime_greedy_flag_decodes_what_the_static_configs_decode_in_one_progr
   output leaf bit for bit, both calls on one compiled program."""
   from lowrl.sampling.generate import _decode_program
   s = sampling.Sampler(TINY, FP32, TOPK_TOPP)
-  program = _decode_program(TINY, FP32, TOPK_TOPP, s.plan, 1, 0)
+  # The arguments as generate passes them (lru_cache keys on how they are passed).
+  program = _decode_program(TINY, FP32, TOPK_TOPP, s.plan, 1, 0, 1)
   compiled = program._cache_size()
   out = {g: s(_params(), PROMPTS16, PMASK16, jax.random.key(7), greedy=g) for g in (True, False)}
   assert program._cache_size() == compiled + 1
