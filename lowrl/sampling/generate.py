@@ -349,23 +349,36 @@ def _outputs(state: DecodeState, prompt_BP, pmask_BP, plen_B, p: int) -> SampleO
       prompt_width=p)
 
 
-@functools.lru_cache(maxsize=64)
 def _decode_program(model_cfg: ModelConfig, policy: PrecisionPolicy, config: SamplingConfig,
                     plan: ShardingPlan | None, group: int = 1, min_rows: int = 0,
                     per_halving: int = 1):
   """`_decode` jitted for one static setting, the cache (argument 4) donated. With a plan, the
   outputs come out in its layout (rollouts over the batch axes, the cache as
   `plan.cache_shardings`) and the inputs arrive placed by `generate`; None: placed by the caller
-  (`generate_in_jit`, inside the caller's jit)."""
+  (`generate_in_jit`, inside the caller's jit). One program per setting however the caller
+  spells it: the defaults are filled in before the cache (`_decode_jit`) sees the arguments,
+  since an lru_cache keys on the arguments as passed."""
+  return _decode_jit(model_cfg, policy, config, plan, group, min_rows, per_halving)
+
+
+@functools.lru_cache(maxsize=64)
+def _decode_jit(model_cfg: ModelConfig, policy: PrecisionPolicy, config: SamplingConfig,
+                plan: ShardingPlan | None, group: int, min_rows: int, per_halving: int):
+  """`_decode_program`'s cache: every argument explicit, so one setting is one entry."""
   layout_kw = {} if plan is None else {
       "out_shardings": (plan.batch, plan.cache_shardings(model_cfg))}
   note = None if plan is None else plan.cache_note(model_cfg)
   if note:  # once per program (cached), before it compiles
-    warnings.warn(note, stacklevel=3)
+    warnings.warn(note, stacklevel=4)
   return jax.jit(functools.partial(_decode, model_cfg=model_cfg, policy=policy, config=config,
                                    plan=plan, group=group, min_rows=min_rows,
                                    per_halving=per_halving),
                  donate_argnums=(4,), **layout_kw)
+
+
+# The cache's statistics and reset where callers look for them (tests count compiled programs).
+_decode_program.cache_info = _decode_jit.cache_info  # type: ignore[attr-defined]
+_decode_program.cache_clear = _decode_jit.cache_clear  # type: ignore[attr-defined]
 
 
 @functools.lru_cache(maxsize=64)

@@ -151,7 +151,7 @@ def test_evaluation_samples_on_the_packed_weights_in_one_decode_program():
   trainer.evaluate(params, jax.random.key(2))
   assert _decode_program.cache_info().misses == programs + 1  # greedy and sampled chunks
   # The program generate calls for the chunks.
-  program = _decode_program(s.model_cfg, packed_policy, s.sampling, s.plan, 1, 0, 1)  # as passed
+  program = _decode_program(s.model_cfg, packed_policy, s.sampling, s.plan)
   assert program._cache_size() == 1  # every chunk ran on the packed weights' one program
   key, qk = jax.random.key(3), s.trainer_policy.quant_key(jax.random.key(4))
   _, tokens, mask = trainer._eval_prompts()

@@ -203,14 +203,30 @@ def test_sampler_is_deterministic_and_reuses_its_donated_cache():
   assert not np.array_equal(a.tokens, c.tokens)
 
 
+def test_one_decode_program_per_setting_however_its_defaults_are_spelled():
+  """`generate` passes every argument of `_decode_program`, tests and benchmarks often fewer: one
+  setting must reach one jitted program (one compile, one entry in the cache's statistics), and
+  another setting another."""
+  from lowrl.sampling.generate import _decode_program
+  plan = sampling.Sampler(TINY, FP32, TOPK_TOPP).plan
+  program = _decode_program(TINY, FP32, TOPK_TOPP, plan, 1, 0, 1)  # as generate passes them
+  misses = _decode_program.cache_info().misses
+  for same in (_decode_program(TINY, FP32, TOPK_TOPP, plan),
+               _decode_program(TINY, FP32, TOPK_TOPP, plan, 1, 0),
+               _decode_program(TINY, FP32, TOPK_TOPP, plan, per_halving=1, group=1)):
+    assert same is program
+  assert _decode_program.cache_info().misses == misses
+  assert _decode_program(TINY, FP32, TOPK_TOPP, plan, 1, 0, 2) is not program
+  assert _decode_program.cache_info().misses == misses + 1
+
+
 def test_runtime_greedy_flag_decodes_what_the_static_configs_decode_in_one_program():
   """`greedy=True` on a temperature / top-k / top-p config decodes what temperature 0 decodes
   (the raw logits' argmax, log q = 0), `greedy=False` what the config alone samples: every
   output leaf bit for bit, both calls on one compiled program."""
   from lowrl.sampling.generate import _decode_program
   s = sampling.Sampler(TINY, FP32, TOPK_TOPP)
-  # The arguments as generate passes them (lru_cache keys on how they are passed).
-  program = _decode_program(TINY, FP32, TOPK_TOPP, s.plan, 1, 0, 1)
+  program = _decode_program(TINY, FP32, TOPK_TOPP, s.plan)
   compiled = program._cache_size()
   out = {g: s(_params(), PROMPTS16, PMASK16, jax.random.key(7), greedy=g) for g in (True, False)}
   assert program._cache_size() == compiled + 1
