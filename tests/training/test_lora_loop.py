@@ -185,15 +185,10 @@ def test_lora_run_killed_by_sigkill_resumes_bit_identically(tmp_path, packed):
   held packed (configs/lora_nvfp4.py, lora.packed_base: the resumed process packs the stored
   base again)."""
   from test_resume_kill import _at_checkpoint_2, _finish, _train
-  # test_resume_kill's tiny model on 1-digit addition after 50 SFT steps: rewards above 0 (its
-  # sorting base scores 0: every advantage 0, the adapters would never move).
-  config_file = tmp_path / "addition.py"
-  config_file.write_text(
-      f"from configs import {'lora_nvfp4' if packed else 'fp32'} as recipe\n\n\n"
-      "def get_config():\n  c = recipe.get_config()\n  c.task.name = 'addition'\n"
-      "  c.task.kwargs.num_digits = 1\n  return c\n")
-  flags = (f"--config={config_file}", "--config.lora.rank=4", "--config.lora.alpha=8",
-           "--config.sft.steps=50")
+  # test_resume_kill's run (its tiny model on 1-digit addition after 50 SFT steps: rewards above
+  # 0, so the adapters train) under the recipe's config file.
+  flags = (f"--config=configs/{'lora_nvfp4' if packed else 'fp32'}.py", "--config.lora.rank=4",
+           "--config.lora.alpha=8")
   full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
   _finish(_train(full, *flags))
   assert any(r["reward/mean"] > 0 for r in _metrics(full))

@@ -23,11 +23,16 @@ from lowrl.training.checkpointing import verify_manifest
 
 REPO = str(tiny.REPO)
 STEPS = 6
+# 1-digit addition after 50 SFT steps: the tiny base scores (rewards above 0, so non-zero
+# advantages and updates that train). On the default sorting task it scores 0: every advantage
+# is 0 and only weight decay moves the parameters, so a resume that lost training state (the
+# optimizer's moments, say) would log nearly the same numbers.
 FLAGS = [
-    "--config=configs/fp32.py",
+    "--config=configs/fp32.py", "--config.task.name=addition",
+    "--config.task.kwargs={'num_digits': 1}",
     "--config.model.d_model=32", "--config.model.n_layers=2", "--config.model.n_heads=2",
     "--config.model.n_kv_heads=1", "--config.model.head_dim=16", "--config.model.d_ff=64",
-    "--config.sft.steps=5", f"--config.rl.steps={STEPS}", "--config.rl.num_prompts=4",
+    "--config.sft.steps=50", f"--config.rl.steps={STEPS}", "--config.rl.num_prompts=4",
     "--config.rl.group_size=4", "--config.eval_num_prompts=8", "--config.eval_samples=1",
     "--config.checkpoint_every=2",
 ]
@@ -80,6 +85,11 @@ def full(tmp_path_factory):
   """The uninterrupted run every interrupted one is compared with."""
   workdir = str(tmp_path_factory.mktemp("full"))
   _finish(_train(workdir))
+  rows = _metrics(workdir)
+  # It trains after step 2 (where the faults strike): updates on groups that score apart.
+  assert any(r["reward/mean"] > 0 for r in rows)
+  assert any(r["grad_norm"] > 0 and r["health/zero_spread_group_frac"] < 1 and
+             not r["skipped_updates"] for r in rows if r["step"] > 2), rows
   return workdir
 
 
@@ -109,8 +119,14 @@ def test_sigterm_checkpoints_the_step_and_a_second_process_is_refused(tmp_path, 
   workdir = str(tmp_path / "term")
   proc = _train(workdir)
   _wait_for(os.path.join(workdir, "eval_start.json"), proc)  # the live run holds the workdir
-  second = _train(workdir)
-  out2 = _finish(second, status=2)
+  # Stopped (holding its lock) while the second process starts and is refused: running, it
+  # could finish all its steps before the refusal, leaving nothing to stop with SIGTERM.
+  proc.send_signal(signal.SIGSTOP)
+  try:
+    second = _train(workdir)
+    out2 = _finish(second, status=2)
+  finally:
+    proc.send_signal(signal.SIGCONT)
   assert f"in use by another run (pid {proc.pid} on host" in out2, out2
   assert "Traceback" not in out2
   _wait_for(os.path.join(workdir, "checkpoints", "2"), proc)
@@ -146,10 +162,10 @@ def test_a_second_sigint_exits_at_once_keeping_the_checkpoints(tmp_path):
 
 @pytest.mark.slow
 def test_a_disk_that_fills_mid_run_stops_in_one_line_keeping_the_checkpoints(tmp_path, full):
-  base = os.path.join(full, "base")  # the uninterrupted run's base, off the small disk
+  # The base comes from the shared store (the uninterrupted run's), off the small disk.
   with small_fs.tmpfs(str(tmp_path / "disk"), "3m") as disk:
     workdir = os.path.join(disk, "run")
-    proc = _at_checkpoint_2(workdir, f"--config.sft.base_dir={base}")
+    proc = _at_checkpoint_2(workdir)
     filler = os.path.join(disk, "filler")
     try:  # another process takes the rest of the disk (unless the run has filled it already)
       with open(filler, "wb") as f:
@@ -168,7 +184,7 @@ def test_a_disk_that_fills_mid_run_stops_in_one_line_keeping_the_checkpoints(tmp
     assert f"steps {kept}" in errors[0]
     if os.path.exists(filler):
       os.remove(filler)
-    _finish(_train(workdir, f"--config.sft.base_dir={base}"))
+    _finish(_train(workdir))
     _same_result(workdir, full)
 
 
