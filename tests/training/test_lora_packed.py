@@ -49,6 +49,19 @@ def _bits(tree):
   return [np.atleast_1d(np.asarray(x)).view(np.uint8) for x in jax.tree.leaves(tree)]
 
 
+@pytest.fixture(scope="module")
+def sampled():
+  """`_config()`'s trainer, live params and one rollout of theirs (with its info). The rollout's
+  arrays depend on the batch settings alone (not the model's width or depth), so it is also the
+  input any `_config(**model)` update program is lowered for: the same program as for its own
+  rollout, without compiling that model's sampler and scorer. (The exact-mode test's update
+  donates the params; the other tests take the rollout alone.)"""
+  trainer = Trainer(build(_config()), log=lambda _: None)
+  params = _live_params(trainer)
+  rollout, info = trainer.rollout(params, params, 0, jax.random.key(1), stale=False)
+  return trainer, params, rollout, info
+
+
 @pytest.mark.parametrize("path, value, match", [
     ("precision.backward", "high_precision", r"backward='high_precision' needs the original"),
     ("lora.rank", 0, "lora.rank=0 trains every weight"),
@@ -68,21 +81,19 @@ def test_packed_base_needs_a_weight_quantizer():
   assert "\n" not in str(e.value)
 
 
-def test_exact_mode_update_and_refit_on_the_packed_base():
+def test_exact_mode_update_and_refit_on_the_packed_base(sampled):
   """The base is packed once (uint8 codes + FP8 block scales + FP32 outer scales, no master
   kernel) and computes what the master base computes, bit for bit (logprobs, adapter gradients,
   the sampler's exact-mode scores; mismatch exactly 0); the update moves the adapters and leaves
   the base's codes and scales bit for bit; the refit check compares them at every sync."""
-  setup = build(_config())
-  trainer = Trainer(setup, log=lambda _: None)
-  params = _live_params(trainer)
+  trainer, params, rollout, info = sampled
+  setup = trainer.setup
   base, adapters = lora.split(params)
   packed = [x for x in jax.tree.leaves(base, is_leaf=_packed) if _packed(x)]
   n_quantized = len(weights.prequantizable(setup.trainer_policy, setup.model_cfg))
   assert n_quantized > 0 and len(packed) == n_quantized
   assert all(p.nibbles and p.codes.dtype == jnp.uint8 for p in packed)
 
-  rollout, info = trainer.rollout(params, params, 0, jax.random.key(1), stale=False)
   assert info["refit"].get("refit/mismatched_tensors", 0) == 0
   out, mask = rollout.out, rollout.out.completion_mask
   assert float(mask.sum()) > 0
@@ -135,7 +146,7 @@ def test_exact_mode_update_and_refit_on_the_packed_base():
 
 
 @pytest.mark.slow
-def test_update_program_holds_no_fp32_copy_of_the_base():
+def test_update_program_holds_no_fp32_copy_of_the_base(sampled):
   """Inspect the compiled update program (XLA's memory analysis of its buffers): its arguments
   are the packed base (no FP32 input of any quantized kernel's shape) and its temporaries stay
   below an FP32 copy of the quantized kernels, since each layer dequantizes its own kernels. The
@@ -153,7 +164,7 @@ def test_update_program_holds_no_fp32_copy_of_the_base():
   shapes = init.param_shapes(setup.model_cfg)
   kernels = [layout.get_param(shapes, m.param_keys).shape for m in quantized]
   fp32_base = sum(4 * int(np.prod(s)) for s in kernels)
-  rollout, _ = trainer.rollout(params, params, 0, jax.random.key(1), stale=False)
+  rollout = sampled[2]  # (its own rollout would have the same arrays: see `sampled`)
   opt = trainer.init_opt_state(params)
 
   compiled = trainer.step.lower(params, opt, params, rollout, jax.random.key(2)).compile()
