@@ -1,6 +1,7 @@
 """Gradient accumulation (`rl.micro_batches`) against the plain update, and its validation."""
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -111,3 +112,27 @@ def test_micro_batches_must_divide_the_minibatch():
   cfg.mesh.shape = (-1, 1)
   with pytest.raises(ValueError, match="a micro-batch"):
     build(cfg)
+
+
+def test_the_update_program_checks_finiteness_once_not_once_per_leaf():
+  """Regression (docs/real_model.md, "The update's compile memory"): the skip of a non-finite
+  update must read one computed flag. As a select per leaf on the flag, XLA rewrote the finite
+  check into a chain of one scalar `and` per checked leaf and fused a copy of the chain into every
+  leaf's select: ~leaves^2 instructions, which for SmolLM2's 30 layers took > 12 min and > 6 GB
+  of host memory to compile. The compiled program may hold the chain a few times (XLA fuses it
+  into the flag's few consumers: ~3.3 `and`s per checked leaf, linear in the depth), not once per
+  leaf (the per-leaf selects: 17,988 `and`s = 117 per leaf at this size, growing with the depth).
+  The checked leaves: the gradient, the new params and the new optimizer state."""
+  cfg = tiny.loop_config("fp32")
+  cfg.model.n_layers = 4
+  cfg.rl.update(num_prompts=4, group_size=4, max_new_tokens=4, log_kl_ref=False)
+  setup = build(cfg)
+  params = init.param_shapes(setup.model_cfg)
+  opt_state = jax.eval_shape(setup.tx.init, params)
+  update = jax.jit(make_rl_update(make_logprob_fn(setup.model_cfg, setup.trainer_policy),
+                                  setup.tx, setup.update_cfg))
+  hlo = update.lower(params, opt_state, None, _batch(setup), jax.random.key(0)).compile().as_text()
+  ands = len(re.findall(r"= pred\[\] and\(", hlo))
+  checked = sum(jnp.issubdtype(x.dtype, jnp.inexact)
+                for x in jax.tree.leaves((params, params, opt_state)))
+  assert 0 < ands <= 8 * checked, (ands, checked)
