@@ -14,8 +14,9 @@ base's held-out pass@1 leaves RL room: experiments/probe_task.py on 16 held-out 
 table). The variant argument is the precision recipe: nvfp4_recipe (the default), bf16, or any
 name of lowrl/recipes.py.
 
-The batch is small (8 prompts x 4 samples, 16 held-out prompts) for the CPU; no RL run of this
-config has been timed or run yet (docs/checkpoints.md). A GPU run can raise both.
+The batch is small (8 prompts x 4 samples, 16 held-out prompts) for the CPU; two steps of it are
+timed in docs/real_model.md ("Step time after the compile fix"), no full RL run has been made yet. A GPU run can raise
+both.
 """
 import os
 
@@ -42,4 +43,8 @@ def get_config(recipe: str = "nvfp4_recipe"):
   c.rl.group_size = 4
   c.rl.max_new_tokens = 16
   c.eval_num_prompts = 16
+  # Recompute each layer's activations in the backward: without it the recipe's update holds
+  # ~6.7 GB of temporaries at 30 layers and the run peaks ~12.5 GB of host memory; with it 9.9 GB
+  # (BF16 8.6 GB; docs/real_model.md, "Step time after the compile fix").
+  c.model.remat = "full"
   return c
