@@ -29,8 +29,8 @@ Reported per setting, medians over rounds with [min-max], ratios taken per round
     tokens; prompts count once per group).
 Settings: (a) `main`: the main job (mid-trained base, 32 prompts x 8, 8 new tokens); (c) `real`:
 configs/smollm2.py (SmolLM2-135M-Instruct, --real_recipe, --real_prompts x 4 completions of up to
---real_tokens tokens, compaction buckets 8, 4, 2 rows; on the 23 GB dev machine it was
-OOM-killed at ~20 GB RSS before its timed round: run it where memory allows); (b) `tail`:
+--real_tokens tokens, compaction buckets 8, 4, 2 rows; ~9.3 GB peak RSS, 5 min with --repeats=5,
+docs/benchmarks.md); (b) `tail`:
 long-tailed completions up to --tail_tokens (the main job's model, untied head, from random init
 on the sorting task: the stop token has probability ~1/V at every position, so lengths are
 geometric, median ~V ln 2, a few rows running far longer), --tail_rows rows at each group size of --groups.
