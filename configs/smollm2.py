@@ -44,7 +44,8 @@ def get_config(recipe: str = "nvfp4_recipe"):
   c.rl.max_new_tokens = 16
   c.eval_num_prompts = 16
   # Recompute each layer's activations in the backward: without it the recipe's update holds
-  # ~6.7 GB of temporaries at 30 layers and the run peaks ~12.5 GB of host memory; with it 9.9 GB
-  # (BF16 8.6 GB; docs/real_model.md, "Step time after the compile fix").
+  # 6.7 GB of temporaries at 30 layers and its first step passed 12.4 GB of host memory (stopped
+  # there by a 12 GB cap); with it the run peaked at 9.9 GB (BF16 8.6 GB; docs/real_model.md,
+  # "Step time after the compile fix").
   c.model.remat = "full"
   return c
