@@ -164,10 +164,9 @@ def _run_in_workdir(setup: Setup, ckpt: Checkpointer, resuming: bool, workdir: s
   # The SFT loss (when this run trains the base) goes to a TensorBoard run of its own, `tb/sft`:
   # its steps are SFT steps, and a resume's purge of RL steps must not touch them.
   trainer = Trainer(setup, log)  # before the base: its update compiles while the base trains
-  step_avals = (precompile.rl_step_avals(trainer)
-                if pre is not None and setup.loop.precompile and not reevaluate else None)
-  if step_avals is not None:
-    pre.submit("step", trainer.step, *step_avals)
+  if pre is not None and setup.loop.precompile and not reevaluate:
+    for name, program, args in precompile.programs(trainer):
+      pre.submit(name, program, *args)
     trainer.precompiler = pre
   with create_writer(os.path.join(tb_dir, tb_layout.SFT_RUN),
                      enabled=primary and not resuming) as sft_tb:

@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from jax import monitoring
 
 from lowrl.sampling import SampleOutput
+from lowrl.sampling.act_scales import calibration_paths
+from lowrl.sampling.rescore import scoring_program
 from lowrl.training import optimizer
 from lowrl.training.step import Rollout
 
@@ -52,36 +54,53 @@ def avals(tree: Any, shardings: Any = None) -> Any:
                       is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
 
 
-def rl_step_avals(trainer: Any) -> tuple | None:
-  """The avals of `trainer.step`'s arguments (params, opt_state, ref_params, rollout, key) at
-  the run's first step, from the config alone; None where they are not known up front (a LoRA
-  run's adapters and packed base, an MoE model's routing record).
+def programs(trainer: Any) -> list[tuple[str, Any, tuple]]:
+  """(name, jitted program, argument avals) of the programs of `trainer`'s first RL step whose
+  arguments are known from the config alone, in the order the step first calls them: the
+  exact-mode sampler's re-score (`score`; also the trainer's pi_old) and the update (`step`).
+  None of them where the shapes are not known up front (a LoRA run's adapters and packed base,
+  an MoE model's routing record); no re-score where the sampler reads static activation scales
+  (their calibrated tree) or is not in exact mode.
 
-  The rollout is the sampler's [batch, prompt + max_new_tokens] output (packing happens inside the
-  update program, so no shape depends on the batch); `Precompiler.wait` checks these against the
-  real call's arguments, so a drift from `Trainer.rollout` costs a compile, never a wrong result.
+  The rollout is the sampler's [batch, prompt + max_new_tokens] output (packing happens inside
+  the programs, so no shape depends on the batch). `Precompiler.wait` checks the update's avals
+  against the real call's, and a program compiled for other avals is simply compiled again when
+  called: a drift from `Trainer.rollout` costs a compile, never a wrong result.
   """
   setup = trainer.setup
   if setup.lora is not None or setup.model_cfg.is_moe:
-    return None
-  knobs = setup.loop
+    return []
+  knobs, plan = setup.loop, trainer.plan
   params = jax.eval_shape(lambda p: optimizer.to_master(p, knobs.master_dtype),
                           trainer.param_shapes)
   b, p = knobs.batch_size, setup.task.max_prompt_len
   bl = (b, p + setup.sampling.max_new_tokens)
+  key = jax.eval_shape(lambda: jax.random.key(0))
 
   def arr(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
 
-  out = SampleOutput(tokens=arr(bl, jnp.int32), prompt_mask=arr(bl, jnp.float32),
-                     completion_mask=arr(bl, jnp.float32), logprobs=arr(bl, jnp.float32),
-                     model_logprobs=arr(bl, jnp.float32), prompt_lengths=arr((b,), jnp.int32),
-                     completion_lengths=arr((b,), jnp.int32), prompt_width=p)
-  rollout = Rollout(out, arr((b,), jnp.float32), arr(bl, jnp.float32), arr(bl, jnp.float32))
+  out = []
+  policy = setup.sampler_policy
+  if knobs.sampler_exact and not calibration_paths(policy, setup.model_cfg):
+    # rescore's arguments: (params, tokens, attention mask, quant key, act_amax None).
+    args = avals((params, arr(bl, jnp.int32), arr(bl, jnp.float32), policy.quant_key(key)),
+                 (plan.param_shardings(params), plan.batch, plan.batch, plan.replicated))
+    configs = [None] + ([setup.sampling] if setup.sampling.modifies_distribution else [])
+    for config in configs:
+      program = scoring_program(setup.model_cfg, policy, config, plan=plan,
+                                pack=setup.update_cfg.pack)
+      out.append(("score" if config is None else "score_q", program, (*args, None)))
+  sample = SampleOutput(tokens=arr(bl, jnp.int32), prompt_mask=arr(bl, jnp.float32),
+                        completion_mask=arr(bl, jnp.float32), logprobs=arr(bl, jnp.float32),
+                        model_logprobs=arr(bl, jnp.float32), prompt_lengths=arr((b,), jnp.int32),
+                        completion_lengths=arr((b,), jnp.int32), prompt_width=p)
+  rollout = Rollout(sample, arr((b,), jnp.float32), arr(bl, jnp.float32), arr(bl, jnp.float32))
   args = (params, jax.eval_shape(trainer.opt_init, params),
-          params if knobs.keep_reference else None, rollout,
-          jax.eval_shape(lambda: jax.random.key(0)))
-  return tuple(avals(a, s) for a, s in zip(args, trainer.step_shardings))
+          params if knobs.keep_reference else None, rollout, key)
+  out.append(("step", trainer.step,
+              tuple(avals(a, s) for a, s in zip(args, trainer.step_shardings))))
+  return out
 
 
 def _typeof(tree: Any) -> tuple:
@@ -115,12 +134,12 @@ class Precompiler:
     spec = avals(args)
     self._pending[name] = (self._pool.submit(lambda: jitted.lower(*spec).compile()), spec)
 
-  def wait(self, name: str, args: Any) -> bool:
+  def wait(self, name: str, args: Any = None) -> bool:
     """Blocks until `name`'s background compile is done, before its first call with `args`.
 
     True: the call will run the precompiled executable. False (nothing submitted under `name`,
-    the compile failed, or `args` have other avals than those compiled for): the call compiles
-    as it would without this module; a failure or a mismatch is logged.
+    the compile failed, or `args` have other avals than those compiled for; None: not checked)
+    the call compiles as it would without this module; a failure or a mismatch is logged.
     """
     if name not in self._pending:
       return False
@@ -134,7 +153,7 @@ class Precompiler:
       return False
     finally:
       monitoring.record_event_duration_secs(WAIT_EVENT, time.perf_counter() - t0)
-    if _typeof(tuple(args)) != _typeof(spec):
+    if args is not None and _typeof(tuple(args)) != _typeof(spec):
       self._log(f"[precompile] {name}: the call's arguments differ from those it was "
                 "compiled for; compiling it on the main thread")
       return False

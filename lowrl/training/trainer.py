@@ -393,6 +393,9 @@ class Trainer:
     # Exact mode re-scores in the sampler's precision with the same key it sampled with.
     sampler_qk = self.setup.sampler_policy.quant_key(k_quant)
     held, refit_metrics = self.refit(sampler_params, sampler_version)
+    if self.precompiler is not None:  # the first rollout waits for its re-score compiled ahead
+      self.precompiler.wait("score")
+      self.precompiler.wait("score_q")
     act_amax = held.act_amax  # + a quantized KV cache's K/V amaxes
     out = self.sampler(held.weights, tokens_BP, mask_BP, k_sample, quant_key=sampler_qk,
                        trainer_params=sampler_params, trainer_quant_key=sampler_qk,

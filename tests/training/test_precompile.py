@@ -1,5 +1,5 @@
-"""The RL update compiled on a background thread (lowrl.training.precompile): the run calls the
-executable compiled there (nothing traced, lowered or compiled for it on the main thread), with
+"""The RL update and the exact re-score compiled on a background thread
+(lowrl.training.precompile): the run calls the executables compiled there (nothing traced, lowered or compiled for it on the main thread), with
 metrics byte-identical to a run that compiles it when first called; a failed or mismatched
 background compile falls back to the ordinary call with one logged line; no thread outlives it."""
 import os
@@ -52,8 +52,9 @@ def test_the_run_calls_the_update_compiled_ahead_with_byte_identical_metrics(tmp
   ordinary, _, main_ordinary = _run(tmp_path / "base", tmp_path / "ordinary", False)
   ahead, lines, main_ahead = _run(tmp_path / "base", tmp_path / "ahead", True)
   assert ahead == ordinary and ahead.count(b"\n") == 2
-  assert {"step", "jit(step)"} <= main_ordinary  # the control: the update compiled when called
-  assert not {"step", "jit(step)"} & main_ahead  # ...here on the worker thread only
+  ahead_names = {"step", "jit(step)", "_score", "jit(_score)"}  # the update, the re-score
+  assert ahead_names <= main_ordinary  # the control: compiled where first called
+  assert not ahead_names & main_ahead  # ...here on the worker thread only
   assert not [line for line in lines if "[precompile]" in line]
 
 
