@@ -14,13 +14,15 @@ Each pair, in fresh directories under --root:
 Pairs run one after the other (first, repeat, first, repeat, ...), so load changes hit both
 sides alike. Each run is a subprocess of this one; within it, JAX's compile events (tracing,
 lowering, XLA compilation or a persistent-cache load) are summed, so "compile" is every second
-spent producing executables, and so is the part of it done on the main thread: the time the run
-waits for compilation (a program compiled ahead on a background thread, lowrl.training.precompile,
-overlaps the run and counts in the first figure only). Reported: both wall times (the subprocess from start to exit,
-imports included), repeat / first per pair with the median and range, compilation's share of each
-run and of each program (by the jitted function's name, the first run's longest --top), the
-1-minute load average around each run, and whether the two runs' metrics.jsonl and final
-evaluation are identical (they must be: see lowrl.user_cache and lowrl.training.base_store).
+spent producing executables; so is the part of it spent on the main thread, plus the main
+thread's waits for a background compile (lowrl.training.precompile): the time the run waits for
+compilation (a program compiled ahead on the worker thread overlaps the run and counts in the
+first figure only). Reported: both wall times (the subprocess from start to exit, imports
+included), repeat / first per pair with the median and range, compilation's share of each run
+and of each program (by the jitted function's name, the first run's longest --top), the main
+thread's compile wait, the 1-minute load average around each run, and whether the two runs'
+metrics.jsonl and final evaluation are identical (they must be: see lowrl.user_cache and
+lowrl.training.base_store).
 """
 from __future__ import annotations
 
@@ -61,11 +63,11 @@ def _child(report: str, argv: list[str]) -> None:
       totals[event] += duration
       counts[event] += 1
       main_s[0] += duration if threading.current_thread() is main_thread else 0.0
-    elif event == precompile_wait:  # the main thread waiting for a background compile
-      main_s[0] += duration
       row = programs.setdefault(str(fun_name), {"trace": 0.0, "lower": 0.0, "xla": 0.0, "n": 0})
       row[_STAGE[event]] += duration
       row["n"] += event == _COMPILE_EVENTS[0]
+    elif event == precompile_wait:  # the main thread waiting for a background compile
+      main_s[0] += duration
 
   monitoring.register_event_duration_secs_listener(listen)
 

@@ -1,7 +1,8 @@
 """The RL update and the exact re-score compiled on a background thread
-(lowrl.training.precompile): the run calls the executables compiled there (nothing traced, lowered or compiled for it on the main thread), with
-metrics byte-identical to a run that compiles it when first called; a failed or mismatched
-background compile falls back to the ordinary call with one logged line; no thread outlives it."""
+(lowrl.training.precompile): the run calls the executables compiled there (nothing traced,
+lowered or compiled for them on the main thread), with metrics byte-identical to a run that
+compiles them when first called; a failed or mismatched background compile falls back to the
+ordinary call with one logged line; no thread outlives it."""
 import os
 import threading
 
