@@ -47,7 +47,10 @@ def _child(report: str, argv: list[str]) -> None:
   """Runs the training binary in this process, summing JAX's compile events into `report`."""
   from jax import monitoring  # noqa: PLC0415
 
-  from lowrl.training.precompile import WAIT_EVENT as precompile_wait  # noqa: PLC0415
+  try:  # code from before lowrl.training.precompile (measuring a baseline) has no such wait
+    from lowrl.training.precompile import WAIT_EVENT as precompile_wait  # noqa: PLC0415
+  except ImportError:
+    precompile_wait = None
 
   totals = {e: 0.0 for e in _COMPILE_EVENTS}
   counts = {e: 0 for e in _COMPILE_EVENTS}
@@ -62,9 +65,12 @@ def _child(report: str, argv: list[str]) -> None:
     if event in totals:
       totals[event] += duration
       counts[event] += 1
-      main_s[0] += duration if threading.current_thread() is main_thread else 0.0
-      row = programs.setdefault(str(fun_name), {"trace": 0.0, "lower": 0.0, "xla": 0.0, "n": 0})
+      on_main = threading.current_thread() is main_thread
+      main_s[0] += duration if on_main else 0.0
+      row = programs.setdefault(str(fun_name), {"trace": 0.0, "lower": 0.0, "xla": 0.0, "n": 0,
+                                                "main": 0.0})
       row[_STAGE[event]] += duration
+      row["main"] += duration if on_main else 0.0
       row["n"] += event == _COMPILE_EVENTS[0]
     elif event == precompile_wait:  # the main thread waiting for a background compile
       main_s[0] += duration
@@ -113,34 +119,39 @@ def _by_program(programs: dict) -> dict:
   out: dict[str, dict[str, float]] = {}
   for name, row in programs.items():
     name = name[4:-1] if name.startswith("jit(") and name.endswith(")") else name
-    merged = out.setdefault(name, {"trace": 0.0, "lower": 0.0, "xla": 0.0, "n": 0})
+    merged = out.setdefault(name, {"trace": 0.0, "lower": 0.0, "xla": 0.0, "n": 0, "main": 0.0})
     for k in merged:
-      merged[k] += row.get(k, 0)
+      merged[k] += row.get(k, 0 if k != "main" else sum(row.get(s, 0.0) for s in _STAGE.values()))
   return out
 
 
 def program_table(row: dict, top: int = 12) -> list[str]:
   """Lines of a table for one pair (a row of --out): the `top` programs by the first run's
   compile seconds (tracing + lowering + XLA compilation or a cache load, summed over the
-  program's compiles), each as seconds, count of compiles and share of its run's wall time,
-  first and repeat run side by side; then the rest and the total."""
+  program's compiles), each as seconds, count of compiles (traces: a trace-cache hit counts),
+  share of its run's wall time and the seconds of it on the main thread, first and repeat run
+  side by side; then the rest, the total, and the main thread's compiling plus its waits for a
+  background compile (the time the run waited for compilation)."""
   runs = {"first": (_by_program(row["first_compile_parts"]["programs"]), row["first_s"]),
           "repeat": (_by_program(row["repeat_compile_parts"]["programs"]), row["repeat_s"])}
 
   def parts(run, name):
     p = runs[run][0].get(name, {})
-    return sum(p.get(k, 0.0) for k in ("trace", "lower", "xla")), int(p.get("n", 0))
+    return (sum(p.get(k, 0.0) for k in ("trace", "lower", "xla")), int(p.get("n", 0)),
+            p.get("main", 0.0))
 
   names = sorted(set(runs["first"][0]) | set(runs["repeat"][0]),
                  key=lambda n: -parts("first", n)[0])
   wf, wr = runs["first"][1], runs["repeat"][1]
 
-  def line(label, a, na, b, nb):
-    return f"{label[:44]:<44} {a:8.1f} {a / wf:6.1%} {na:3d} {b:9.1f} {b / wr:6.1%} {nb:3d}"
+  def line(label, a, na, ma, b, nb, mb):
+    return (f"{label[:44]:<44} {a:8.1f} {a / wf:6.1%} {na:3d} {ma:7.1f} {b:9.1f} {b / wr:6.1%} "
+            f"{nb:3d} {mb:7.1f}")
 
-  lines = [f"{'program':<44} {'first s':>8} {'share':>6} {'n':>3} {'repeat s':>9} {'share':>6} "
-           f"{'n':>3}"]
-  rest, total = [0.0, 0, 0.0, 0], [0.0, 0, 0.0, 0]
+  # `main`: of those seconds, the main thread's (the rest overlapped the run on another thread).
+  lines = [f"{'program':<44} {'first s':>8} {'share':>6} {'n':>3} {'main':>7} {'repeat s':>9} "
+           f"{'share':>6} {'n':>3} {'main':>7}"]
+  rest, total = [0.0, 0, 0.0] * 2, [0.0, 0, 0.0] * 2
   for i, name in enumerate(names):
     vals = [*parts("first", name), *parts("repeat", name)]
     total = [t + v for t, v in zip(total, vals)]
@@ -152,9 +163,9 @@ def program_table(row: dict, top: int = 12) -> list[str]:
   lines.append(line("all compilation", *total))
   # On the main thread only (what the run waited for); older --out files lack it: all of it.
   mf = row.get("first_main_wait_s", total[0])
-  mr = row.get("repeat_main_wait_s", total[2])
-  lines.append(f"{'compilation on the main thread':<44} {mf:8.1f} {mf / wf:6.1%} {'':>3} "
-               f"{mr:9.1f} {mr / wr:6.1%}")
+  mr = row.get("repeat_main_wait_s", total[3])
+  lines.append(f"{'main thread: compiling + waiting':<44} {mf:8.1f} {mf / wf:6.1%} "
+               f"{'':>11} {mr:9.1f} {mr / wr:6.1%}")
   lines.append(f"{'wall':<44} {wf:8.1f} {'':>6} {'':>3} {wr:9.1f}")
   return lines
 
