@@ -3,6 +3,7 @@
 lowered or compiled for them on the main thread), with metrics byte-identical to a run that
 compiles them when first called; a failed or mismatched background compile falls back to the
 ordinary call with one logged line; no thread outlives it."""
+import importlib
 import os
 import threading
 
@@ -39,6 +40,9 @@ def _run(base_dir, workdir, precompiled: bool) -> tuple[bytes, list[str], set[st
   """A tiny packed run on a stored base: its metrics.jsonl, its log lines, and the names of the
   programs whose compile events (tracing, lowering, XLA) ran on the main thread."""
   c = _config(base_dir, precompiled)
+  # A fresh re-score program per run, as in a process of its own (the lru cache would hand the
+  # second run the first one's, compiled already).
+  importlib.import_module("lowrl.sampling.rescore")._scoring_program.cache_clear()
   lines: list[str] = []
   _events.clear()
   loop.run(c, str(workdir), log=lines.append)
