@@ -151,8 +151,8 @@ def _open_workdir(cfg: ml_collections.ConfigDict, setup: Setup, workdir: str, lo
 def _run_in_workdir(setup: Setup, ckpt: Checkpointer, resuming: bool, workdir: str, log: Log,
                     stop: preemption.StopFlag, *, reevaluate: bool,
                     pre: precompile.Precompiler | None = None) -> dict[str, Any]:
-  """`run` once the workdir is checked, locked and opened; `pre` compiles the RL update on a
-  background thread while the base trains and the first rollout runs."""
+  """`run` once the workdir is checked, locked and opened; `pre` (config precompile) compiles the
+  first step's update and re-score on a background thread while the base trains."""
   primary = distributed.is_primary()
   summary = run_logs.finished_summary(workdir, setup.loop.steps)
   if summary is not None and not reevaluate:

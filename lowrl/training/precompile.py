@@ -1,10 +1,10 @@
 """Compiling a run's later programs on a background thread while the main thread runs earlier ones.
 
 A program whose argument shapes, dtypes and shardings are known before its first call (the RL
-update `Trainer.step`: its rollout is padded to [batch, prompt + max_new_tokens] and packed inside
-the program, so no shape depends on the batch) is lowered and compiled ahead,
-`jitted.lower(*avals).compile()`, on a worker thread. JAX (0.10.2) keeps what that builds in the
-caches an ordinary call looks in: the traced jaxpr (`pe.trace_to_jaxpr`, keyed by function and
+update `Trainer.step`, whose rollout is padded to [batch, prompt + max_new_tokens] and packed
+inside the program, so no shape depends on the batch; the exact-mode re-score: `programs`) is
+lowered and compiled ahead, `jitted.lower(*avals).compile()`, on a worker thread. JAX (0.10.2)
+keeps what that builds in the caches an ordinary call looks in: the traced jaxpr (`pe.trace_to_jaxpr`, keyed by function and
 argument avals), the lowering (`pjit._pjit_lower`, keyed by jaxpr and resolved shardings) and the
 executable (held by that lowering). So the first `jitted(*args)` with arguments of those avals runs
 the executable compiled on the thread, with nothing traced, lowered or compiled again: the same

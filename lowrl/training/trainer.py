@@ -138,7 +138,7 @@ class Trainer:
           jax.jit(probes.grad_agreement, out_shardings=repl),
           jax.jit(probes.make_erasure_fn(self.tx, knobs.master_rounding),
                   in_shardings=(p_sh, p_sh, o_sh, repl), out_shardings=repl))
-    # A Precompiler holding the update compiled ahead (lowrl.training.precompile; set by the loop).
+    # A Precompiler compiling the update and re-score ahead (lowrl.training.precompile; the loop's).
     self.precompiler = None
     self.weight_errors = jax.jit(
         lambda p: diagnostics.weight_quant_errors(p, setup.model_cfg, setup.trainer_policy),
