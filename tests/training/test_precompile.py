@@ -26,7 +26,13 @@ def _listen(event: str, duration: float, fun_name: str = "?", **_):
     _events.append((threading.current_thread().name, event, str(fun_name)))
 
 
-monitoring.register_event_duration_secs_listener(_listen)
+@pytest.fixture
+def compile_events():
+  """JAX's compile events, recorded while the test runs."""
+  monitoring.register_event_duration_secs_listener(_listen)
+  yield
+  monitoring.unregister_event_duration_listener(_listen)
+  _events.clear()
 
 
 def _config(base_dir, precompiled: bool):
@@ -52,7 +58,8 @@ def _run(base_dir, workdir, precompiled: bool) -> tuple[bytes, list[str], set[st
     return f.read(), lines, main
 
 
-def test_the_run_calls_the_update_compiled_ahead_with_byte_identical_metrics(tmp_path):
+def test_the_run_calls_the_update_compiled_ahead_with_byte_identical_metrics(tmp_path,
+                                                                             compile_events):
   loop.load_base(_config(tmp_path / "base", False), str(tmp_path / "sft"))  # SFT's `step` too
   ordinary, _, main_ordinary = _run(tmp_path / "base", tmp_path / "ordinary", False)
   ahead, lines, main_ahead = _run(tmp_path / "base", tmp_path / "ahead", True)
