@@ -148,6 +148,9 @@ def get_config(recipe: str = "nvfp4_recipe") -> ml_collections.ConfigDict:
   c.checkpoint_every = 10  # steps between checkpoints (the newest 2 are kept)
   c.checkpoint_keep_fractions = ()  # fractions of rl.steps whose checkpoints are kept too
   c.num_text_samples = 4  # sample completions in TensorBoard per logged step
+  # The RL update and re-score compiled on a background thread while the base trains: off, as
+  # on 2 busy cores it saved no wall time (docs/benchmarks.md, "Compiling ahead").
+  c.precompile = False
   c.max_skipped_steps = 3  # consecutive skipped (non-finite) updates before the run stops
 
   c.diagnostics = ml_collections.ConfigDict()

@@ -14,11 +14,15 @@ Each pair, in fresh directories under --root:
 Pairs run one after the other (first, repeat, first, repeat, ...), so load changes hit both
 sides alike. Each run is a subprocess of this one; within it, JAX's compile events (tracing,
 lowering, XLA compilation or a persistent-cache load) are summed, so "compile" is every second
-spent producing executables. Reported: both wall times (the subprocess from start to exit,
-imports included), repeat / first per pair with the median and range, compilation's share of each
-run and of each program (by the jitted function's name, the first run's longest --top), the
-1-minute load average around each run, and whether the two runs' metrics.jsonl and final
-evaluation are identical (they must be: see lowrl.user_cache and lowrl.training.base_store).
+spent producing executables; so is the part of it spent on the main thread, plus the main
+thread's waits for a background compile (lowrl.training.precompile): the time the run waits for
+compilation (a program compiled ahead on the worker thread overlaps the run and counts in the
+first figure only). Reported: both wall times (the subprocess from start to exit, imports
+included), repeat / first per pair with the median and range, compilation's share of each run
+and of each program (by the jitted function's name, the first run's longest --top), the main
+thread's compile wait, the 1-minute load average around each run, and whether the two runs'
+metrics.jsonl and final evaluation are identical (they must be: see lowrl.user_cache and
+lowrl.training.base_store).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 _CHILD = "--_child_report"
@@ -42,8 +47,17 @@ def _child(report: str, argv: list[str]) -> None:
   """Runs the training binary in this process, summing JAX's compile events into `report`."""
   from jax import monitoring  # noqa: PLC0415
 
+  try:  # code from before lowrl.training.precompile (measuring a baseline) has no such wait
+    from lowrl.training.precompile import WAIT_EVENT as precompile_wait  # noqa: PLC0415
+  except ImportError:
+    precompile_wait = None
+
   totals = {e: 0.0 for e in _COMPILE_EVENTS}
   counts = {e: 0 for e in _COMPILE_EVENTS}
+  # Compile seconds spent on the main thread: what the run waits for. A compile done on another
+  # thread (lowrl.training.precompile) overlaps the run, so it counts in `totals` only.
+  main_thread = threading.main_thread()
+  main_s = [0.0]
   # Per program (the jitted function's name): seconds of each compile stage, and the count.
   programs: dict[str, dict[str, float]] = {}
 
@@ -51,16 +65,22 @@ def _child(report: str, argv: list[str]) -> None:
     if event in totals:
       totals[event] += duration
       counts[event] += 1
-      row = programs.setdefault(str(fun_name), {"trace": 0.0, "lower": 0.0, "xla": 0.0, "n": 0})
+      on_main = threading.current_thread() is main_thread
+      main_s[0] += duration if on_main else 0.0
+      row = programs.setdefault(str(fun_name), {"trace": 0.0, "lower": 0.0, "xla": 0.0, "n": 0,
+                                                "main": 0.0})
       row[_STAGE[event]] += duration
+      row["main"] += duration if on_main else 0.0
       row["n"] += event == _COMPILE_EVENTS[0]
+    elif event == precompile_wait:  # the main thread waiting for a background compile
+      main_s[0] += duration
 
   monitoring.register_event_duration_secs_listener(listen)
 
   def write():
     with open(report, "w") as f:
-      json.dump({"compile_s": sum(totals.values()), "seconds": totals, "counts": counts,
-                 "programs": programs}, f)
+      json.dump({"compile_s": sum(totals.values()), "main_wait_s": main_s[0], "seconds": totals,
+                 "counts": counts, "programs": programs}, f)
 
   atexit.register(write)
   sys.argv = ["experiments.train", *argv]
@@ -88,6 +108,7 @@ def _run(workdir: str, cache: str, store: str, train_flags: list[str]) -> dict:
   with open(os.path.join(workdir, "summary.json")) as f:
     summary = json.load(f)
   return {"wall_s": wall, "compile_s": compiled["compile_s"], "compile": compiled,
+          "main_wait_s": compiled.get("main_wait_s", compiled["compile_s"]),
           "load": (load0, os.getloadavg()[0]), "metrics": metrics,
           "eval_end": summary["eval_end"], "reused_base": "[sft] reusing base" in proc.stdout}
 
@@ -98,34 +119,39 @@ def _by_program(programs: dict) -> dict:
   out: dict[str, dict[str, float]] = {}
   for name, row in programs.items():
     name = name[4:-1] if name.startswith("jit(") and name.endswith(")") else name
-    merged = out.setdefault(name, {"trace": 0.0, "lower": 0.0, "xla": 0.0, "n": 0})
+    merged = out.setdefault(name, {"trace": 0.0, "lower": 0.0, "xla": 0.0, "n": 0, "main": 0.0})
     for k in merged:
-      merged[k] += row.get(k, 0)
+      merged[k] += row.get(k, 0 if k != "main" else sum(row.get(s, 0.0) for s in _STAGE.values()))
   return out
 
 
 def program_table(row: dict, top: int = 12) -> list[str]:
   """Lines of a table for one pair (a row of --out): the `top` programs by the first run's
   compile seconds (tracing + lowering + XLA compilation or a cache load, summed over the
-  program's compiles), each as seconds, count of compiles and share of its run's wall time,
-  first and repeat run side by side; then the rest and the total."""
+  program's compiles), each as seconds, count of compiles (traces: a trace-cache hit counts),
+  share of its run's wall time and the seconds of it on the main thread, first and repeat run
+  side by side; then the rest, the total, and the main thread's compiling plus its waits for a
+  background compile (the time the run waited for compilation)."""
   runs = {"first": (_by_program(row["first_compile_parts"]["programs"]), row["first_s"]),
           "repeat": (_by_program(row["repeat_compile_parts"]["programs"]), row["repeat_s"])}
 
   def parts(run, name):
     p = runs[run][0].get(name, {})
-    return sum(p.get(k, 0.0) for k in ("trace", "lower", "xla")), int(p.get("n", 0))
+    return (sum(p.get(k, 0.0) for k in ("trace", "lower", "xla")), int(p.get("n", 0)),
+            p.get("main", 0.0))
 
   names = sorted(set(runs["first"][0]) | set(runs["repeat"][0]),
                  key=lambda n: -parts("first", n)[0])
   wf, wr = runs["first"][1], runs["repeat"][1]
 
-  def line(label, a, na, b, nb):
-    return f"{label[:44]:<44} {a:8.1f} {a / wf:6.1%} {na:3d} {b:9.1f} {b / wr:6.1%} {nb:3d}"
+  def line(label, a, na, ma, b, nb, mb):
+    return (f"{label[:44]:<44} {a:8.1f} {a / wf:6.1%} {na:3d} {ma:7.1f} {b:9.1f} {b / wr:6.1%} "
+            f"{nb:3d} {mb:7.1f}")
 
-  lines = [f"{'program':<44} {'first s':>8} {'share':>6} {'n':>3} {'repeat s':>9} {'share':>6} "
-           f"{'n':>3}"]
-  rest, total = [0.0, 0, 0.0, 0], [0.0, 0, 0.0, 0]
+  # `main`: of those seconds, the main thread's (the rest overlapped the run on another thread).
+  lines = [f"{'program':<44} {'first s':>8} {'share':>6} {'n':>3} {'main':>7} {'repeat s':>9} "
+           f"{'share':>6} {'n':>3} {'main':>7}"]
+  rest, total = [0.0, 0, 0.0] * 2, [0.0, 0, 0.0] * 2
   for i, name in enumerate(names):
     vals = [*parts("first", name), *parts("repeat", name)]
     total = [t + v for t, v in zip(total, vals)]
@@ -135,6 +161,11 @@ def program_table(row: dict, top: int = 12) -> list[str]:
       rest = [r + v for r, v in zip(rest, vals)]
   lines.append(line(f"({max(len(names) - top, 0)} others)", *rest))
   lines.append(line("all compilation", *total))
+  # On the main thread only (what the run waited for); older --out files lack it: all of it.
+  mf = row.get("first_main_wait_s", total[0])
+  mr = row.get("repeat_main_wait_s", total[3])
+  lines.append(f"{'main thread: compiling + waiting':<44} {mf:8.1f} {mf / wf:6.1%} "
+               f"{'':>11} {mr:9.1f} {mr / wr:6.1%}")
   lines.append(f"{'wall':<44} {wf:8.1f} {'':>6} {'':>3} {wr:9.1f}")
   return lines
 
@@ -168,6 +199,9 @@ def main(argv):
            "first_compile_share": first["compile_s"] / first["wall_s"],
            "repeat_compile_share": repeat["compile_s"] / repeat["wall_s"],
            "first_compile_s": first["compile_s"], "repeat_compile_s": repeat["compile_s"],
+           "first_main_wait_s": first["main_wait_s"], "repeat_main_wait_s": repeat["main_wait_s"],
+           "first_main_wait_share": first["main_wait_s"] / first["wall_s"],
+           "repeat_main_wait_share": repeat["main_wait_s"] / repeat["wall_s"],
            "repeat_compile_parts": repeat["compile"], "first_compile_parts": first["compile"],
            "load_first": first["load"], "load_repeat": repeat["load"],
            "repeat_reused_base": repeat["reused_base"],
@@ -176,8 +210,10 @@ def main(argv):
            "eval_end": repeat["eval_end"]}
     rows.append(row)
     print(f"[pair {i}] first {row['first_s']:.1f}s (compile {row['first_compile_share']:.0%}, "
+          f"main thread waiting on it {row['first_main_wait_share']:.0%}, "
           f"load {first['load'][0]:.1f}->{first['load'][1]:.1f}), repeat {row['repeat_s']:.1f}s "
-          f"(compile {row['repeat_compile_share']:.0%}, load {repeat['load'][0]:.1f}->"
+          f"(compile {row['repeat_compile_share']:.0%}, main thread waiting on it "
+          f"{row['repeat_main_wait_share']:.0%}, load {repeat['load'][0]:.1f}->"
           f"{repeat['load'][1]:.1f}): repeat/first {row['ratio']:.2f}; base reused "
           f"{row['repeat_reused_base']}, metrics.jsonl identical {row['metrics_identical']}, "
           f"final eval identical {row['eval_end_identical']}", flush=True)

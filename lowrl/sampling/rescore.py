@@ -81,6 +81,15 @@ def _scoring_program(model_cfg: ModelConfig, policy: PrecisionPolicy,
                                    plan=plan, pack=pack), **layout_kw)
 
 
+def scoring_program(model_cfg: ModelConfig, policy: PrecisionPolicy,
+                    config: SamplingConfig | None, *, plan: ShardingPlan | None,
+                    pack: packing.PackConfig | None):
+  """The jitted program `rescore` runs for `config` (None: log p), called with (params, tokens,
+  attention mask, quant key, `used_act_amax`), placed as `rescore` places them (also what
+  lowrl.training.precompile compiles ahead: the same cached program)."""
+  return _scoring_program(model_cfg, policy, config, plan=plan, pack=pack)
+
+
 def rescore(out: SampleOutput, params: Params, *, model_cfg: ModelConfig,
             policy: PrecisionPolicy, config: SamplingConfig,
             quant_key: jax.Array | None = None, plan: ShardingPlan | None = None,
@@ -107,7 +116,7 @@ def rescore(out: SampleOutput, params: Params, *, model_cfg: ModelConfig,
   if plan is not None:
     args = plan.put(args, (plan.param_shardings(params), plan.batch, plan.batch, plan.replicated,
                            plan.replicated))
-  program = functools.partial(_scoring_program, model_cfg, policy, plan=plan, pack=pack)
+  program = functools.partial(scoring_program, model_cfg, policy, plan=plan, pack=pack)
   logp = jnp.where(comp, program(None)(*args), 0.0)
   logq = jnp.where(comp, program(config)(*args), 0.0) \
       if config.modifies_distribution else logp

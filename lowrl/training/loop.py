@@ -36,8 +36,8 @@ import ml_collections
 from lowrl import distributed
 from lowrl.metrics import layout as tb_layout
 from lowrl.metrics.writer import create_writer
-from lowrl.training import (base_store, code_churn, disk, pace, preemption, run_config, run_logs,
-                            storage, zero_reward)
+from lowrl.training import (base_store, code_churn, disk, pace, precompile, preemption,
+                            run_config, run_logs, storage, zero_reward)
 from lowrl.training.checkpointing import Checkpointer, read_meta
 from lowrl.training.reporting import log_order, log_setup, log_step
 from lowrl.training.schedule import VersionBuffer
@@ -80,10 +80,12 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, log: Log = print, *,
       version_storage=knobs.version_storage,
       versions=setup.schedule.max_versions if setup.schedule.stale else 0))
   with (WorkdirLock(workdir, log) if primary else contextlib.nullcontext()), \
-      preemption.stop_on_signals() as stop, disk.one_line_when_full():
+      preemption.stop_on_signals() as stop, disk.one_line_when_full(), \
+      precompile.Precompiler(log) as pre:  # leaving it waits for a compile still running
     try:
       ckpt, resuming = _open_workdir(cfg, setup, workdir, log, allow_config_change)
-      return _run_in_workdir(setup, ckpt, resuming, workdir, log, stop, reevaluate=reevaluate)
+      return _run_in_workdir(setup, ckpt, resuming, workdir, log, stop, reevaluate=reevaluate,
+                             pre=pre)
     except Exception as e:
       if not disk.is_disk_full(e, workdir):
         raise
@@ -147,8 +149,10 @@ def _open_workdir(cfg: ml_collections.ConfigDict, setup: Setup, workdir: str, lo
 
 
 def _run_in_workdir(setup: Setup, ckpt: Checkpointer, resuming: bool, workdir: str, log: Log,
-                    stop: preemption.StopFlag, *, reevaluate: bool) -> dict[str, Any]:
-  """`run` once the workdir is checked, locked and opened."""
+                    stop: preemption.StopFlag, *, reevaluate: bool,
+                    pre: precompile.Precompiler | None = None) -> dict[str, Any]:
+  """`run` once the workdir is checked, locked and opened; `pre` (config precompile) compiles the
+  first step's update and re-score on a background thread while the base trains."""
   primary = distributed.is_primary()
   summary = run_logs.finished_summary(workdir, setup.loop.steps)
   if summary is not None and not reevaluate:
@@ -159,11 +163,15 @@ def _run_in_workdir(setup: Setup, ckpt: Checkpointer, resuming: bool, workdir: s
   tb_dir = os.path.join(workdir, run_logs.TB_DIR)
   # The SFT loss (when this run trains the base) goes to a TensorBoard run of its own, `tb/sft`:
   # its steps are SFT steps, and a resume's purge of RL steps must not touch them.
+  trainer = Trainer(setup, log)  # before the base: its update compiles while the base trains
+  if pre is not None and setup.loop.precompile and not reevaluate:
+    for name, program, args in precompile.programs(trainer):
+      pre.submit(name, program, *args)
+    trainer.precompiler = pre
   with create_writer(os.path.join(tb_dir, tb_layout.SFT_RUN),
                      enabled=primary and not resuming) as sft_tb:
     base = base_store.load_base(setup.base, setup.task, setup.model_cfg, setup.plan, workdir,
                                 log, on_sft_loss=lambda i, v: sft_tb.scalars(i, {"sft/loss": v}))
-  trainer = Trainer(setup, log)
   start, state, versions = initial_state(trainer, ckpt, base, resuming, workdir, log)
 
   # Points logged after the resumed checkpoint (before an interruption) are replaced.

@@ -26,7 +26,8 @@ CONFIG_FILE = "config.json"
 # Knobs that change what is logged, not what is trained: a resume may change them freely.
 # Keys that change no result (`hardware` only selects the memory budget build() checks against).
 COSMETIC_KEYS = ("log_every", "num_text_samples", "checkpoint_every", "eval_every", "hardware",
-                 "refit_check_every", "checkpoint_keep_fractions", "diagnostics.code_churn")
+                 "refit_check_every", "checkpoint_keep_fractions", "diagnostics.code_churn",
+                 "precompile")
 
 
 class ConfigError(ValueError):

@@ -440,6 +440,11 @@ TRAIN = Schema((
         knob("max_skipped_steps", "stop (naming the last good checkpoint) after this many "
              "consecutive RL steps with a skipped optimizer update (non-finite loss, gradient or "
              "new parameters)", POSITIVE),
+        knob("precompile", "compile the first RL step's update and exact re-score on a "
+             "background thread while the base trains and the start evaluation runs "
+             "(lowrl/training/precompile.py): less waiting where a core is free, none saved "
+             "on 2 busy cores (docs/benchmarks.md); the same programs and values either way; "
+             "False = each compiled when first called"),
     )),
     DIAGNOSTICS,
     TRAIN_ASYNC_RL,

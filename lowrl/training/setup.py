@@ -56,6 +56,7 @@ class LoopConfig:
   keep_steps: tuple[int, ...]  # checkpoint_keep_fractions as steps (`keep_steps`): never rotated
   num_text_samples: int
   max_skipped_steps: int
+  precompile: bool  # the RL update compiled on a background thread (lowrl.training.precompile)
   diagnostics_every: int  # diagnostics.every
   code_churn: bool  # diagnostics.code_churn
   refit_check_every: int
@@ -87,6 +88,7 @@ class LoopConfig:
                log_every=cfg.log_every, checkpoint_every=cfg.checkpoint_every,
                keep_steps=keep_steps(cfg.checkpoint_keep_fractions, rl.steps),
                num_text_samples=cfg.num_text_samples, max_skipped_steps=cfg.max_skipped_steps,
+               precompile=bool(cfg.precompile),
                diagnostics_every=cfg.diagnostics.every,
                code_churn=bool(cfg.diagnostics.code_churn),
                refit_check_every=cfg.refit_check_every, sampler_exact=bool(cfg.sampler_exact),

@@ -86,8 +86,8 @@ class Trainer:
     self.init_opt_state = jax.jit(init_opt, in_shardings=(p_sh,), out_shardings=o_sh)
     ref_sh = p_sh if knobs.keep_reference else plan.replicated
     batch, repl = plan.batch, plan.replicated
-    self.step = jax.jit(self.step_fn, donate_argnums=(0, 1),
-                        in_shardings=(p_sh, o_sh, ref_sh, batch, repl),
+    self.step_shardings = (p_sh, o_sh, ref_sh, batch, repl)  # also lowrl.training.precompile's
+    self.step = jax.jit(self.step_fn, donate_argnums=(0, 1), in_shardings=self.step_shardings,
                         out_shardings=(p_sh, o_sh, repl))
     # optimizer.compute_cast_rounding=stochastic: pi_old is scored on the compute copy of the
     # step's first update (the sampler keeps the nearest cast: lowrl.training.compute_cast).
@@ -138,6 +138,8 @@ class Trainer:
           jax.jit(probes.grad_agreement, out_shardings=repl),
           jax.jit(probes.make_erasure_fn(self.tx, knobs.master_rounding),
                   in_shardings=(p_sh, p_sh, o_sh, repl), out_shardings=repl))
+    # A Precompiler compiling the update and re-score ahead (lowrl.training.precompile; the loop's).
+    self.precompiler = None
     self.weight_errors = jax.jit(
         lambda p: diagnostics.weight_quant_errors(p, setup.model_cfg, setup.trainer_policy),
         in_shardings=(p_sh,), out_shardings=repl)
@@ -391,6 +393,9 @@ class Trainer:
     # Exact mode re-scores in the sampler's precision with the same key it sampled with.
     sampler_qk = self.setup.sampler_policy.quant_key(k_quant)
     held, refit_metrics = self.refit(sampler_params, sampler_version)
+    if self.precompiler is not None:  # the first rollout waits for its re-score compiled ahead
+      self.precompiler.wait("score")
+      self.precompiler.wait("score_q")
     act_amax = held.act_amax  # + a quantized KV cache's K/V amaxes
     out = self.sampler(held.weights, tokens_BP, mask_BP, k_sample, quant_key=sampler_qk,
                        trainer_params=sampler_params, trainer_quant_key=sampler_qk,
@@ -473,7 +478,10 @@ class Trainer:
     if probe and self._probe_fns is not None:
       probe_metrics = self.probe(params, opt_state, ref_params, rollout,
                                  jax.random.fold_in(key, _PROBE_STREAM))
-    params, opt_state, metrics = self.step(params, opt_state, ref_params, rollout, k_upd)
+    args = (params, opt_state, ref_params, rollout, k_upd)
+    if self.precompiler is not None:  # the first step waits for the update compiled ahead
+      self.precompiler.wait("step", args)
+    params, opt_state, metrics = self.step(*args)
     if sigma:  # the state keeps the clean base's norms
       params = aqn.restore(params, clean)
     return params, opt_state, {**metrics, **probe_metrics, **info["kv"], **info["refit"],
