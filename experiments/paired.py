@@ -216,8 +216,14 @@ def backward(cfg, setups: dict[str, Setup], params, rollouts, heldout, log: Log,
   codes = {k: jax.jit(functools.partial(code_churn.weight_qtensors, model_cfg=model_cfg,
                                         policy=s.trainer_policy))
            for k, s in {**setups, **forwards}.items()}
-  base_codes = {k: f(params) for k, f in codes.items()}
   churn = jax.jit(code_churn.churn)
+
+  def churn_of(k: str, new) -> dict[str, jax.Array]:
+    # The base's codes are recomputed at each use (the same program on the same weights: the
+    # same codes) rather than kept for all the settings at once: on a real model they are ~0.1 GB
+    # per setting, beside gradients of 0.5 GB each (docs/real_model.md).
+    return churn(codes[k](params), codes[k](new))
+
   by_forward = {f: {"codes": [], "scales": []} for f in forwards}
   rows = {m: {"cos_fp32": [], "rel_err_fp32": [], "cos_exact": [], "rel_err_exact": [],
               "heldout_delta": [], "code_churn": []} for m in setups}
@@ -225,24 +231,31 @@ def backward(cfg, setups: dict[str, Setup], params, rollouts, heldout, log: Log,
   key = jax.random.key(any_setup.loop.seed)
   for b, r in enumerate(rollouts):
     k = jax.random.fold_in(key, b)
+    # Held at once: the two references (FP32, dequantized) and one other mode's gradient; each
+    # mode's gradient and stepped weights are dropped once its row is written.
     g32 = grad32(params, ref_params, r, k)
-    grads = {m: grad_fns[m](params, ref_params, r, k) for m in setups}
-    for m, g in grads.items():
-      a32, aex = agree(g, g32), agree(g, grads["dequantized"])
+    g_exact = grad_fns["dequantized"](params, ref_params, r, k)
+    for m in setups:
+      g = g_exact if m == "dequantized" else grad_fns[m](params, ref_params, r, k)
+      a32, aex = agree(g, g32), agree(g, g_exact)
       rows[m]["cos_fp32"].append(float(a32["grad_bias/cos/total"]))
       rows[m]["rel_err_fp32"].append(float(a32["grad_bias/rel_err/total"]))
       rows[m]["cos_exact"].append(float(aex["grad_bias/cos/total"]))
       rows[m]["rel_err_exact"].append(float(aex["grad_bias/rel_err/total"]))
       new = step(params, g)
+      del g
       rows[m]["heldout_delta"].append(heldout_loss(new) - base_loss)
-      c = churn(base_codes[m], codes[m](new))
+      c = churn_of(m, new)
       rows[m]["code_churn"].append(float(c["code_churn/codes"]) if c else 0.0)
       if m == "dequantized":
         for f in forwards:
-          c = churn(base_codes[f], codes[f](new))
+          c = churn_of(f, new)
           by_forward[f]["codes"].append(float(c["code_churn/codes"]) if c else 0.0)
           by_forward[f]["scales"].append(float(c["code_churn/scales"]) if c else 0.0)
+      del new
+    del g_exact
     rows["fp32"]["heldout_delta"].append(heldout_loss(step(params, g32)) - base_loss)
+    del g32
     log(f"[paired] backward batch {b + 1}/{len(rollouts)}: cos vs FP32 " + ", ".join(
         f"{m} {rows[m]['cos_fp32'][-1]:.4f}" for m in setups))
   out = {"units": "batches", "heldout_base": base_loss, "modes": rows}

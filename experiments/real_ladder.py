@@ -24,14 +24,21 @@ backward        on the first `--grad_batches` of those batches, `paired.backward
                 the code churn of that step under the recipe and every ladder rung), run in
                 chunks of `--chunk` batches so that each chunk's numbers reach `--out` as it ends.
 
-Runs on the host CPU (JAX_PLATFORMS=cpu unless set).
+Runs on the host CPU (JAX_PLATFORMS=cpu unless set). `--trim_heap_s`: glibc keeps the pages the
+30-layer programs' compiles and runs free inside its arenas, and on SmolLM2 the backward design's
+RSS grew past 13.5 GB with ~2 GB of them (one malloc_trim(0) returned 2.0 GB at once); a thread
+hands them back to the OS every that many seconds (docs/real_model.md). It changes no value.
 """
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import ctypes  # noqa: E402
+import ctypes.util  # noqa: E402
 import json  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
+from typing import Callable  # noqa: E402
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -66,11 +73,32 @@ def step_summary(kl: dict[str, list[float]], batches: int) -> dict[str, dict[str
   return out
 
 
+def trim_heap_loop(stop: threading.Event, seconds: float, trim: Callable[[], object]) -> None:
+  """Calls `trim` every `seconds` until `stop` is set (the body of the heap-trimming thread)."""
+  while not stop.wait(seconds):
+    trim()
+
+
+def start_heap_trimmer(seconds: float) -> threading.Event | None:
+  """A daemon thread that calls glibc's malloc_trim(0) every `seconds` (returning the free pages
+  of every arena to the OS); set the returned event to stop it. None when `seconds` <= 0 or the C
+  library has no malloc_trim (not glibc)."""
+  name = ctypes.util.find_library("c")
+  libc = ctypes.CDLL(name) if name else None
+  if seconds <= 0 or libc is None or not hasattr(libc, "malloc_trim"):
+    return None
+  stop = threading.Event()
+  threading.Thread(target=trim_heap_loop, args=(stop, seconds, lambda: libc.malloc_trim(0)),
+                   daemon=True, name="malloc_trim").start()
+  return stop
+
+
 def main(argv):
   del argv
   start = time.time()
   if not 0 <= _GRAD_BATCHES.value <= _BATCHES.value or _HELDOUT.value < 1 or _CHUNK.value < 1:
     raise app.UsageError("need 0 <= --grad_batches <= --batches, --heldout >= 1, --chunk >= 1")
+  start_heap_trimmer(_TRIM_HEAP_S.value)
   user_cache.enable_compile_cache()
   grid = ablate_config.get_config()
   grid.run = _CONFIG.value
@@ -147,4 +175,6 @@ if __name__ == "__main__":
   _OUT = flags.DEFINE_string("out", "", "JSON file for the results ('' = print only)")
   _LADDER = flags.DEFINE_bool("ladder", True, "run the forward ladder (--noladder: backward only, "
                               "on the same deterministic batches)")
+  _TRIM_HEAP_S = flags.DEFINE_float("trim_heap_s", 30.0, "seconds between malloc_trim(0) calls "
+                                    "that return glibc's free pages to the OS (0 = never)")
   app.run(main)

@@ -61,3 +61,32 @@ def test_phase_summary_leaves_out_each_phase_first_call():
                             "min_s": 3.0, "max_s": 5.0}
   assert out["score"]["median_after_first_s"] == 1.0 and out["score"]["calls"] == 2
   assert out["update"]["max_s"] == 4.0
+
+
+def test_heap_trim_loop_calls_trim_until_stopped():
+  import threading
+  stop, calls = threading.Event(), []
+
+  def trim():
+    calls.append(1)
+    if len(calls) == 3:
+      stop.set()
+  real_ladder.trim_heap_loop(stop, 0.0, trim)
+  assert len(calls) == 3
+
+
+def test_heap_trimmer_is_off_at_zero_seconds_and_stops_when_told():
+  import ctypes
+  import ctypes.util
+  import threading
+  assert real_ladder.start_heap_trimmer(0.0) is None
+  name = ctypes.util.find_library("c")
+  glibc = bool(name) and hasattr(ctypes.CDLL(name), "malloc_trim")
+  stop = real_ladder.start_heap_trimmer(3600.0)
+  assert (stop is not None) == glibc
+  if stop is not None:
+    thread = next(t for t in threading.enumerate() if t.name == "malloc_trim")
+    assert thread.daemon and thread.is_alive()
+    stop.set()
+    thread.join(30)
+    assert not thread.is_alive()
