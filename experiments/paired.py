@@ -171,6 +171,50 @@ def _backward_setups(cfg, settings: dict[str, ablate.Setting], base_dir: str
   return out
 
 
+# `backward`'s programs, built once per process and setting: a second call (the design mid-run,
+# experiments/real_ladder.py's chunks) neither traces nor compiles them again. Called with every
+# argument positional (one cache entry per program).
+_agree = jax.jit(probes.grad_agreement)
+_churn = jax.jit(code_churn.churn)
+_codes = jax.jit(code_churn.weight_qtensors, static_argnames=("model_cfg", "policy"))
+
+
+def _fp32_policy(model_cfg) -> precision.PrecisionPolicy:
+  return precision.PrecisionPolicy.unquantized(layout.matmuls(model_cfg), "float32", name="fp32")
+
+
+@functools.lru_cache(maxsize=None)
+def _grad_program(model_cfg, policy, sampling, update_cfg, batch_cfg, param_dtype):
+  """The jitted RL-loss gradient of `policy`'s forward (probes.make_grad_fn)."""
+  return jax.jit(probes.make_grad_fn(make_logprob_fn(model_cfg, policy, sampling), update_cfg,
+                                     batch_cfg, param_dtype=param_dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _step_program(tx):
+  """One step of the optimizer `tx` from a fresh state."""
+  @jax.jit
+  def step(p, g):
+    new, _ = optimizer.apply_update(tx, p, g, optimizer.init_opt_state(tx, p),
+                                    master_rounding="nearest", key=None)
+    return new
+  return step
+
+
+@functools.lru_cache(maxsize=None)
+def _surrogate_program(model_cfg, sampling, batch_cfg):
+  """The FP32 policy-gradient surrogate -mean(A * log pi) of a rollout (pi_old = its scores)."""
+  logprob32 = make_logprob_fn(model_cfg, _fp32_policy(model_cfg), sampling)
+
+  @jax.jit
+  def surrogate(p, rollout):
+    batch, _ = make_batch(rollout.out, rollout.rewards_B, batch_cfg)
+    logp_BT, _ = logprob32(optimizer.to_master(p, "float32"), batch, None)
+    m_BT = batch.loss_mask_BT
+    return -jnp.sum(batch.adv_B[:, None] * logp_BT * m_BT) / jnp.maximum(jnp.sum(m_BT), 1.0)
+  return surrogate
+
+
 def backward(cfg, setups: dict[str, Setup], params, rollouts, heldout, log: Log,
              forwards: dict[str, Setup] | None = None) -> dict[str, Any]:
   """Per batch and backward mode: cos / rel_err vs FP32 and vs the dequantized (exact
@@ -181,27 +225,12 @@ def backward(cfg, setups: dict[str, Setup], params, rollouts, heldout, log: Log,
   any_setup = next(iter(setups.values()))
   model_cfg, sampling = any_setup.model_cfg, any_setup.sampling
   update_cfg, batch_cfg = any_setup.update_cfg, any_setup.batch_cfg
-  fp32 = precision.PrecisionPolicy.unquantized(layout.matmuls(model_cfg), "float32", name="fp32")
-  logprob32 = make_logprob_fn(model_cfg, fp32, sampling)
-  grad_fns = {m: jax.jit(probes.make_grad_fn(make_logprob_fn(model_cfg, s.trainer_policy,
-                                                             sampling), update_cfg, batch_cfg))
+  grad_fns = {m: _grad_program(model_cfg, s.trainer_policy, sampling, update_cfg, batch_cfg, None)
               for m, s in setups.items()}
-  grad32 = jax.jit(probes.make_grad_fn(logprob32, update_cfg, batch_cfg, param_dtype="float32"))
-  agree = jax.jit(probes.grad_agreement)
-  tx = any_setup.tx
-
-  @jax.jit
-  def step(p, g):
-    new, _ = optimizer.apply_update(tx, p, g, optimizer.init_opt_state(tx, p),
-                                    master_rounding="nearest", key=None)
-    return new
-
-  @jax.jit
-  def surrogate(p, rollout):
-    batch, _ = make_batch(rollout.out, rollout.rewards_B, batch_cfg)
-    logp_BT, _ = logprob32(optimizer.to_master(p, "float32"), batch, None)
-    m_BT = batch.loss_mask_BT
-    return -jnp.sum(batch.adv_B[:, None] * logp_BT * m_BT) / jnp.maximum(jnp.sum(m_BT), 1.0)
+  grad32 = _grad_program(model_cfg, _fp32_policy(model_cfg), sampling, update_cfg, batch_cfg,
+                         "float32")
+  step = _step_program(any_setup.tx)
+  surrogate = _surrogate_program(model_cfg, sampling, batch_cfg)
 
   def heldout_loss(p):
     return float(np.mean([float(surrogate(p, h)) for h in heldout]))
@@ -213,16 +242,14 @@ def backward(cfg, setups: dict[str, Setup], params, rollouts, heldout, log: Log,
   # weight codes one step on each mode's gradient changes, from the base's codes.
   # Keys: the backward modes, then the `forwards`' setting names (disjoint).
   forwards = forwards or {}
-  codes = {k: jax.jit(functools.partial(code_churn.weight_qtensors, model_cfg=model_cfg,
-                                        policy=s.trainer_policy))
-           for k, s in {**setups, **forwards}.items()}
-  churn = jax.jit(code_churn.churn)
+  policies = {k: s.trainer_policy for k, s in {**setups, **forwards}.items()}
 
   def churn_of(k: str, new) -> dict[str, jax.Array]:
     # The base's codes are recomputed at each use (the same program on the same weights: the
     # same codes) rather than kept for all the settings at once: on a real model they are ~0.1 GB
     # per setting, beside gradients of 0.5 GB each (docs/real_model.md).
-    return churn(codes[k](params), codes[k](new))
+    codes = functools.partial(_codes, model_cfg=model_cfg, policy=policies[k])
+    return _churn(codes(params), codes(new))
 
   by_forward = {f: {"codes": [], "scales": []} for f in forwards}
   rows = {m: {"cos_fp32": [], "rel_err_fp32": [], "cos_exact": [], "rel_err_exact": [],
@@ -237,7 +264,7 @@ def backward(cfg, setups: dict[str, Setup], params, rollouts, heldout, log: Log,
     g_exact = grad_fns["dequantized"](params, ref_params, r, k)
     for m in setups:
       g = g_exact if m == "dequantized" else grad_fns[m](params, ref_params, r, k)
-      a32, aex = agree(g, g32), agree(g, g_exact)
+      a32, aex = _agree(g, g32), _agree(g, g_exact)
       rows[m]["cos_fp32"].append(float(a32["grad_bias/cos/total"]))
       rows[m]["rel_err_fp32"].append(float(a32["grad_bias/rel_err/total"]))
       rows[m]["cos_exact"].append(float(aex["grad_bias/cos/total"]))
