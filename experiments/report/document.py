@@ -103,9 +103,9 @@ def coverage_section(grids: Sequence[grid_report.Grid],
                  "and distance claims need it)")
     if g.unfinished():
       why.append("some settings have not finished (above)")
-    why.append("the grid does not run the settings or measurements the others need")
+    why.append("this grid does not run the settings or measurements they need")
     md.append(f"- **[{g.label}]** registered but not computed: {', '.join(absent)}. Why: "
-              + "; ".join(why) + ".")
+              + "; or ".join(why) + ".")
   return (["## What this report does not test", "", *md, ""]) if md else []
 
 
