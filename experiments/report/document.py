@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import os
 from typing import Sequence
@@ -55,9 +56,65 @@ def claims_section(judged: Sequence[registry.Judged], many: bool) -> list[str]:
   return md
 
 
-def write_report(workdirs: str | Sequence[str], out_md: str) -> str:
+def method_section() -> list[str]:
+  """The registered design, from the registry: per question its primary claims, design checks
+  and exploratory claims."""
+  names = lambda ns: ", ".join(f"`{n}`" for n in ns) or "–"  # noqa: E731
+  md = ["## Method", "",
+        "Claims are registered by question before the runs (experiments/report/registry.py); a "
+        "claim the report computes that the registry does not list is an error. Per grid, each "
+        "question's primary claims are one Holm family and nothing else is in it; the design "
+        "checks are the grid's own family, read before the claims they support; every other "
+        "claim is exploratory (raw p and interval, no adjustment). Units: seeds (paired t, the "
+        "sign test beside it), prompts of the forward-only ladder (a batch-clustered bootstrap "
+        "of the mean: prompts of one batch share its key and activation scales; the sign test "
+        "beside it), batches of the backward measurements (paired t). An equivalence is a TOST "
+        "at 0.05 against a margin registered with its reason before the run. The twin KL (k3) "
+        "is in no claim.", "",
+        "| question | primary | design checks | exploratory |", "|---|---|---|---|"]
+  for q in registry.QUESTIONS:
+    md.append(f"| {q.title} | {names(q.primary)} | {names(q.design)} | "
+              f"{names(q.exploratory)} |")
+  return md + [""]
+
+
+def coverage_section(grids: Sequence[grid_report.Grid],
+                     judged: Sequence[registry.Judged]) -> list[str]:
+  """What the registry expects that this report does not test: each registered grid it does not
+  hold, and per grid it holds the registered primary claims and design checks it could not
+  compute, with why (measurements not run, settings not finished)."""
+  held = {g.label for g in grids}
+  md = []
+  for label, config in registry.GRIDS.items():
+    if label not in held:
+      md.append(f"- **{config}'s grid is not in this report**: no workdir of it was given "
+                "(`--workdir` once per grid), so none of its registered claims is tested here. "
+                "Numbers of earlier runs of it are not claims of this report (see "
+                "[ablation.md](ablation.md) and this file's git history).")
+  for g in grids:
+    names = [j.verdict.claim.name for j in judged if j.grid == g.label]
+    absent = [f"`{p}` ({role}, {q.key})" for q, role, p in registry.registered()
+              if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if not absent:
+      continue
+    why = []
+    if not g.has_paired():
+      why.append("experiments.paired has not run on this grid (the forward ladder, backward "
+                 "and distance claims need it)")
+    if g.unfinished():
+      why.append("some settings have not finished (above)")
+    why.append("this grid does not run the settings or measurements they need")
+    md.append(f"- **[{g.label}]** registered but not computed: {', '.join(absent)}. Why: "
+              + "; or ".join(why) + ".")
+  return (["## What this report does not test", "", *md, ""]) if md else []
+
+
+def write_report(workdirs: str | Sequence[str], out_md: str, notes: Sequence[str] = (),
+                 command: str | None = None) -> str:
   """Writes `out_md` and its PNGs from the results of one or more grid workdirs (their claims
-  judged in the registry's families); returns the markdown."""
+  judged in the registry's families); returns the markdown. `notes`: paragraphs on how the
+  grids ran that their files do not record (the machine's load, pauses), printed as given;
+  `command`: the report's own command line, printed with them."""
   grids = [grid_report.Grid.load(w)
            for w in ([workdirs] if isinstance(workdirs, str) else workdirs)]
   labels = [g.label for g in grids]
@@ -68,8 +125,15 @@ def write_report(workdirs: str | Sequence[str], out_md: str) -> str:
   many = len(grids) > 1
   judged = registry.judge([(g.label, g.claims()) for g in grids])
   md = ["# Recipe ablation in the real training loop", ""]
+  if command:
+    md += [f"Written by `{command}`.", ""]
   for g in grids:
     md += ([f"**[{g.label}]** configs/{g.label}.py."] if many else []) + g.header()
+  if notes:
+    md += ["How the grids ran (given to the report, not read from the results):", "",
+           *[f"- {n}" for n in notes], ""]
+  md += coverage_section(grids, judged)
+  md += method_section()
   md += ["Numbers in the settings tables are mean ± population std over seeds (description; the "
          "claims are tested paired, below). Twin KL: KL(run || BF16 twin of the same seed) per "
          "completion token on the held-out prompts, k3 estimate on the run's samples (start: the "

@@ -64,6 +64,25 @@ def regime_line(workdir: str, agg: dict) -> str:
   return out + "."
 
 
+def run_times(results: list[dict[str, Any]]) -> str:
+  """The runs' wall times (results' wall_s): median and middle half, each setting's first run
+  (which compiles its programs) apart, and the longest. Wall time of this process only: the
+  machine's load while it ran is not recorded here."""
+  first, rest, seen = [], [], set()
+  for r in results:
+    (rest if r["setting"] in seen else first).append(r["wall_s"])
+    seen.add(r["setting"])
+  def quartiles(v):
+    q = np.percentile(v, [25, 50, 75])
+    return f"median {q[1]:.0f} s (middle half {q[0]:.0f}-{q[2]:.0f} s, n {len(v)})"
+  out = f"Per run (wall s): each setting's first run (its programs compile) {quartiles(first)}"
+  if rest:
+    out += f"; the other runs {quartiles(rest)}"
+  longest = max(results, key=lambda r: r["wall_s"])
+  return out + (f"; the longest {longest['wall_s']:.0f} s ({longest['setting']} seed "
+                f"{longest['seed']}).")
+
+
 @dataclasses.dataclass
 class Grid:
   """One experiments.ablate workdir's results, as the report reads them."""
@@ -86,6 +105,10 @@ class Grid:
     return cls(workdir, grid_label(meta), meta, results, common.aggregate(results),
                paired_exp.read_results(workdir))
 
+  def has_paired(self) -> bool:
+    """Whether experiments.paired has written its results here."""
+    return os.path.exists(os.path.join(self.workdir, paired_exp.RESULTS))
+
   def claims(self) -> list[stats.Claim]:
     return (claims.grid_claims(self.results, self.label)
             + claims.paired_claims(self.paired, self.label))
@@ -97,7 +120,7 @@ class Grid:
     config = "" if self.label == "ablate" else f" --config=configs/{self.label}.py"
     md = [f"Reproduce: `{meta.get('command', 'python -m experiments.ablate --workdir=W')}`, "
           f"`python -m experiments.paired --workdir={w}{config}{quick}` (paired measurements: "
-          f"{'present' if os.path.exists(os.path.join(w, paired_exp.RESULTS)) else 'not run'}"
+          f"{'present' if self.has_paired() else 'not run'}"
           f"), then `python -m experiments.report --workdir={w}`.", "",
           f"{len(self.results)} runs ({len(agg)} settings x seeds {meta.get('seeds', '?')}"
           f"{_fewer_seeds(meta)}); wall time of the runs {wall / 60:.1f} min in all "
@@ -106,10 +129,26 @@ class Grid:
       md += ["**This is the quick grid** (`--config.quick=True`: 8 RL steps of 8 prompts x 4, "
              "16 held-out prompts): it checks that every part of the experiment runs; its "
              "numbers are too small and short to test the claims.", ""]
-    missing = [s for s in meta.get("settings", []) if s not in agg]
+    md += [run_times(self.results), ""]
+    missing = self.unfinished()
     if missing:
-      md += [f"Not finished (no results yet): {', '.join(missing)}.", ""]
+      md += ["**Not finished**: " + "; ".join(missing) + ". Claims on these settings use the "
+             "seeds that ran.", ""]
     return md
+
+  def unfinished(self) -> list[str]:
+    """The grid's settings (grid.json) whose results lack some of their seeds: "<setting>: no
+    results yet" or "<setting>: seeds [..] of [..]"."""
+    seeds = self.meta.get("setting_seeds", {})
+    out = []
+    for name in self.meta.get("settings", []):
+      want = list(seeds.get(name, self.meta.get("seeds", [])))
+      have = sorted(r["seed"] for r in self.agg.get(name, {}).get("runs", []))
+      if not have:
+        out.append(f"{name}: no results yet")
+      elif set(want) - set(have):
+        out.append(f"{name}: seeds {have} of {want}")
+    return out
 
   def body(self, out_md: str, suffix: str) -> list[str]:
     """The grid's sections after the claims; its PNGs are `<out stem><suffix>_*.png`."""

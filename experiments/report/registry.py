@@ -40,11 +40,14 @@ class Question:
     if len(self.primary) > 3:
       raise ValueError(f"question {self.key}: {len(self.primary)} primary claims (1-3 allowed)")
 
+  def claims(self, role: str) -> tuple[str, ...]:
+    """Its claim names (and patterns) with `role`."""
+    return {PRIMARY: self.primary, DESIGN: self.design, EXPLORATORY: self.exploratory}[role]
+
   def role(self, name: str) -> str | None:
     """The role of claim `name` in this question, None when it is not one of its claims."""
-    for role, patterns in ((PRIMARY, self.primary), (DESIGN, self.design),
-                           (EXPLORATORY, self.exploratory)):
-      if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+    for role in (PRIMARY, DESIGN, EXPLORATORY):
+      if any(fnmatch.fnmatchcase(name, p) for p in self.claims(role)):
         return role
     return None
 
@@ -84,6 +87,18 @@ QUESTIONS = (
         "the simulator's (docs/kl_reset.md); the loop's 30-step rows are a proxy",
         exploratory=("kl_reset_pass_k",)),
 )
+
+
+# The grids the claims are registered for (label: the config module's name), with their config.
+# A report that lacks one says so: its registered claims are not tested there (document.py).
+GRIDS = {"ablate": "configs/ablate.py", "ablate_regime": "configs/ablate_regime.py"}
+
+
+def registered(roles: Sequence[str] = (PRIMARY, DESIGN)) -> list[tuple[Question, str, str]]:
+  """(question, role, claim name or fnmatch pattern) of every claim registered with one of
+  `roles`, in the registry's order (every grid registers the same claims; the settings and
+  measurements a grid runs decide which of them it can compute)."""
+  return [(q, role, p) for q in QUESTIONS for role in roles for p in q.claims(role)]
 
 
 @dataclasses.dataclass(frozen=True)
