@@ -15,8 +15,8 @@ table). The variant argument is the precision recipe: nvfp4_recipe (the default)
 name of lowrl/recipes.py.
 
 The batch is small (8 prompts x 4 samples, 16 held-out prompts) for the CPU; two steps of it are
-timed in docs/real_model.md ("Step time after the compile fix"), no full RL run has been made yet. A GPU run can raise
-both.
+timed in docs/real_model.md ("Step time after the compile fix"), and one 20-step run of each
+precision (seed 0) is there too: neither learned the task at this lr. A GPU run can raise both.
 """
 import os
 

@@ -22,7 +22,9 @@ backward        on the first `--grad_batches` of those batches, `paired.backward
                 the dequantized backward's; one AdamW step per mode and the held-out surrogate's
                 change on `--heldout` batches sampled in BF16 from training steps 10000, ...;
                 the code churn of that step under the recipe and every ladder rung), run in
-                chunks of `--chunk` batches so that each chunk's numbers reach `--out` as it ends.
+                chunks of `--chunk` batches so that each chunk's numbers reach `--out` as it ends;
+                `--resume --noladder` (the same command otherwise) keeps the chunks a stopped
+                run left in `--out`, samples only the batches still to run, and goes on.
 
 Runs on the host CPU (JAX_PLATFORMS=cpu unless set). `--trim_heap_s`: glibc keeps the pages the
 30-layer programs' compiles and runs free inside its arenas, and on SmolLM2 the backward design's
@@ -108,11 +110,19 @@ def main(argv):
             for name in ("bf16", *paired.LADDER)}
   bwd = paired._backward_setups(grid, settings, "") if _GRAD_BATCHES.value else {}  # noqa: SLF001
   twin = setups["bf16"]
+  done = resumed_backward(_OUT.value, _GRAD_BATCHES.value, _CHUNK.value) if _RESUME.value else None
+  if done is not None and _LADDER.value:
+    raise app.UsageError("--resume continues the backward design only: add --noladder")
+  first = done_batches(done)
   params = hf.load_hf_params(twin.base.hf_checkpoint, twin.model_cfg, dtype=jnp.float32)
   trainer = Trainer(twin, log=lambda _: None)
-  rollouts = paired.sample_batches(trainer, params, _BATCHES.value)
+  # Batch s is a function of its step alone (paired.sample_batches), so a resumed run samples only
+  # the batches it has still to run.
+  rollouts = paired.sample_batches(trainer, params, _BATCHES.value - first, first_step=first)
   result = {"seconds": {"sample": time.time() - start}}
-  print(f"[ladder] sampled {_BATCHES.value} batches in BF16 ({time.time() - start:.0f}s)")
+  if done is not None:  # kept in --out until the next chunk is merged with it
+    result.update(backward=done, resumed_after_batches=first)
+  print(f"[ladder] sampled {len(rollouts)} batches in BF16 ({time.time() - start:.0f}s)")
 
   def save():
     if _OUT.value:
@@ -136,8 +146,8 @@ def main(argv):
     t0 = time.time()
     heldout = paired.sample_batches(trainer, params, _HELDOUT.value, first_step=10_000)
     forwards = {**{n: setups[n] for n in paired.LADDER}, "nvfp4_recipe": bwd["dequantized"]}
-    grad_rollouts = rollouts[:_GRAD_BATCHES.value]
-    parts = []
+    grad_rollouts = rollouts[:_GRAD_BATCHES.value - first]
+    parts = [done] if done is not None else []
     for i in range(0, len(grad_rollouts), _CHUNK.value):
       parts.append(paired.backward(grid, bwd, params, grad_rollouts[i:i + _CHUNK.value],
                                    heldout, print, forwards=forwards))
@@ -149,10 +159,35 @@ def main(argv):
   save()
 
 
+def done_batches(backward: dict | None) -> int:
+  """How many batches a (merged) backward result holds (0 for None)."""
+  return len(backward["modes"]["dequantized"]["cos_fp32"]) if backward else 0
+
+
+def resumed_backward(out: str, grad_batches: int, chunk: int) -> dict | None:
+  """The backward result an earlier run of the same command left in `out` (None if it has none):
+  its whole chunks are kept and the run goes on with the next one. Each chunk is one call of
+  `paired.backward` on its own batches (keys by position in the chunk), so a resumed chunk is the
+  one the uninterrupted run would have computed."""
+  if not out or not os.path.exists(out):
+    return None
+  with open(out) as fh:
+    backward = json.load(fh).get("backward")
+  n = done_batches(backward)
+  if n % chunk or n > grad_batches:
+    raise ValueError(f"--resume: {out} holds {n} batches, not whole chunks of --chunk={chunk} "
+                     f"within --grad_batches={grad_batches}: rerun with the first run's flags")
+  return backward
+
+
 def merge_backward(parts: list[dict]) -> dict:
   """`paired.backward`'s per-batch lists of several chunks, concatenated in batch order (every
-  chunk starts from the same weights and held-out batches, so their base loss is one number)."""
+  chunk starts from the same weights and held-out batches, so their base loss is one number; a
+  chunk whose base differs is refused)."""
   first = parts[0]
+  bases = {p["heldout_base"] for p in parts}
+  if len(bases) > 1:
+    raise ValueError(f"merge_backward: chunks disagree on the held-out base loss {sorted(bases)}")
   modes = {m: {k: [x for p in parts for x in p["modes"][m][k]] for k in rows}
            for m, rows in first["modes"].items()}
   out = {"units": "batches", "heldout_base": first["heldout_base"], "modes": modes}
@@ -175,6 +210,8 @@ if __name__ == "__main__":
   _OUT = flags.DEFINE_string("out", "", "JSON file for the results ('' = print only)")
   _LADDER = flags.DEFINE_bool("ladder", True, "run the forward ladder (--noladder: backward only, "
                               "on the same deterministic batches)")
+  _RESUME = flags.DEFINE_bool("resume", False, "keep the backward chunks that --out already holds "
+                              "(from the same command, stopped) and run the rest (needs --noladder)")
   _TRIM_HEAP_S = flags.DEFINE_float("trim_heap_s", 30.0, "seconds between malloc_trim(0) calls "
                                     "that return glibc's free pages to the OS (0 = never)")
   app.run(main)

@@ -90,3 +90,31 @@ def test_heap_trimmer_is_off_at_zero_seconds_and_stops_when_told():
     stop.set()
     thread.join(30)
     assert not thread.is_alive()
+
+
+def _backward_part(offset, n, base=1.5):
+  rows = {"cos_fp32": [offset + i for i in range(n)], "heldout_delta": [-offset - i
+                                                                         for i in range(n)]}
+  return {"units": "batches", "heldout_base": base, "modes": {"dequantized": rows}}
+
+
+def test_resumed_backward_keeps_whole_chunks_and_refuses_a_partial_one(tmp_path):
+  import json
+  out = tmp_path / "bw.json"
+  assert real_ladder.resumed_backward(str(out), 20, 5) is None  # nothing to resume
+  out.write_text(json.dumps({"seconds": {}}))
+  assert real_ladder.resumed_backward(str(out), 20, 5) is None  # a run stopped before any chunk
+  out.write_text(json.dumps({"backward": real_ladder.merge_backward([_backward_part(0, 5),
+                                                                     _backward_part(5, 5)])}))
+  done = real_ladder.resumed_backward(str(out), 20, 5)
+  assert real_ladder.done_batches(done) == 10
+  assert done["modes"]["dequantized"]["cos_fp32"] == list(range(10))
+  with pytest.raises(ValueError, match="whole chunks"):
+    real_ladder.resumed_backward(str(out), 20, 4)
+  with pytest.raises(ValueError, match="whole chunks"):
+    real_ladder.resumed_backward(str(out), 8, 5)
+
+
+def test_merge_backward_refuses_chunks_with_different_heldout_bases():
+  with pytest.raises(ValueError, match="held-out base"):
+    real_ladder.merge_backward([_backward_part(0, 2), _backward_part(2, 2, base=1.25)])
