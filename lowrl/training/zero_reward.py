@@ -2,7 +2,8 @@
 
 With every reward of a batch 0, every group's rewards are equal, so the group-relative advantages
 (GRPO, Dr.GRPO, RLOO) are all 0 and so is the policy gradient: the steps run, the metrics look
-calm, and the policy never changes. It happens when the starting policy never produces an answer
+calm, and the policy learns nothing (AdamW's momentum from earlier steps and its weight decay
+still move the weights). It happens when the starting policy never produces an answer
 the verifier accepts (a checkpoint prompted without its chat template, a completion budget too
 short for the answer, the wrong verifier, an eos token that never comes). After `STEPS`
 consecutive such steps the run says so once, with one of the step's completions next to its
@@ -42,7 +43,8 @@ class ZeroRewardWatch:
       e, c = examples[0], completions[0]
       sample = f" One of step {done}'s: {e.prompt[-80:]!r} -> {c[:80]!r} (answer {e.answer!r})."
     return (f"[warn] steps {done - self.steps + 1}-{done}: every rollout scored reward 0, so every "
-            "group's advantages and the policy gradient are 0: the updates change nothing."
+            "group's advantages and the policy gradient are 0: nothing is learned from them (only "
+            "the optimizer's momentum from earlier steps and its weight decay move the weights)."
             f"{sample} Check that the policy can produce an accepted answer: the verifier "
             "(--config.task.verifier), the prompt format (--config.task.chat_template=True for "
             "an instruct checkpoint), the completion budget (--config.rl.max_new_tokens) and the "
