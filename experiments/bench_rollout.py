@@ -21,7 +21,9 @@ reports the update's padding fraction (`pack/padding_frac`). With --finer=settin
 path "finer" = "packed" + k compaction buckets per halving (`sampler_decode_buckets_per_halving`).
 
 Reported per setting, medians over rounds with [min-max], ratios taken per round (after/before, < 1
-= less):
+= less), and each ratio pooled over the rounds (sum over sum: the whole length distribution the
+rounds drew; a round of short completions has little to save, so per-round ratios spread with
+the batch):
   * process CPU seconds (the 2-core CPU is compute-bound: CPU time is compute) and wall seconds of
     rollout, update and step, and their ratios;
   * the model's row-token passes of the rollout per useful token (a count, no clock): prefill
@@ -37,7 +39,7 @@ geometric, median ~V ln 2, a few rows running far longer), --tail_rows rows at e
 """
 from __future__ import annotations
 
-import dataclasses
+import json
 import os
 import time
 
@@ -72,6 +74,7 @@ _PACK_ROWS = flags.DEFINE_list("pack_rows", ["main:16", "tail:4", "real:2"],
                                "setting:rows = the packed path's rl.pack_rows.")
 _FINER = flags.DEFINE_list("finer", [], "setting:k = a fourth path, packed with k decode "
                            "compaction buckets per halving (e.g. tail:2); none by default.")
+_OUT = flags.DEFINE_string("out", "", "Write every round's counts and times here (JSON).")
 _COMPILE_CACHE = user_cache.define_compile_cache_flag()
 
 
@@ -198,6 +201,7 @@ def bench_setting(setting: str, group: int, repeats: int) -> dict:
     counts.setdefault("after", []).append(row_tokens(lengths, p, g, sizes, shards) / useful)
     counts.setdefault("finer", []).append(row_tokens(lengths, p, g, finer_sizes, shards) / useful)
     counts.setdefault("lengths", []).append(lengths)
+    counts.setdefault("useful", []).append(useful)
     for path in paths:
       (w, cpu), score, (wu, cu), _, _ = got[path]
       for k, v in (("rollout", (w, cpu)), ("score", score), ("update", (wu, cu)),
@@ -213,6 +217,14 @@ def _fmt(v):
   return f"{np.median(v):.3f} [{min(v):.3f}-{max(v):.3f}]"
 
 
+def pooled(num: list[float], den: list[float], weights: list[float] | None = None) -> float:
+  """sum(w * num) / sum(w * den) over rounds: the ratio over the whole length distribution the
+  rounds drew, which a median of per-round ratios is not (a round of short completions has
+  little to save)."""
+  w = np.ones(len(num)) if weights is None else np.asarray(weights, float)
+  return float(np.dot(w, num) / np.dot(w, den))
+
+
 def report(name: str, res: dict) -> None:
   t, cnt = res["times"], res["counts"]
   lengths = np.concatenate(cnt["lengths"])
@@ -221,17 +233,22 @@ def report(name: str, res: dict) -> None:
         f"length median {np.median(lengths):.0f}, mean {lengths.mean():.1f}, p90 "
         f"{np.percentile(lengths, 90):.0f}, max {lengths.max()}")
   ratio = [a / b for a, b in zip(cnt["after"], cnt["before"])]
+  u = cnt["useful"]
   print(f"row-token passes per useful token: before {_fmt(cnt['before'])}, after "
-        f"{_fmt(cnt['after'])}, ratio {_fmt(ratio)}")
+        f"{_fmt(cnt['after'])}, ratio {_fmt(ratio)}, pooled over rounds "
+        f"{pooled(cnt['after'], cnt['before'], u):.3f}")
   if res["finer_sizes"]:
     ratio = [a / b for a, b in zip(cnt["finer"], cnt["before"])]
     print(f"finer buckets {res['finer_sizes']}: row-token passes per useful token "
-          f"{_fmt(cnt['finer'])}, ratio to before {_fmt(ratio)}")
+          f"{_fmt(cnt['finer'])}, ratio to before {_fmt(ratio)}, pooled over rounds "
+          f"{pooled(cnt['finer'], cnt['before'], u):.3f}")
   tokens, rows, width = res["pack"]
   print(f"packed: rows of {tokens} tokens (batch width {width}), {rows} rows per shard per "
         f"micro-batch; update padding fraction padded {_fmt(cnt['padding_after'])}, packed "
         f"{_fmt(cnt['padding_packed'])}")
-  ratio = lambda u, v: _fmt([x / y for x, y in zip(u, v)])  # noqa: E731
+  def ratio(u, v):  # per round, then the pooled ratio of sums (same batches on every path)
+    return f"{_fmt([x / y for x, y in zip(u, v)])} pooled {pooled(u, v):.3f}"
+
   for clock, i in (("cpu", 1), ("wall", 0)):
     for phase in ("rollout", "score", "update", "step"):
       b, a, p = ([x[i] for x in t[path][phase]] for path in ("before", "after", "packed"))
@@ -249,11 +266,16 @@ def main(argv):
   user_cache.enable_compile_cache()
   print(f"backend {jax.default_backend()}, {os.cpu_count()} CPUs, load average at start "
         f"{os.getloadavg()[0]:.1f}, {_REPEATS.value} interleaved rounds after a compile round")
+  results = {}
   for setting in _SETTINGS.value:
     groups = {"main": [8], "real": [4]}.get(setting) or [int(g) for g in _GROUPS.value]
     for group in groups:
       res = bench_setting(setting, group, _REPEATS.value)
       report(f"{setting} (group {group})", res)
+      results[f"{setting}:{group}"] = res
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump(results, f, default=lambda a: np.asarray(a).tolist())
   print(f"load average at end {os.getloadavg()[0]:.1f}")
 
 
