@@ -225,6 +225,16 @@ def pooled(num: list[float], den: list[float], weights: list[float] | None = Non
   return float(np.dot(w, num) / np.dot(w, den))
 
 
+def pooled_interval(num: list[float], den: list[float], resamples: int = 10_000,
+                    seed: int = 0) -> tuple[float, float]:
+  """95% percentile bootstrap of `pooled(num, den)` over rounds (rounds resampled as units: each
+  is another draw of the length distribution). At 8 rounds it covers a little under 95%."""
+  num, den = np.asarray(num, float), np.asarray(den, float)
+  idx = np.random.default_rng(seed).integers(0, len(num), (resamples, len(num)))
+  lo, hi = np.percentile(num[idx].sum(1) / den[idx].sum(1), [2.5, 97.5])
+  return float(lo), float(hi)
+
+
 def report(name: str, res: dict) -> None:
   t, cnt = res["times"], res["counts"]
   lengths = np.concatenate(cnt["lengths"])
@@ -247,7 +257,8 @@ def report(name: str, res: dict) -> None:
         f"micro-batch; update padding fraction padded {_fmt(cnt['padding_after'])}, packed "
         f"{_fmt(cnt['padding_packed'])}")
   def ratio(u, v):  # per round, then the pooled ratio of sums (same batches on every path)
-    return f"{_fmt([x / y for x, y in zip(u, v)])} pooled {pooled(u, v):.3f}"
+    lo, hi = pooled_interval(u, v)
+    return f"{_fmt([x / y for x, y in zip(u, v)])} pooled {pooled(u, v):.3f} [{lo:.3f}-{hi:.3f}]"
 
   for clock, i in (("cpu", 1), ("wall", 0)):
     for phase in ("rollout", "score", "update", "step"):

@@ -27,3 +27,11 @@ def test_pooled_per_token_counts_equal_the_ratio_of_total_row_tokens():
 def test_pooled_times_are_a_ratio_of_sums():
   assert pooled([1.0, 3.0], [2.0, 2.0]) == 1.0
   assert pooled([1.0, 3.0], [4.0, 4.0], [3.0, 1.0]) == 6.0 / 16.0
+
+
+def test_pooled_interval_brackets_the_pooled_ratio_and_is_a_point_without_spread():
+  from experiments.bench_rollout import pooled_interval
+  num, den = [1.0, 2.0, 4.0, 3.0], [2.0, 3.0, 5.0, 7.0]
+  lo, hi = pooled_interval(num, den)
+  assert lo <= pooled(num, den) <= hi and lo < hi
+  assert pooled_interval([2.0] * 5, [4.0] * 5) == (0.5, 0.5)
