@@ -19,13 +19,14 @@ Reported per program and lever: wall and CPU seconds (this process's user + syst
 threads) per compile, median over rounds, and each lever over `base` (ratios of medians).
 
 `--check` compiles each program once more per lever with `xla_dump_to` and compares the object
-files XLA:CPU emitted for its kernels with base's: "same code" means every kernel's machine code
-is byte for byte base's, so the lever cannot change a result on any CPU that runs base's code;
-"differs" lists how many kernel objects differ (then results may differ somewhere, even if the
-main job's are unchanged here).
+files XLA:CPU emitted for its kernels with base's, and the optimized HLO: "same code" means every
+kernel's machine code is byte for byte base's, so the lever cannot change a result on any CPU that
+runs base's code; "differs" counts the kernel objects that differ (then results may differ
+somewhere, even if the main job's are unchanged here).
 """
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import json
 import os
@@ -34,13 +35,15 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 
 _MIN_S = 1.0
 
 
-def install_capture(out: str, min_s: float = _MIN_S) -> list[dict]:
-  """From now on, every program whose XLA compilation takes >= `min_s` is saved under `out`
-  (listed in out/programs.json and in the returned list, which grows)."""
+@contextlib.contextmanager
+def capturing(out: str, min_s: float = _MIN_S) -> Iterator[list[dict]]:
+  """Within the block, every program whose XLA compilation takes >= `min_s` is saved under `out`
+  (listed in out/programs.json and in the yielded list, which grows)."""
   from jax._src import compiler  # noqa: PLC0415
   from jax._src.interpreters import mlir  # noqa: PLC0415
 
@@ -66,18 +69,21 @@ def install_capture(out: str, min_s: float = _MIN_S) -> list[dict]:
     return exe
 
   compiler.backend_compile_and_load = compile_and_save
-  return saved
+  try:
+    yield saved
+  finally:
+    compiler.backend_compile_and_load = original
 
 
 def _capture(out: str, argv: list[str]) -> None:
   """Runs the training binary in this process, saving the programs that took >= _MIN_S to XLA."""
-  install_capture(out)
   sys.argv = ["experiments.train", *argv, f"--workdir={os.path.join(out, 'work')}",
               f"--compile_cache={os.path.join(out, 'jax')}",
               f"--config.sft.base_dir={os.path.join(out, 'bases')}"]
   from experiments import train  # noqa: PLC0415 - flags are defined at import
 
-  train.run_main()
+  with capturing(out):
+    train.run_main()
 
 
 def _value(text: str):
@@ -104,7 +110,7 @@ def parse_levers(spec: str) -> dict[str, list[tuple[str, object]]]:
   return levers
 
 
-def _compile(backend, program: dict, directory: str, extra: list[tuple[str, object]]):
+def compile_saved(backend, program: dict, directory: str, extra: list[tuple[str, object]]):
   """(wall s, CPU s) of one compile of a saved program with `extra` debug options."""
   from jax._src.lib import xla_client as xc  # noqa: PLC0415
 
@@ -128,12 +134,33 @@ def _objects(dump: str) -> dict[str, str]:
           if name.endswith(".o")}
 
 
-def same_code(base_dump: str, other_dump: str) -> tuple[int, int]:
-  """(kernel objects that differ from base's or exist on one side only, base's kernel count)."""
+def _optimized_hlo(dump: str) -> str:
+  """The optimized HLO text of one dumped compile."""
+  (name,) = [n for n in os.listdir(dump) if n.endswith(".cpu_after_optimizations.txt")]
+  with open(os.path.join(dump, name)) as f:
+    return f.read()
+
+
+def same_code(base_dump: str, other_dump: str) -> tuple[int, int, bool]:
+  """(kernel objects that differ from base's or exist on one side only, base's kernel count,
+  whether the optimized HLO is base's too)."""
   a, b = _objects(base_dump), _objects(other_dump)
   differ = sum(1 for k in a.keys() | b.keys()
                if k not in a or k not in b or not filecmp.cmp(a[k], b[k], shallow=False))
-  return differ, len(a)
+  return differ, len(a), _optimized_hlo(base_dump) == _optimized_hlo(other_dump)
+
+
+def check(backend, program: dict, directory: str,
+          levers: dict[str, list[tuple[str, object]]]) -> dict[str, tuple[int, int, bool]]:
+  """Compiles a saved program once per lever with its kernels dumped (under
+  directory/check/<program>/<lever>) and compares each lever's with `base`'s: `same_code` per
+  lever other than base."""
+  dumps = {}
+  for lever, extra in levers.items():
+    dumps[lever] = os.path.join(directory, "check", program["stem"], lever)
+    shutil.rmtree(dumps[lever], ignore_errors=True)
+    compile_saved(backend, program, directory, [*extra, ("xla_dump_to", dumps[lever])])
+  return {lever: same_code(dumps["base"], dumps[lever]) for lever in levers if lever != "base"}
 
 
 def main(argv):
@@ -154,7 +181,7 @@ def main(argv):
     for i, p in enumerate(programs):
       k = (r + i) % len(names)
       for lever in names[k:] + names[:k]:
-        wall, cpu = _compile(backend, p, _DIR.value, levers[lever])
+        wall, cpu = compile_saved(backend, p, _DIR.value, levers[lever])
         times.setdefault((p["stem"], lever), []).append((wall, cpu))
         print(f"round {r} {p['stem']:<28} {lever:<10} wall {wall:7.1f} s  cpu {cpu:7.1f} s  "
               f"load {os.getloadavg()[0]:.1f}", flush=True)
@@ -172,19 +199,12 @@ def main(argv):
       print(f"{p['stem']:<28} {lever:<10} {w:7.1f} {c:7.1f} {w / bw:9.3f} {c / bc:8.3f} "
             f"{min(per_round):7.3f}-{max(per_round):.3f}")
   if _CHECK.value:
-    root = os.path.join(_DIR.value, "check")
     for p in programs:
-      dumps = {}
-      for lever in names:
-        dumps[lever] = os.path.join(root, p["stem"], lever)
-        shutil.rmtree(dumps[lever], ignore_errors=True)
-        _compile(backend, p, _DIR.value, [*levers[lever], ("xla_dump_to", dumps[lever])])
-      for lever in names[1:]:
-        differ, n = same_code(dumps["base"], dumps[lever])
-        report[f"{p['stem']}/{lever}"]["objects_differ"] = differ
+      for lever, (differ, n, hlo) in check(backend, p, _DIR.value, levers).items():
+        report[f"{p['stem']}/{lever}"].update(objects_differ=differ, objects=n, same_hlo=hlo)
         print(f"{p['stem']:<28} {lever:<10} " +
-              ("same code" if differ == 0 else f"differs: {differ} of {n} kernel objects"),
-              flush=True)
+              ("same code" if differ == 0 else f"differs: {differ} of {n} kernel objects") +
+              f"; optimized HLO {'the same' if hlo else 'differs'}", flush=True)
   if _OUT.value:
     with open(_OUT.value, "w") as f:
       json.dump({"levers": {k: [list(o) for o in v] for k, v in levers.items()},
