@@ -223,12 +223,16 @@ def stage_table(row: dict, top: int = 12) -> list[str]:
            f"{'backend':>8} {'llvm':>7}   {'repeat: xla':>11} {'hlo':>6} {'backend':>8}"]
   first = _by_program(row["first_compile_parts"]["programs"])
   repeat = _by_program(row["repeat_compile_parts"]["programs"])
-  sf, sr = row["first_xla_stages"], row["repeat_xla_stages"] or {}
+  # XLA names a program by its sanitised jit name ("<lambda>" -> "jit__lambda"): match on letters
+  # and digits.
+  key = lambda name: re.sub(r"[^0-9A-Za-z]", "", name)  # noqa: E731
+  sf = {key(n): v for n, v in row["first_xla_stages"].items()}
+  sr = {key(n): v for n, v in (row["repeat_xla_stages"] or {}).items()}
   names = sorted(first, key=lambda n: -sum(first[n][k] for k in ("trace", "lower", "xla")))
   total = [0.0] * 9
   for i, name in enumerate(names):
-    p, x = first[name], sf.get(name, {})
-    r, xr = repeat.get(name, {}), sr.get(name, {})
+    p, x = first[name], sf.get(key(name), {})
+    r, xr = repeat.get(name, {}), sr.get(key(name), {})
     vals = [p["trace"], p["lower"], p["xla"], x.get("hlo", 0.0), x.get("backend", 0.0),
             x.get("llvm", 0.0), r.get("xla", 0.0), xr.get("hlo", 0.0), xr.get("backend", 0.0)]
     total = [t + v for t, v in zip(total, vals)]
