@@ -3,7 +3,8 @@ test of it. Another CPU's bits cannot be produced here; what can: the pin is set
 with it, so an AVX-512 host generates the code an AVX2 host does), and a program's bits do not
 change when it runs on one core instead of all (as on a smaller machine): tests/cpu_probe.py (a
 train step of a small decoder and two GEMMs) in a process of its own at XLA's default
-optimisation level, as the binaries compile."""
+optimisation level, as the binaries compile. Also lowrl's compile preset (lowrl.COMPILE_FLAGS):
+set on import, and the probe's bits the same with and without it."""
 import functools
 import os
 import subprocess
