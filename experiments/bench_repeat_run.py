@@ -23,12 +23,18 @@ and of each program (by the jitted function's name, the first run's longest --to
 thread's compile wait, the 1-minute load average around each run, and whether the two runs'
 metrics.jsonl and final evaluation are identical (they must be: see lowrl.user_cache and
 lowrl.training.base_store).
+
+`--xla_stages` also splits each program's XLA compilation (JAX's "xla" seconds) into XLA:CPU's
+own timers, read from its log (`TF_CPP_VMODULE=cpu_compiler=1,ir_compiler=1` in the child): the
+HLO passes, the backend (emitting kernels and LLVM), and the LLVM compilation of the kernel
+modules summed over the threads that ran them (so it can exceed the backend's wall seconds).
 """
 from __future__ import annotations
 
 import atexit
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,6 +47,12 @@ _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                    "/jax/core/compile/jaxpr_to_mlir_module_duration",
                    "/jax/core/compile/backend_compile_duration")
 _STAGE = dict(zip(_COMPILE_EVENTS, ("trace", "lower", "xla")))
+# XLA:CPU's scoped timers (VLOG 1 of cpu_compiler.cc and ir_compiler.cc), as they read in jaxlib
+# 0.10.2: "<label> time: 1.5 s (1500000 us) (cumulative: ...)".
+_XLA_LOG_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "cpu_compiler=1,ir_compiler=1"}
+_XLA_TIMER = re.compile(r"(Running HLO passes on \[|Compiling \[|Compiled LLVM module: )"
+                        r"(\S*?)\]?(?: for CPU(?: using JIT)?)? time: .*?\((\d+) us\)")
+_XLA_START = re.compile(r"Compiling: (\S+)")
 
 
 def _child(report: str, argv: list[str]) -> None:
@@ -89,15 +101,45 @@ def _child(report: str, argv: list[str]) -> None:
   train.run_main()
 
 
-def _run(workdir: str, cache: str, store: str, train_flags: list[str]) -> dict:
-  """One training subprocess: wall seconds, compile seconds, load before and after."""
+def xla_stages(log: str) -> dict[str, dict[str, float]]:
+  """Per program (the jit's name, as `_by_program` names it): seconds of XLA:CPU's HLO passes
+  ("hlo"), its backend ("backend": kernel emission and LLVM, wall) and the LLVM compilation of its
+  kernel modules summed over threads ("llvm"), from a log written under `_XLA_LOG_ENV`. Programs
+  compile one at a time on the main thread, so an LLVM module belongs to the program whose
+  "Compiling:" line came last."""
+  out: dict[str, dict[str, float]] = {}
+  current = "?"
+
+  def row(name):
+    name = name[4:] if name.startswith("jit_") else name
+    return out.setdefault(name, {"hlo": 0.0, "backend": 0.0, "llvm": 0.0})
+
+  for line in log.splitlines():
+    if (m := _XLA_START.search(line)) and "time:" not in line:
+      current = m.group(1)
+    elif m := _XLA_TIMER.search(line):
+      kind, name, us = m.group(1), m.group(2), int(m.group(3)) / 1e6
+      if kind.startswith("Running"):
+        row(name)["hlo"] += us
+      elif kind.startswith("Compiling"):
+        row(name)["backend"] += us
+      else:
+        row(current)["llvm"] += us
+  return out
+
+
+def _run(workdir: str, cache: str, store: str, train_flags: list[str],
+         stages: bool = False) -> dict:
+  """One training subprocess: wall seconds, compile seconds, load before and after (and with
+  `stages`, XLA's own compile timers per program: `xla_stages`)."""
   report = workdir + ".compile.json"
   cmd = [sys.executable, "-m", "experiments.bench_repeat_run", _CHILD, report, *train_flags,
          f"--workdir={workdir}", f"--compile_cache={cache}", f"--config.sft.base_dir={store}"]
   load0 = os.getloadavg()[0]
   t0 = time.perf_counter()
   proc = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        capture_output=True, text=True)
+                        capture_output=True, text=True,
+                        env=dict(os.environ, **_XLA_LOG_ENV) if stages else None)
   wall = time.perf_counter() - t0
   if proc.returncode != 0:
     raise SystemExit(f"training run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -110,7 +152,8 @@ def _run(workdir: str, cache: str, store: str, train_flags: list[str]) -> dict:
   return {"wall_s": wall, "compile_s": compiled["compile_s"], "compile": compiled,
           "main_wait_s": compiled.get("main_wait_s", compiled["compile_s"]),
           "load": (load0, os.getloadavg()[0]), "metrics": metrics,
-          "eval_end": summary["eval_end"], "reused_base": "[sft] reusing base" in proc.stdout}
+          "eval_end": summary["eval_end"], "reused_base": "[sft] reusing base" in proc.stdout,
+          "xla_stages": xla_stages(proc.stderr) if stages else None}
 
 
 def _by_program(programs: dict) -> dict:
@@ -170,6 +213,37 @@ def program_table(row: dict, top: int = 12) -> list[str]:
   return lines
 
 
+def stage_table(row: dict, top: int = 12) -> list[str]:
+  """Lines of a table for one pair run with --xla_stages: the first run's `top` programs by
+  compile seconds, each split into JAX's tracing and lowering and XLA's compilation, and that
+  into XLA:CPU's HLO passes, its backend (wall) and the LLVM compilation of the kernel modules
+  (summed over threads); then the same for the repeat run's compiles (cache loads have no XLA
+  timers)."""
+  lines = [f"{'program (first run)':<30} {'trace':>7} {'lower':>7} {'xla':>7} {'hlo':>7} "
+           f"{'backend':>8} {'llvm':>7}   {'repeat: xla':>11} {'hlo':>6} {'backend':>8}"]
+  first = _by_program(row["first_compile_parts"]["programs"])
+  repeat = _by_program(row["repeat_compile_parts"]["programs"])
+  # XLA names a program by its sanitised jit name ("<lambda>" -> "jit__lambda"): match on letters
+  # and digits.
+  key = lambda name: re.sub(r"[^0-9A-Za-z]", "", name)  # noqa: E731
+  sf = {key(n): v for n, v in row["first_xla_stages"].items()}
+  sr = {key(n): v for n, v in (row["repeat_xla_stages"] or {}).items()}
+  names = sorted(first, key=lambda n: -sum(first[n][k] for k in ("trace", "lower", "xla")))
+  total = [0.0] * 9
+  for i, name in enumerate(names):
+    p, x = first[name], sf.get(key(name), {})
+    r, xr = repeat.get(name, {}), sr.get(key(name), {})
+    vals = [p["trace"], p["lower"], p["xla"], x.get("hlo", 0.0), x.get("backend", 0.0),
+            x.get("llvm", 0.0), r.get("xla", 0.0), xr.get("hlo", 0.0), xr.get("backend", 0.0)]
+    total = [t + v for t, v in zip(total, vals)]
+    if i < top:
+      lines.append(f"{name[:30]:<30} " + " ".join(f"{v:7.1f}" for v in vals[:6]) +
+                   f"   {vals[6]:11.1f} {vals[7]:6.1f} {vals[8]:8.1f}")
+  lines.append(f"{'all programs':<30} " + " ".join(f"{v:7.1f}" for v in total[:6]) +
+               f"   {total[6]:11.1f} {total[7]:6.1f} {total[8]:8.1f}")
+  return lines
+
+
 def _median(xs: list[float]) -> float:
   s = sorted(xs)
   n = len(s)
@@ -184,6 +258,8 @@ def main(argv):
     for row in saved["pairs"]:
       print(f"[pair {row['pair']}] load {row['load_first']} (first), {row['load_repeat']} (repeat)")
       print("\n".join(program_table(row, _TOP.value)))
+      if row.get("first_xla_stages"):
+        print("\n".join(stage_table(row, _TOP.value)))
     return
   root = _ROOT.value or tempfile.mkdtemp(prefix="lowrl_repeat_")
   rows = []
@@ -192,8 +268,8 @@ def main(argv):
     shutil.rmtree(pair, ignore_errors=True)
     os.makedirs(pair)
     cache, store = os.path.join(pair, "jax"), os.path.join(pair, "bases")
-    first = _run(os.path.join(pair, "first"), cache, store, _TRAIN_FLAGS.value)
-    repeat = _run(os.path.join(pair, "repeat"), cache, store, _TRAIN_FLAGS.value)
+    first = _run(os.path.join(pair, "first"), cache, store, _TRAIN_FLAGS.value, _STAGES.value)
+    repeat = _run(os.path.join(pair, "repeat"), cache, store, _TRAIN_FLAGS.value, _STAGES.value)
     row = {"pair": i, "first_s": first["wall_s"], "repeat_s": repeat["wall_s"],
            "ratio": repeat["wall_s"] / first["wall_s"],
            "first_compile_share": first["compile_s"] / first["wall_s"],
@@ -207,7 +283,8 @@ def main(argv):
            "repeat_reused_base": repeat["reused_base"],
            "metrics_identical": first["metrics"] == repeat["metrics"],
            "eval_end_identical": first["eval_end"] == repeat["eval_end"],
-           "eval_end": repeat["eval_end"]}
+           "eval_end": repeat["eval_end"],
+           "first_xla_stages": first["xla_stages"], "repeat_xla_stages": repeat["xla_stages"]}
     rows.append(row)
     print(f"[pair {i}] first {row['first_s']:.1f}s (compile {row['first_compile_share']:.0%}, "
           f"main thread waiting on it {row['first_main_wait_share']:.0%}, "
@@ -218,6 +295,8 @@ def main(argv):
           f"{row['repeat_reused_base']}, metrics.jsonl identical {row['metrics_identical']}, "
           f"final eval identical {row['eval_end_identical']}", flush=True)
     print("\n".join(program_table(row, _TOP.value)), flush=True)
+    if _STAGES.value:
+      print("\n".join(stage_table(row, _TOP.value)), flush=True)
   ratios = [r["ratio"] for r in rows]
   shares = [r["repeat_compile_share"] for r in rows]
   print(f"repeat/first: median {_median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f}, "
@@ -248,6 +327,8 @@ if __name__ == "__main__":
     _TOP = flags.DEFINE_integer("top", 12, "Programs listed by name in each pair's compile table "
                                 "(the first run's longest compiles; the rest summed).")
     _OUT = flags.DEFINE_string("out", "", "Optional JSON file for the per-pair results.")
+    _STAGES = flags.DEFINE_bool("xla_stages", False, "Also split each program's XLA compile into "
+                                "XLA:CPU's HLO passes, backend and LLVM (its log timers).")
     _TRAIN_FLAGS = flags.DEFINE_list("train_flags", [], "Extra flags of both training runs "
                                      "(comma-separated), e.g. --config.rl.steps=10.")
     app.run(main)
