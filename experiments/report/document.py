@@ -98,7 +98,7 @@ def unread_questions(judged: Sequence[registry.Judged], grid: str
   for q in registry.QUESTIONS:
     design = [j for j in judged if j.grid == grid and j.question is q
               and j.role == registry.DESIGN]
-    if q.gated and not registry.premise_holds([j.verdict for j in design]):
+    if not registry.premise_holds(q, [j.verdict for j in design]):
       out.append((q, design))
   return out
 

@@ -191,11 +191,12 @@ class Judged:
 NOT_READ = "not read (design check failed)"
 
 
-def premise_holds(design: Sequence[stats.Verdict]) -> bool:
-  """Whether a question's primary claims are read on a grid, given the design checks of that
-  question the grid computed: when it computed none (it cannot check the premise; the report
-  lists the check as not computed) or when at least one held (e.g. one lr where BF16 lags)."""
-  return not design or any(v.verdict == "held" for v in design)
+def premise_holds(q: Question, design: Sequence[stats.Verdict]) -> bool:
+  """Whether question `q`'s primary claims are read on a grid, given the design checks of `q`
+  the grid computed: always when `q` is not gated; else when the grid computed none (it cannot
+  check the premise; the report lists the check as not computed) or at least one held (e.g. one
+  lr where BF16 lags)."""
+  return not q.gated or not design or any(v.verdict == "held" for v in design)
 
 
 def _exploratory(c: stats.Claim) -> stats.Verdict:
@@ -206,9 +207,9 @@ def _exploratory(c: stats.Claim) -> stats.Verdict:
 
 def judge(claims_by_grid: Iterable[tuple[str, Sequence[stats.Claim]]]) -> list[Judged]:
   """Every claim judged in its family: per grid, the design checks together, each question's
-  primary claims together (Holm), the exploratory ones alone (raw p). A gated question whose
-  design checks on the grid all failed (`premise_holds`) has its primary claims marked NOT_READ
-  (no Holm p) instead. In the registry's order: grid, then question, then role (design, primary,
+  primary claims together (Holm), the exploratory ones alone (raw p). A question whose premise
+  fails on the grid (`premise_holds`) has its primary claims marked NOT_READ (no Holm p)
+  instead. In the registry's order: grid, then question, then role (design, primary,
   exploratory), then the claims' order."""
   out = []
   for grid, claims in claims_by_grid:
@@ -218,7 +219,7 @@ def judge(claims_by_grid: Iterable[tuple[str, Sequence[stats.Claim]]]) -> list[J
     for q in QUESTIONS:
       mine = [(c, r) for c, qq, r in roles if qq is q]
       primary = [c for c, r in mine if r == PRIMARY]
-      if not q.gated or premise_holds([design_v[c.name] for c, r in mine if r == DESIGN]):
+      if premise_holds(q, [design_v[c.name] for c, r in mine if r == DESIGN]):
         primary_v = dict(zip((c.name for c in primary), stats.judge(primary)))
       else:
         primary_v = {c.name: stats.Verdict(c, math.nan, NOT_READ) for c in primary}

@@ -84,7 +84,7 @@ def test_families_are_per_question_and_grid():
     design = [j.verdict for j in judged if j.grid == grid and j.question.key == key
               and j.role == registry.DESIGN]
     q = next((q for q in registry.QUESTIONS if q.key == key), None)
-    if q is not None and q.gated and not registry.premise_holds(design):
+    if q is not None and not registry.premise_holds(q, design):
       # Here the synthetic SR arm shows no lag: that question's claims are not read (the
       # synthetic ladder's outlier check fails too, but it gates nothing).
       assert key == "sr_cast"
@@ -128,7 +128,7 @@ def test_primary_claims_are_read_only_where_a_design_check_holds(gain, read):
   judged = {j.verdict.claim.name: j for j in registry.judge([("g", claims)])}
   design = judged["rl_gain"].verdict
   assert design.verdict == {+0.03: "held", -0.03: "contradicted", 0.0: "not resolved"}[gain]
-  assert registry.premise_holds([design]) is read
+  assert registry.premise_holds(registry.QUESTIONS[0], [design]) is read
   for n in registry.QUESTIONS[0].primary:
     v = judged[n].verdict
     if read:
@@ -139,5 +139,8 @@ def test_primary_claims_are_read_only_where_a_design_check_holds(gain, read):
   # Exploratory claims (raw p) and other questions are judged as before.
   assert judged["recipe_vs_naive_outcome"].verdict.verdict == "held (unadjusted)"
   assert judged["backward_cos_fp32_dequantized_vs_quantized"].verdict.verdict == "held"
-  # No design check computed: the premise is not checked here, the claims are read.
-  assert registry.premise_holds([])
+  # No design check computed: the premise is not checked here, the claims are read; a question
+  # that is not gated is read whatever its design checks say.
+  assert registry.premise_holds(registry.QUESTIONS[0], [])
+  ladder = next(q for q in registry.QUESTIONS if q.key == "forward_components")
+  assert not ladder.gated and registry.premise_holds(ladder, [design])
