@@ -31,15 +31,28 @@ grid shows; measured at 5 seeds and 64 held-out prompts x 4: 1 h 30 min end to e
 cores (ablate 4746 s, paired 570 s).
 
 Size (issue 40): 8 seeds, 256 held-out prompts x 8 samples, no after-run twin KL or pass@k.
-Estimated 2.5 h end to end on 2 idle cores, from the committed probe's idle timings (s per RL
-update 0.5 / 1.0 / 0.7 for bf16 / naive / recipe) and a measured ratio: one held-out pass at
-256 x 8 costs as much as 59 BF16 updates (bf16 run of this config with a 4-step base, `nice -n
-10` at load 12: 86 CPU-s per pass after compiling, 1.46 CPU-s per update, steps 2-8), so 29 s
-idle for BF16, scaled by the update ratios for the quantized settings: updates 8 x 300 x 2.2 s
-= 5280 s; held-out passes 24 runs x 2 x 43 s on average = 2040 s; the base, compiles and
-checkpoints as in the committed grid (4746 s - 3300 s of updates - 15 x 40 s of its held-out
-passes = 850 s); experiments.paired ~800 s (570 s at 15 runs' distances). 10 seeds would be
-3.1 h: over the budget. Not run in full here (no CPU for it).
+It was estimated at 2.5 h end to end on 2 idle cores (the committed probe's idle s per update
+0.5 / 1.0 / 0.7 for bf16 / naive / recipe, and one held-out pass at 256 x 8 costing as much as 59
+BF16 updates). Measured (2026-12-07, d03fe80, nice 19, the 2 cores shared with the simulator's full
+grid): the 1000-step base and the compiles ~4,400 s (inside seed 0's 5,094 s), then 673-692 s per
+BF16 run of 300 updates; the naive and recipe runs were never timed at this size.
+
+**The design check fails at this size** (docs/results.md, ablate_regime): the grid was stopped
+after 5 of its 24 runs, because all 5 BF16 seeds *lose* held-out pass@1 over the 300 updates
+(0.092 -> 0.033, 0.075 -> 0.043, 0.102 -> 0.084, 0.098 -> 0.049, 0.089 -> 0.085; gain -0.032
+[-0.060, -0.004], n 5), so none of the regime's claims can be read. In those runs the training
+reward stays at 0.05-0.09 in every quarter, 72-79% of the groups of 8 hold no correct answer (or
+only correct ones), so only 38-49% of the updates have a nonzero gradient, and the policy still
+moves away from the base (KL 0.015-0.060 per token at the end). An earlier single seed at 150
+updates, judged on 64 prompts x 4, went 0.090 -> 0.113, and the earlier 5-seed grid (64 x 4, a
+base built before the CPU pin) gained +0.020 [-0.002, 0.041] from 0.062: its end (0.082 +- 0.017)
+is near this run's (0.059 +- 0.022), but this base starts higher (0.091 +- 0.009; greedy 0.145 vs
+0.066), and RL at this lr does not hold it (docs/ablation.md). For BF16 to
+learn here, more signal per update and less drift without it: more prompts per update (2 prompts
+give ~1 group with a correct answer), a partial-credit reward (per-position match instead of the
+exact match, so every group has a spread), shorter sequences (runs of 16-32 symbols), a lower
+lr or fewer updates (the drift happens without reward signal). Each of these is a new design:
+its margins and seeds must be registered before a rerun.
 """
 from __future__ import annotations
 
@@ -67,7 +80,8 @@ def get_config() -> ml_collections.ConfigDict:
   r.sft.update(steps=1000, batch_size=32, seed=0, outlier_channels=4, outlier_gain=16.0)
   r.rl.update(steps=300, num_prompts=2, group_size=8, max_new_tokens=72)
   # 2e-4 (the toy's) collapses this base's BF16 RL within ~50 updates (held-out pass@1 0.06 ->
-  # 0.00 over 300, 5 seeds); 6e-5 measured: 0.090 -> 0.113 in 150 updates (seed 0, exact reward).
+  # 0.00 over 300, 5 seeds); 6e-5 measured: 0.090 -> 0.113 in 150 updates (seed 0, exact reward,
+  # 64 x 4 held out), but over 300 updates and 256 x 8 held out all 5 seeds lose (docstring).
   r.optimizer.lr = 6e-5
   # The design check (BF16's RL gain, ~0.02 pass@1) must resolve before the claims are read: 64
   # prompts x 4 samples gave a per-seed sd as large as the gain (+0.020 [-0.002, 0.041] over 5

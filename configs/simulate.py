@@ -23,7 +23,7 @@ grid are gone: they answered none of these (and at 3 seeds could not resolve the
                                 lags 0, 2, 8, the recipe trained in the format at lags 0, 2:
                                 13 settings, 5 compiled programs, 8 seeds x 100 updates
   configs/simulate.py:full      Q1-Q3 in full: 42 settings, 15 compiled programs, 10 seeds x
-                                300 updates (time estimated from the quick run: docs/async.md)
+                                300 updates (2.76 h at nice 19 on 2 shared cores: docs/async.md)
 
 `sim` is one simulator setting (lowrl.asyncrl.simulator.default_config()); each `*grid` lists the
 values of each knob (lowrl.asyncrl.sweep.GRID_KNOBS) and the sweep runs each grid's product, every

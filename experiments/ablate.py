@@ -1,7 +1,7 @@
 r"""The recipe ablation: a grid of settings of the real training loop, several seeds each.
 
   python -m experiments.ablate --workdir=/tmp/lowrl_ablate                     # configs/ablate.py
-  python -m experiments.ablate --workdir=/tmp/lowrl_ablate_quick --config.quick=True   # ~10 min
+  python -m experiments.ablate --workdir=/tmp/lowrl_ablate_quick --config.quick=True   # ~11 min
   python -m experiments.report --workdir=/tmp/lowrl_ablate                     # docs/results.md
 
 Every run is `lowrl.training.loop.run` (what experiments/train.py runs) on a config of its own,

@@ -28,7 +28,9 @@ def claims_section(judged: Sequence[registry.Judged], many: bool) -> list[str]:
         "grid); **design checks**: the grid's own family, read before the claims they support; "
         "**exploratory** claims: raw p, no adjustment (their verdict says unadjusted). Verdict "
         "at 0.05: **held** (the stated sign), **contradicted** (the other sign), **not resolved**; "
-        "**equivalent** / **not shown equivalent** for a TOST.", ""]
+        "**equivalent** / **not shown equivalent** for a TOST; **" + registry.NOT_READ + "**: a "
+        "primary claim whose question's design checks on its grid were computed and none held "
+        "(no Holm p: the premise it is asked under failed there).", ""]
   design = [j for j in judged if j.role == registry.DESIGN]
   if design:
     md += ["### Design checks", "", table(design), ""]
@@ -64,7 +66,9 @@ def method_section() -> list[str]:
         "Claims are registered by question before the runs (experiments/report/registry.py); a "
         "claim the report computes that the registry does not list is an error. Per grid, each "
         "question's primary claims are one Holm family and nothing else is in it; the design "
-        "checks are the grid's own family, read before the claims they support; every other "
+        "checks are the grid's own family, read before the claims they support (where a "
+        "question's design checks were computed on a grid and none held, its primary claims "
+        "are not read there); every other "
         "claim is exploratory (raw p and interval, no adjustment). Units: seeds (paired t, the "
         "sign test beside it), prompts of the forward-only ladder (a batch-clustered bootstrap "
         "of the mean: prompts of one batch share its key and activation scales; the sign test "
@@ -78,11 +82,33 @@ def method_section() -> list[str]:
   return md + [""]
 
 
+def _check(j: registry.Judged) -> str:
+  """"`name` **verdict**, effect [95% CI], n N (Holm p P)" of a design check."""
+  r = j.verdict.claim.result
+  return (f"`{j.verdict.claim.name}` **{j.verdict.verdict}**, {stats.fmt_num(r.mean, 4)} "
+          f"[{stats.fmt_num(r.ci_low, 4)}, {stats.fmt_num(r.ci_high, 4)}], n {r.n} (Holm p "
+          f"{stats.fmt_p(j.verdict.p_holm)})")
+
+
+def unread_questions(judged: Sequence[registry.Judged], grid: str
+                     ) -> list[tuple[registry.Question, list[registry.Judged]]]:
+  """The questions whose primary claims are not read on `grid` (registry.premise_holds), with
+  the design checks that failed."""
+  out = []
+  for q in registry.QUESTIONS:
+    design = [j for j in judged if j.grid == grid and j.question is q
+              and j.role == registry.DESIGN]
+    if not registry.premise_holds(q, [j.verdict for j in design]):
+      out.append((q, design))
+  return out
+
+
 def coverage_section(grids: Sequence[grid_report.Grid],
                      judged: Sequence[registry.Judged]) -> list[str]:
   """What the registry expects that this report does not test: each registered grid it does not
-  hold, and per grid it holds the registered primary claims and design checks it could not
-  compute, with why (measurements not run, settings not finished)."""
+  hold; per grid it holds, each question whose design checks failed (its primary claims are not
+  read there) and the registered primary claims and design checks it could not compute, with
+  why (measurements not run, settings not finished or not run)."""
   held = {g.label for g in grids}
   md = []
   for label, config in registry.GRIDS.items():
@@ -93,19 +119,35 @@ def coverage_section(grids: Sequence[grid_report.Grid],
                 "[ablation.md](ablation.md) and this file's git history).")
   for g in grids:
     names = [j.verdict.claim.name for j in judged if j.grid == g.label]
-    absent = [f"`{p}` ({role}, {q.key})" for q, role, p in registry.registered()
-              if not any(fnmatch.fnmatchcase(n, p) for n in names)]
-    if not absent:
-      continue
+    computed = lambda p: any(fnmatch.fnmatchcase(n, p) for n in names)  # noqa: E731
     why = []
     if not g.has_paired():
       why.append("experiments.paired has not run on this grid (the forward ladder, backward "
                  "and distance claims need it)")
     if g.unfinished():
-      why.append("some settings have not finished (above)")
+      empty = g.not_run()
+      why.append("some settings have not finished (above"
+                 + (f"; {', '.join(empty)} ran no seed" if empty else "") + ")")
     why.append("this grid does not run the settings or measurements they need")
-    md.append(f"- **[{g.label}]** registered but not computed: {', '.join(absent)}. Why: "
-              + "; or ".join(why) + ".")
+    listed = set()
+    for q, failed in unread_questions(judged, g.label):
+      done = [p for p in q.primary if computed(p)]
+      rest = [p for p in q.primary if not computed(p)]
+      line = (f"- **[{g.label}] design check failed**: {'; '.join(map(_check, failed))}. So "
+              f"the primary claims of \"{q.title}\" are not read on this grid")
+      if done:
+        line += (f": {', '.join(f'`{p}`' for p in done)} (marked \"{registry.NOT_READ}\" in "
+                 "the claims)")
+      if rest:
+        line += (f"{'; and' if done else ','} not computed either: "
+                 f"{', '.join(f'`{p}`' for p in rest)}. Why not computed: " + "; or ".join(why))
+      md.append(line + ".")
+      listed.update(q.primary)
+    absent = [f"`{p}` ({role}, {q.key})" for q, role, p in registry.registered()
+              if p not in listed and not computed(p)]
+    if absent:
+      md.append(f"- **[{g.label}]** registered but not computed: {', '.join(absent)}. Why: "
+                + "; or ".join(why) + ".")
   return (["## What this report does not test", "", *md, ""]) if md else []
 
 

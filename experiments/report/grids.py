@@ -150,6 +150,10 @@ class Grid:
         out.append(f"{name}: seeds {have} of {want}")
     return out
 
+  def not_run(self) -> list[str]:
+    """The grid's settings (grid.json) with no results at all."""
+    return [n for n in self.meta.get("settings", []) if not self.agg.get(n, {}).get("runs")]
+
   def body(self, out_md: str, suffix: str) -> list[str]:
     """The grid's sections after the claims; its PNGs are `<out stem><suffix>_*.png`."""
     stem = os.path.splitext(out_md)[0] + suffix

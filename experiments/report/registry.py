@@ -35,6 +35,9 @@ class Question:
   primary: tuple[str, ...] = ()
   design: tuple[str, ...] = ()
   exploratory: tuple[str, ...] = ()
+  # Whether its design checks are the premise of its primary claims (not read on a grid where
+  # the checks computed there all failed: `premise_holds`), or describe the grid only.
+  gated: bool = True
 
   def __post_init__(self):
     if len(self.primary) > 3:
@@ -68,7 +71,10 @@ QUESTIONS = (
         primary=("ladder_+per_token", "ladder_+4/6", "ladder_+bf16_tail"),
         design=("outliers_raise_naive_kl",),
         exploratory=("outliers_per_token_46_remove_more", "trajectory_+per_token",
-                     "trajectory_+4/6", "trajectory_+bf16_tail", "trajectory_nvfp4_recipe")),
+                     "trajectory_+4/6", "trajectory_+bf16_tail", "trajectory_nvfp4_recipe"),
+        # The outlier check says whether the regime's base has the outliers its (exploratory)
+        # outlier claims read; the ladder's claims hold for whatever base a grid has.
+        gated=False),
     Question(
         "backward", "Is the dequantized backward better than a quantized one?",
         "seed 000 (instability from the backward pass due to gradient mismatches)",
@@ -180,6 +186,19 @@ class Judged:
             "family": None if self.role == EXPLORATORY else self.family}
 
 
+# A primary claim whose question's design checks were computed on its grid and none held: the
+# premise it is asked under did not hold there (e.g. BF16 did not learn), so it gets no verdict.
+NOT_READ = "not read (design check failed)"
+
+
+def premise_holds(q: Question, design: Sequence[stats.Verdict]) -> bool:
+  """Whether question `q`'s primary claims are read on a grid, given the design checks of `q`
+  the grid computed: always when `q` is not gated; else when the grid computed none (it cannot
+  check the premise; the report lists the check as not computed) or at least one held (e.g. one
+  lr where BF16 lags)."""
+  return not q.gated or not design or any(v.verdict == "held" for v in design)
+
+
 def _exploratory(c: stats.Claim) -> stats.Verdict:
   """An exploratory claim's verdict from its raw p (no family: `p_holm` NaN)."""
   v = stats.verdict_of(c.result.mean, c.result.p, c.direction, equivalence=c.margin is not None)
@@ -188,8 +207,10 @@ def _exploratory(c: stats.Claim) -> stats.Verdict:
 
 def judge(claims_by_grid: Iterable[tuple[str, Sequence[stats.Claim]]]) -> list[Judged]:
   """Every claim judged in its family: per grid, the design checks together, each question's
-  primary claims together (Holm), the exploratory ones alone (raw p). In the registry's order:
-  grid, then question, then role (design, primary, exploratory), then the claims' order."""
+  primary claims together (Holm), the exploratory ones alone (raw p). A question whose premise
+  fails on the grid (`premise_holds`) has its primary claims marked NOT_READ (no Holm p)
+  instead. In the registry's order: grid, then question, then role (design, primary,
+  exploratory), then the claims' order."""
   out = []
   for grid, claims in claims_by_grid:
     roles = [(c, *classify(c.name)) for c in claims]
@@ -198,7 +219,10 @@ def judge(claims_by_grid: Iterable[tuple[str, Sequence[stats.Claim]]]) -> list[J
     for q in QUESTIONS:
       mine = [(c, r) for c, qq, r in roles if qq is q]
       primary = [c for c, r in mine if r == PRIMARY]
-      primary_v = dict(zip((c.name for c in primary), stats.judge(primary)))
+      if premise_holds(q, [design_v[c.name] for c, r in mine if r == DESIGN]):
+        primary_v = dict(zip((c.name for c in primary), stats.judge(primary)))
+      else:
+        primary_v = {c.name: stats.Verdict(c, math.nan, NOT_READ) for c in primary}
       for role in ROLES:
         for c, r in mine:
           if r != role:

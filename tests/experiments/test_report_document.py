@@ -126,3 +126,70 @@ def test_run_times_set_each_settings_first_run_apart():
 def test_every_grid_with_margins_is_registered():
   assert set(registry.MARGINS) == set(registry.GRIDS)
   assert registry.margin("ablate_regime", "recipe_equiv_gain").delta == pytest.approx(0.010)
+
+
+def _as_regime(work):
+  """Records `work`'s grid as configs/ablate_regime.py's."""
+  meta_path = os.path.join(work, ablate.GRID)
+  meta = json.load(open(meta_path))
+  meta["command"] += " --config=configs/ablate_regime.py"
+  with open(meta_path, "w") as f:
+    json.dump(meta, f)
+
+
+def _bf16_loses(work, drop=0.03):
+  """Rewrites `work`'s BF16 runs to end below their start (per seed, by `drop` and a little)."""
+  path = os.path.join(work, ablate.RESULTS)
+  lines = [json.loads(x) for x in open(path)]
+  for r in lines:
+    if r["setting"] == "bf16":
+      r["eval_end"]["pass_at_1"] = r["eval_start"]["pass_at_1"] - drop - 0.004 * r["seed"]
+  with open(path, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in lines)
+
+
+def test_a_failed_design_check_leaves_its_questions_claims_unread(tmp_path):
+  # A regime grid stopped after BF16's seeds, all of which lose pass@1: its design check is
+  # computed from them, and the recipe's claims are listed as not read, with both reasons.
+  regime = _workdir(tmp_path / "regime", skip=tuple((n, s) for n in SETTINGS[1:]
+                                                    for s in SEEDS))
+  _as_regime(regime)
+  _bf16_loses(regime)
+  text = document.write_report([_workdir(tmp_path / "toy", skip=(), paired=True), regime],
+                               str(tmp_path / "doc" / "results.md"))
+  rows = {(r["grid"], r["claim"]): r
+          for r in json.load(open(tmp_path / "doc" / "results_claims.json"))}
+  check = rows[("ablate_regime", "rl_gain")]
+  # Gains -0.030, -0.034, -0.038 (end - start per seed): mean -0.034, sd 0.004, t over n 3.
+  assert check["n"] == 3 and check["effect"] == pytest.approx(-0.034)
+  assert check["verdict"] == "contradicted"
+  gaps = _section(text, "## What this report does not test")
+  line = next(x for x in gaps.splitlines() if x.startswith("- **[ablate_regime] design check "
+                                                          "failed**"))
+  assert "`rl_gain` **contradicted**, -0.0340 [" in line and "n 3" in line
+  assert registry.QUESTIONS[0].title in line
+  assert all(f"`{p}`" in line for p in registry.QUESTIONS[0].primary)
+  assert "not computed either" in line
+  assert "nvfp4_naive, +per_token, +4/6, +bf16_tail, nvfp4_recipe ran no seed" in line
+  assert "experiments.paired has not run on this grid" in line
+  # Listed once: the generic line holds only the other questions' claims.
+  rest = next(x for x in gaps.splitlines()
+              if x.startswith("- **[ablate_regime]** registered but not computed"))
+  assert "`recipe_equiv_gain`" not in rest and "`ladder_+4/6`" in rest
+  # The toy grid's BF16 learns: its recipe claims are judged as before, none marked not read.
+  assert "[ablate] design check failed" not in gaps
+  assert rows[("ablate", "recipe_equiv_gain")]["verdict"] != registry.NOT_READ
+
+
+def test_claims_a_grid_computed_under_a_failed_design_check_are_marked_not_read(tmp_path):
+  work = _workdir(tmp_path / "grid", skip=(), paired=True)
+  _bf16_loses(work)
+  text = document.write_report(work, str(tmp_path / "results.md"))
+  rows = {r["claim"]: r for r in json.load(open(tmp_path / "results_claims.json"))}
+  for p in registry.QUESTIONS[0].primary:
+    assert rows[p]["verdict"] == registry.NOT_READ and np.isnan(rows[p]["p_holm"]), p
+  line = next(x for x in _section(text, "## What this report does not test").splitlines()
+              if "design check failed" in x)
+  assert "not computed either" not in line
+  assert all(f"`{p}`" in line for p in registry.QUESTIONS[0].primary)
+  assert f"**{registry.NOT_READ}**" in text
