@@ -14,8 +14,8 @@ Then, in one process, each of the `--programs` longest saved programs is compile
 lever and round (`backend.compile_and_load`, the call JAX makes; no persistent cache): a lever is
 `name:option=value,option=value` over XLA's debug options, added to the program's own options
 the way `jax.jit(...).lower(...).compile(compiler_options=...)` adds them (`base:` adds none; every
-compile also gets the process's XLA_FLAGS as lowrl sets them, its compile preset included:
-`LOWRL_XLA_DEFAULT_PRESET=1` for XLA's default pipeline as base).
+compile also gets the process's XLA_FLAGS as lowrl sets them: `LOWRL_XLA_FAST_COMPILE=1` for
+lowrl's opt-in compile preset as base).
 The levers' order rotates by one per program and round, so load changes hit every lever alike.
 Reported per program and lever: wall and CPU seconds (this process's user + system, all of XLA's
 threads) per compile, median over rounds, and each lever over `base` (ratios of medians).
