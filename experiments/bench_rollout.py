@@ -74,7 +74,7 @@ _PACK_ROWS = flags.DEFINE_list("pack_rows", ["main:16", "tail:4", "real:2"],
                                "setting:rows = the packed path's rl.pack_rows.")
 _FINER = flags.DEFINE_list("finer", [], "setting:k = a fourth path, packed with k decode "
                            "compaction buckets per halving (e.g. tail:2); none by default.")
-_OUT = flags.DEFINE_string("out", "", "Write every round's counts and times here (JSON).")
+_OUT = flags.DEFINE_string("rounds_out", "", "Write every round's counts and times here (JSON).")
 _COMPILE_CACHE = user_cache.define_compile_cache_flag()
 
 

@@ -21,7 +21,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402
 import time  # noqa: E402
-from typing import Any, Sequence  # noqa: E402
+from typing import Sequence  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from lowrl.analysis import stats  # noqa: E402
+from experiments.probe_summary import summary  # noqa: E402
 from lowrl.checkpoints import hf  # noqa: E402
 from lowrl.sampling.generate import generate  # noqa: E402
 from lowrl.tasks import batching  # noqa: E402
@@ -40,20 +40,6 @@ _PROMPTS = flags.DEFINE_integer("prompts", 16, "eval prompts to probe; 0 = all, 
 _SAMPLES = flags.DEFINE_integer("samples", 4, "samples per prompt at the config's temperature")
 _KEYS = flags.DEFINE_integer("keys", 1, "sampling keys 0..keys-1 the sampled design is run under")
 _OUT = flags.DEFINE_string("out", "", "JSON file for the per-prompt solved fractions; '' = none")
-
-
-def summary(rewards_KPN: np.ndarray) -> dict[str, Any]:
-  """pass@1 of rewards [keys, prompts, samples] (1 = solved): the mean; its t interval over the
-  prompts (each prompt's solved fraction over all keys' samples is one unit, as the trainer's
-  `solved_ci`); each key's pass@1; and their sd over keys (NaN for one key)."""
-  r = np.asarray(rewards_KPN, np.float64) >= 1.0
-  if r.ndim != 3 or 0 in r.shape:
-    raise ValueError(f"rewards must be [keys, prompts, samples] with none empty, got {r.shape}.")
-  per_key = r.mean(axis=(1, 2))
-  t = stats.paired_t(r.mean(axis=(0, 2)))
-  return {"pass_at_1": float(r.mean()), "ci_low": t.ci_low, "ci_high": t.ci_high,
-          "per_key": per_key.tolist(),
-          "key_sd": float(per_key.std(ddof=1)) if per_key.size > 1 else float("nan")}
 
 
 def _rewards(setup, params, examples: Sequence, n: int, cfg, key: jax.Array) -> np.ndarray:

@@ -1,11 +1,11 @@
-"""experiments.probe_task's summary of sampled rewards over keys, prompts and samples, on numbers
+"""experiments.probe_task's summary (experiments/probe_summary.py) of sampled rewards over keys, prompts and samples, on numbers
 built by hand."""
 import math
 
 import numpy as np
 import pytest
 
-from experiments import probe_task
+from experiments import probe_summary as probe_task
 from lowrl.analysis import stats
 
 
